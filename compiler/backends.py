@@ -1,0 +1,120 @@
+"""Backend resolution: turn what a user wrote (a name, a mode, options) into one
+dynamo backend callable ``(gm, example_inputs) -> callable``.
+
+Every entry point of the toolkit resolves its backend here, so that an unknown
+name or mode fails the same way everywhere: early, before any process group or
+compile starts, with the list of valid choices.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BackendFn = Callable[[torch.fx.GraphModule, list], Callable[..., Any]]
+
+__all__ = ["BackendFn", "BackendSpec", "resolve_backend", "valid_backend_names", "valid_modes"]
+
+
+def valid_backend_names() -> list[str]:
+    """Names dynamo knows, debug backends included (``aot_eager`` is one)."""
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def valid_modes() -> list[str]:
+    """Inductor modes accepted by ``torch.compile(mode=...)``."""
+    from torch._inductor import list_mode_options
+
+    return sorted(list_mode_options().keys())
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend choice as a user states it. ``resolve()`` validates and builds it."""
+
+    backend: str | Callable = "inductor"
+    mode: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    dynamic: bool | None = None
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.backend, str):
+            return self.backend
+        return getattr(self.backend, "__name__", type(self.backend).__name__)
+
+    def resolve(self) -> BackendFn:
+        return resolve_backend(self.backend, mode=self.mode, options=self.options, dynamic=self.dynamic)
+
+
+def resolve_backend(
+    backend: str | Callable = "inductor",
+    *,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+) -> BackendFn:
+    """Resolve a backend name or callable into a dynamo backend callable.
+
+    Args:
+        backend: a registered dynamo backend name (``"eager"``, ``"aot_eager"``,
+            ``"inductor"``, ...) or a callable ``(gm, example_inputs) -> callable``.
+        mode: an inductor mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+            ``"max-autotune-no-cudagraphs"``). Only the inductor backend takes one.
+        options: inductor config options (``{"shape_padding": True}``); inductor only.
+        dynamic: forwarded to inductor's mode resolution, as ``torch.compile`` does.
+
+    Returns:
+        A callable usable as a dynamo backend.
+
+    Raises:
+        ValueError: unknown backend name or mode, or mode/options given to a
+            backend that cannot use them.
+    """
+    if callable(backend) and not isinstance(backend, str):
+        if mode not in (None, "default") or options:
+            raise ValueError(
+                f"mode={mode!r} / options={options!r} were given together with a backend callable "
+                f"({getattr(backend, '__name__', backend)!r}). A callable backend receives only "
+                "(gm, example_inputs), so they would be silently dropped. Bake them into the "
+                "callable yourself, or pass backend='inductor' to use them."
+            )
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"backend must be a dynamo backend name or a callable (gm, example_inputs) -> callable, "
+            f"got {type(backend).__name__}."
+        )
+    names = valid_backend_names()
+    if backend not in names:
+        raise ValueError(
+            f"Unknown compile backend {backend!r}: dynamo has no backend registered under that name. "
+            f"Valid names: {', '.join(names)}. Use 'aot_eager' to debug, 'inductor' for speed, "
+            "or 'eager' to capture graphs without compiling."
+        )
+    if backend != "inductor":
+        if mode not in (None, "default") or options:
+            raise ValueError(
+                f"mode={mode!r} / options={options!r} are inductor settings, but backend={backend!r}: "
+                f"the {backend!r} backend would reject or ignore them. Drop mode/options, or use "
+                "backend='inductor'."
+            )
+        return torch._TorchCompileWrapper(backend, None, None, dynamic)
+    if mode is not None and mode not in valid_modes():
+        raise ValueError(
+            f"Unknown inductor mode {mode!r}. Valid modes: {', '.join(valid_modes())}. "
+            "Leave mode unset for inductor's default."
+        )
+    try:
+        return torch._TorchCompileInductorWrapper(mode, options or None, dynamic)
+    except RuntimeError as e:
+        # inductor's own message lists every known option; keep it, add what to do.
+        raise ValueError(
+            f"Inductor rejected options {options!r}: {e}. Fix or remove the option "
+            "(see torch._inductor.config for the valid names and types)."
+        ) from e

@@ -1,0 +1,232 @@
+"""Lazy, fault-tolerant compilation of the partitions of a split graph.
+
+Note [Lazy partition compile]
+
+Background
+    A graph split into N partitions needs N backend compiles, and each one needs
+    example inputs shaped like what the partition will really see: symbolic sizes
+    for dynamic axes, and the strides that the *compiled* previous partition
+    produces (Inductor may pick its own output layout).
+
+Algorithm
+    - Each partition is wrapped in a :class:`LazyPartition`, which compiles the
+      partition with the inputs of its first call and reuses the result after.
+    - :func:`compile_partitions` makes that first call with fake tensors, inside
+      dynamo's tracing context, walking the outer graph in order: partition i is
+      compiled, then run on fake inputs to produce the fake outputs that partition
+      i+1 is compiled with. With AOTAutograd, that run sets ``fakify_first_call``
+      so the fake outputs carry Inductor's real output strides.
+    - AOTAutograd compiles backward graphs lazily, last partition first, long
+      after dynamo's graph is done. It finds each partition's forward metadata in
+      the tracing context's ``ddp_optimizer_ctx``, which we fill in as PyTorch's
+      own splitter does.
+    - If the backend raises on a partition, that partition runs eagerly (its FX
+      graph, uncompiled) and the others stay compiled; ``fallback="raise"``
+      re-raises instead.
+
+Notes
+    - Only errors raised while compiling a partition's forward are caught. A
+      backend that compiles the backward lazily (AOTAutograd) can still fail at
+      the first backward; such an error propagates.
+    - Every partition's outcome is kept in :class:`PartitionRecord` so that logs,
+      tests and diagnostics can see what was compiled and what fell back.
+
+Debugging
+    ``TORCH_LOGS="+compiler.partition"`` (or ``logging.getLogger("compiler")``)
+    shows each partition's compile time; warnings name a failing partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+from torch import fx
+from torch._dynamo.utils import counters, deepcopy_to_fake_tensor, detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from .backends import BackendFn
+from .split import SplitGraph, ensure_tuple_output
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FALLBACKS", "LazyPartition", "PartitionRecord", "compile_partitions"]
+
+FALLBACKS = ("warn", "raise")
+
+
+@dataclass
+class PartitionRecord:
+    """What happened to one partition. ``status``: pending, compiled or eager."""
+
+    index: int
+    name: str
+    status: str = "pending"
+    compile_s: float = 0.0
+    error: str | None = None
+
+
+class LazyPartition(torch.nn.Module):
+    """One partition: compiled with the inputs of its first call, eager if that fails."""
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        backend: BackendFn,
+        record: PartitionRecord,
+        fallback: str = "warn",
+        compile_reason: str | None = None,
+    ) -> None:
+        super().__init__()
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}.")
+        self.graph_module = graph_module
+        self.record = record
+        self._backend = backend
+        self._fallback = fallback
+        self._unwrap = ensure_tuple_output(graph_module)
+        self._fn: Callable[..., Any] | None = None
+        if compile_reason is not None:
+            from torch._dynamo.output_graph import GraphCompileReason
+
+            # Shown by dynamo's explain/logging as the reason for this graph break.
+            graph_module.compile_subgraph_reason = GraphCompileReason(
+                compile_reason, [traceback.FrameSummary(__file__, 0, "split")]
+            )
+
+    @property
+    def compiled(self) -> bool:
+        return self.record.status == "compiled"
+
+    def compile(self, args: list[Any]) -> None:
+        """Compile with ``args`` (fake or real); on failure fall back to eager."""
+        t0 = time.perf_counter()
+        try:
+            self._fn = self._backend(self.graph_module, list(args))
+            self.record.status = "compiled"
+        except Exception as e:  # noqa: BLE001 - any backend failure is a fallback case
+            if self._fallback == "raise":
+                raise
+            self._fn = self.graph_module
+            self.record.status = "eager"
+            self.record.error = f"{type(e).__name__}: {e}"
+            log.warning(
+                "Compiling partition %d (%s) failed; it will run eagerly and the other partitions stay "
+                "compiled. Error: %s. Pass fallback='raise' to stop on this error instead.",
+                self.record.index, self.record.name, self.record.error,
+            )
+        self.record.compile_s = time.perf_counter() - t0
+
+    def forward(self, *args: Any) -> Any:
+        if self._fn is None:
+            self.compile(list(args))
+        out = self._fn(*args)
+        if self._unwrap and isinstance(out, (tuple, list)):
+            return out[0]
+        return out
+
+
+class _PartitionMetadata:
+    """Per-partition AOTAutograd forward metadata, read back by the lazy backward
+    compile (see ``ddp_optimizer_ctx`` in AOTAutograd's runtime wrappers)."""
+
+    def __init__(self) -> None:
+        self.curr_bucket = -1
+        self.metadata_per_bucket: list[Any] = []
+
+
+def compile_partitions(
+    split: SplitGraph,
+    backend: BackendFn,
+    example_inputs: list[Any],
+    *,
+    fallback: str = "warn",
+    compile_reason: str | None = None,
+) -> list[PartitionRecord]:
+    """Replace each partition of ``split`` by a :class:`LazyPartition` and make its
+    first call (the compile) with fake inputs propagated through the outer graph.
+
+    Args:
+        split: the split graph; modified in place.
+        backend: the dynamo backend each partition is compiled with.
+        example_inputs: the outer graph's example inputs (fake under dynamo).
+        fallback: ``"warn"`` runs a failing partition eagerly, ``"raise"`` re-raises.
+        compile_reason: text recorded as each partition's graph-break reason.
+
+    Returns:
+        One :class:`PartitionRecord` per partition, in execution order.
+    """
+    records = []
+    for i, name in enumerate(split.partition_names):
+        record = PartitionRecord(index=i, name=name)
+        lazy = LazyPartition(getattr(split.gm, name), backend, record, fallback, compile_reason)
+        split.gm.delete_submodule(name)
+        split.gm.add_submodule(name, lazy)
+        records.append(record)
+    split.gm.recompile()
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    tracing = torch._guards.TracingContext.try_get()
+    if tracing is not None:
+        tracing.ddp_optimizer_ctx = _PartitionMetadata()
+    runner = _FirstCallRunner(split.gm, fake_mode, tracing, len(records))
+    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+        runner.run(*example_inputs)
+    split.gm.recompile()
+    return records
+
+
+class _FirstCallRunner(fx.Interpreter):
+    """Runs the outer graph on fake tensors; each LazyPartition compiles on its call."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, tracing: Any, total: int) -> None:
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+        self.tracing = tracing
+        self.total = total
+        self.t_start = time.perf_counter()
+
+    def _fakify(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            return torch._dynamo.utils.to_fake_tensor(value, self.fake_mode)
+        return value
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        mod = self.fetch_attr(str(target))
+        args = tuple(self._fakify(a) for a in args)
+        if not isinstance(mod, LazyPartition):
+            with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
+                return deepcopy_to_fake_tensor(mod, self.fake_mode)(*args, **kwargs)
+        with ExitStack() as stack:
+            if self.tracing is not None:
+                # Ask AOTAutograd to return fake outputs with the backend's real
+                # strides on the compiled function's first call (the one below).
+                self.tracing.fakify_first_call = True
+                stack.callback(setattr, self.tracing, "fakify_first_call", False)
+            aot_before = counters["aot_autograd"]["total"]
+            log.debug("compiling partition %d/%d (%s)", mod.record.index + 1, self.total, mod.record.name)
+            mod.compile(list(args))
+            log.info(
+                "partition %d/%d %s in %.1fs (%.1fs elapsed)",
+                mod.record.index + 1, self.total, mod.record.status, mod.record.compile_s,
+                time.perf_counter() - self.t_start,
+            )
+            went_through_aot = counters["aot_autograd"]["total"] != aot_before
+            with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
+                if mod.compiled and went_through_aot and self.tracing is not None:
+                    meta = self.tracing.ddp_optimizer_ctx
+                    meta.curr_bucket += 1
+                    meta.metadata_per_bucket.append(self.tracing.fw_metadata)
+                    return mod(*args)
+                # No AOT first-call fakification: run the partition's FX graph itself
+                # on fake tensors to get outputs for the next partition.
+                out = deepcopy_to_fake_tensor(mod.graph_module, self.fake_mode)(*args)
+                if mod._unwrap and isinstance(out, (tuple, list)):
+                    return out[0]
+                return out

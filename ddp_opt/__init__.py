@@ -1,0 +1,20 @@
+"""DDP optimizer: plan gradient buckets from a captured graph, split the graph at
+the bucket boundaries DDP really uses, compile each partition."""
+
+from .api import CompiledDDP, caps_from_ddp, compile_ddp
+from .optimizer import DDPOptimizer
+from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
+
+__all__ = [
+    # entry points
+    "compile_ddp",
+    "CompiledDDP",
+    "DDPOptimizer",
+    # planning
+    "Bucket",
+    "BucketCaps",
+    "caps_from_ddp",
+    "plan_buckets",
+    "partition_map",
+    "format_buckets",
+]

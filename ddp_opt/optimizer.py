@@ -1,0 +1,151 @@
+"""DDPOptimizer: a dynamo backend that splits a captured graph at gradient-bucket
+boundaries and compiles each piece lazily (see Note [Bucket planning] and
+Note [Lazy partition compile]).
+
+A drop-in for ``torch._dynamo.backends.distributed.DDPOptimizer``: same
+constructor, ``compile_fn`` usable as a dynamo backend, ``buckets`` kept after a
+compile. What it does differently:
+
+- caps follow DDP's real rebuilt buckets: a first-bucket cap and per-bucket caps
+  (``bucket_caps``) are honoured, and a parameter used twice is counted once;
+- parameters ignored by DDP are recognised on dynamo's lifted placeholders
+  (PyTorch's splitter looks at the fake copy, where the marker is lost);
+- a failing partition runs eagerly with a warning naming it, or raises
+  (``fallback="raise"``), and every partition's outcome is kept in ``records``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from compiler import FALLBACKS, PartitionRecord, compile_partitions, split_graph
+from compiler.backends import BackendFn
+
+from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
+
+log = logging.getLogger(__name__)
+graph_log = logging.getLogger(__name__ + ".graphs")  # graph dumps, off unless asked for
+
+__all__ = ["DDPOptimizer", "SPLIT_REASON"]
+
+SPLIT_REASON = (
+    "ddp_opt intentional graph split at a DDP gradient-bucket boundary "
+    "(see Note [Bucket planning]); use compile_ddp(..., split=False) to compile without splitting."
+)
+
+
+def _default_first_bucket_cap(bucket_bytes_cap: int) -> int:
+    # PyTorch's DDPOptimizer default, kept for drop-in compatibility; compile_ddp
+    # passes DDP's real first-bucket cap instead.
+    if torch.distributed.is_available():
+        return min(torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, bucket_bytes_cap)
+    return bucket_bytes_cap
+
+
+class DDPOptimizer:
+    """Split dynamo graphs at DDP bucket boundaries; compile each partition.
+
+    Args:
+        bucket_bytes_cap: bucket cap in bytes, DDP's ``bucket_cap_mb * 2**20``.
+        backend_compile_fn: the dynamo backend each partition is compiled with.
+        first_bucket_cap: cap of the first bucket in gradient-ready order;
+            defaults to PyTorch's 1 MiB (capped at ``bucket_bytes_cap``).
+        bucket_caps: per-bucket caps in bytes in gradient-ready order (DDP's
+            ``bucket_cap_mb_list``); overrides the two caps above.
+        fallback: ``"warn"`` (a failing partition runs eagerly) or ``"raise"``.
+
+    Attributes:
+        buckets: the last plan, in forward-graph order.
+        records: the last compile's partition outcomes, in execution order.
+    """
+
+    def __init__(
+        self,
+        bucket_bytes_cap: int,
+        backend_compile_fn: BackendFn,
+        first_bucket_cap: int | None = None,
+        *,
+        bucket_caps: list[int] | tuple[int, ...] | None = None,
+        fallback: str = "warn",
+    ) -> None:
+        if fallback not in FALLBACKS:
+            raise ValueError(
+                f"fallback={fallback!r} is not one of {FALLBACKS}: 'warn' runs a partition that fails to "
+                "compile eagerly, 'raise' stops on the error."
+            )
+        if first_bucket_cap is None and not bucket_caps and isinstance(bucket_bytes_cap, int) and bucket_bytes_cap > 0:
+            first_bucket_cap = _default_first_bucket_cap(bucket_bytes_cap)
+        self.caps = BucketCaps(bucket_bytes_cap, first_bucket_cap, tuple(bucket_caps or ()))
+        self.bucket_bytes_cap = bucket_bytes_cap
+        self.first_bucket_cap = self.caps.cap_for(0)
+        self.backend_compile_fn = backend_compile_fn
+        self.fallback = fallback
+        self.buckets: list[Bucket] = []
+        self.records: list[PartitionRecord] = []
+        self.compiles = 0
+
+    def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
+        """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
+        backend = self.backend_compile_fn
+        if compiler_configs:
+            backend = functools.partial(backend, **compiler_configs)
+        t0 = time.perf_counter()
+        self.compiles += 1
+
+        # 1. Plan: which node goes to which bucket (pure; see Note [Bucket planning]).
+        self.buckets = plan_buckets(gm, self.caps)
+        self._log_plan()
+
+        # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
+        if len(self.buckets) == 1:
+            record = PartitionRecord(index=0, name="whole_graph")
+            self.records = [record]
+            return self._compile_whole(gm, example_inputs, backend, record)
+
+        # 3. Split at the bucket boundaries.
+        owner = partition_map(self.buckets)
+        split = split_graph(gm, lambda node: owner[node])
+        graph_log.debug("ddp_opt split graph:\n%s", split.gm.print_readable(print_output=False))
+
+        # 4. Compile each partition on its first (fake) call, in order.
+        self.records = compile_partitions(
+            split, backend, example_inputs, fallback=self.fallback, compile_reason=SPLIT_REASON
+        )
+        eager = [r.name for r in self.records if r.status == "eager"]
+        log.info(
+            "ddp_opt compiled %d partitions in %.1fs%s", len(self.records), time.perf_counter() - t0,
+            f" ({len(eager)} running eagerly: {', '.join(eager)})" if eager else "",
+        )
+        return split.gm
+
+    def _compile_whole(self, gm, example_inputs, backend, record: PartitionRecord) -> Callable:
+        t0 = time.perf_counter()
+        try:
+            fn = backend(gm, example_inputs)
+            record.status = "compiled"
+        except Exception as e:  # noqa: BLE001
+            if self.fallback == "raise":
+                raise
+            record.status, record.error, fn = "eager", f"{type(e).__name__}: {e}", gm.forward
+            log.warning(
+                "Compiling the graph failed; it will run eagerly. Error: %s. "
+                "Pass fallback='raise' to stop on this error instead.", record.error,
+            )
+        record.compile_s = time.perf_counter() - t0
+        return fn
+
+    def _log_plan(self) -> None:
+        total = sum(b.size for b in self.buckets)
+        log.info(
+            "ddp_opt planned %d bucket(s) over %.2f MiB of gradients (first cap %d B, cap %d B%s)",
+            len(self.buckets), total / 2**20, self.caps.cap_for(0), self.caps.bucket_bytes_cap,
+            f", per-bucket caps {list(self.caps.per_bucket_caps)}" if self.caps.per_bucket_caps else "",
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("ddp_opt bucket assignment:\n%s", format_buckets(self.buckets))

@@ -1,0 +1,247 @@
+"""Bucket planning: which node of a captured forward graph belongs to which
+gradient bucket. A pure function of the graph and the caps; nothing runs.
+
+Note [Bucket planning]
+
+Background
+    DDP all-reduces gradients in buckets. After its first iteration it rebuilds
+    them from the order in which gradients became ready, filling the first bucket
+    up to ``first_bucket_bytes_cap`` and every later one up to
+    ``bucket_bytes_cap`` (or bucket k up to ``bucket_cap_mb_list[k]``, the last
+    entry repeating). A bucket closes as soon as its size reaches its cap.
+
+Algorithm
+    - Walk the forward graph in reverse: the order in which backward produces
+      gradients. A parameter's gradient is ready when the backward of its *first*
+      forward use is done, so a parameter used twice (tied weights) is counted
+      once, at its first use.
+    - Add each parameter's bytes (``numel * element_size``, as DDP counts) to the
+      current bucket. Parameters marked ``_ddp_ignored``, parameters without
+      ``requires_grad`` and all buffers are never counted: DDP does not reduce them.
+    - When the current bucket has reached its cap, start a new one before the
+      next node, but only if the full bucket has an output used outside it; until
+      then keep extending it, since a partition without outputs cannot be split.
+    - A parameter-free preamble (the first nodes of the forward, such as input
+      reshapes) is folded into the bucket that follows it.
+
+Notes
+    - Parameters are found on placeholders (dynamo lifts module parameters to
+      graph inputs and keeps the real tensor in ``meta["grapharg"]``), on
+      ``get_attr`` nodes and on ``call_module`` targets.
+    - DDP keeps separate buckets per dtype and device; this planner assumes one
+      dtype, which is what mixed precision by autocast gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Bucket", "BucketCaps", "plan_buckets", "partition_map", "format_buckets"]
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Bucket:
+    """One gradient bucket = one graph partition.
+
+    Attributes:
+        size: bytes of the parameters counted in this bucket.
+        params: names of those parameters.
+        param_ids: ``id()`` of each of those parameters (the real tensors).
+        nodes: the FX nodes of the partition, in reverse graph order.
+        cap: the byte cap this bucket was filled against.
+    """
+
+    size: int = 0
+    params: list[str] = field(default_factory=list)
+    nodes: list[fx.Node] = field(default_factory=list)
+    param_ids: list[int] = field(default_factory=list)
+    cap: int = 0
+    opcount_increased_to_capture_external_output: int = 0
+    paramsize_before_opcount_increase: int = 0
+
+
+@dataclass(frozen=True)
+class BucketCaps:
+    """Byte caps in gradient-ready order, as DDP's rebuilt buckets use them.
+
+    Attributes:
+        bucket_bytes_cap: cap of every bucket after the first.
+        first_bucket_cap: cap of the first bucket (the last layers' gradients);
+            ``None`` means the same as ``bucket_bytes_cap``.
+        per_bucket_caps: when not empty, bucket k's cap is
+            ``per_bucket_caps[min(k, len - 1)]`` and the two fields above are unused.
+    """
+
+    bucket_bytes_cap: int
+    first_bucket_cap: int | None = None
+    per_bucket_caps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        named = [("bucket_bytes_cap", self.bucket_bytes_cap)]
+        if self.first_bucket_cap is not None:
+            named.append(("first_bucket_cap", self.first_bucket_cap))
+        named += [(f"per_bucket_caps[{i}]", c) for i, c in enumerate(self.per_bucket_caps)]
+        for name, value in named:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"{name}={value!r}: bucket caps are byte counts and must be positive integers. "
+                    "Use e.g. 25 * 1024 * 1024 for DDP's default 25 MiB."
+                )
+        if not self.per_bucket_caps and self.first_bucket_cap is not None and self.first_bucket_cap > self.bucket_bytes_cap:
+            raise ValueError(
+                f"first_bucket_cap={self.first_bucket_cap} is larger than bucket_bytes_cap="
+                f"{self.bucket_bytes_cap}: the first bucket exists to start communication early, so it "
+                "must not be larger than the others. Lower first_bucket_cap or leave it unset."
+            )
+
+    def cap_for(self, k: int) -> int:
+        """Cap of the k-th bucket in gradient-ready order (0 = first ready)."""
+        if self.per_bucket_caps:
+            return self.per_bucket_caps[min(k, len(self.per_bucket_caps) - 1)]
+        if k == 0 and self.first_bucket_cap is not None:
+            return self.first_bucket_cap
+        return self.bucket_bytes_cap
+
+
+def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:
+    """Assign every node of ``gm`` (but placeholders and output) to a bucket.
+
+    Args:
+        gm: a forward graph, as dynamo captured it (or built by hand).
+        caps: the byte caps, in gradient-ready order.
+
+    Returns:
+        Buckets in forward-graph order: ``buckets[-1]`` holds the last layers and
+        fills first during backward. Never empty.
+    """
+    owner = _first_use_of_params(gm)
+    ready = [Bucket(cap=caps.cap_for(0))]  # ready[0] = first bucket in backward order
+    for node in reversed(gm.graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        cur = ready[-1]
+        if cur.size >= cur.cap:
+            if _has_external_output(cur):
+                cur = Bucket(cap=caps.cap_for(len(ready)))
+                ready.append(cur)
+            else:
+                if cur.opcount_increased_to_capture_external_output == 0:
+                    cur.paramsize_before_opcount_increase = cur.size
+                cur.opcount_increased_to_capture_external_output += 1
+        for name, param in owner.get(node, ()):
+            cur.size += param.numel() * param.element_size()
+            cur.params.append(name)
+            cur.param_ids.append(id(param))
+        cur.nodes.append(node)
+
+    buckets = list(reversed(ready))
+    if len(buckets) > 1 and buckets[0].size == 0:
+        assert not buckets[0].params, "a zero-size bucket cannot hold counted parameters"
+        buckets[1].nodes.extend(buckets[0].nodes)
+        del buckets[0]
+    return buckets
+
+
+def partition_map(buckets: list[Bucket]) -> dict[fx.Node, int]:
+    """Node -> partition index (forward order), the policy for ``compiler.split_graph``."""
+    return {node: i for i, b in enumerate(buckets) for node in b.nodes}
+
+
+def format_buckets(buckets: list[Bucket]) -> str:
+    """A table of buckets in forward order: index, bytes, cap, parameter names."""
+    from tabulate import tabulate
+
+    rows = []
+    for i, b in enumerate(buckets):
+        names = b.params or ["(no parameters)"]
+        rows.append((i, b.size, b.cap, len(b.nodes), names[0]))
+        rows.extend(("", "", "", "", n) for n in names[1:])
+    return tabulate(rows, headers=("bucket", "bytes", "cap", "nodes", "parameters"), tablefmt="simple")
+
+
+# --- finding parameters in a graph -------------------------------------------------
+
+
+def _is_counted(value: object) -> bool:
+    return (
+        isinstance(value, torch.nn.Parameter)
+        and value.requires_grad
+        and not getattr(value, "_ddp_ignored", False)
+    )
+
+
+_SOURCE_PARTS = re.compile(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]|\.([A-Za-z_]\w*)")
+
+
+def _source_name(source_name: str) -> str:
+    """``L['self']._modules['0']._parameters['weight']`` -> ``0.weight``."""
+    root = source_name.find("]")
+    tail = source_name[root + 1:] if source_name.startswith(("L[", "G[")) else source_name
+    parts = [a or b for a, b in _SOURCE_PARTS.findall(tail)]
+    return ".".join(parts) if parts else source_name
+
+
+def _placeholder_param(node: fx.Node) -> tuple[str, torch.nn.Parameter] | None:
+    # Dynamo gives placeholders a *fake* example_value, which has lost attributes
+    # such as _ddp_ignored and has another id(); the GraphArg holds the real one.
+    grapharg = node.meta.get("grapharg")
+    real = getattr(grapharg, "example", None) if grapharg is not None else None
+    if isinstance(real, torch.nn.Parameter):
+        name = _source_name(grapharg.source.name) if getattr(grapharg, "source", None) else str(node.target)
+        return name, real
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.nn.Parameter):
+        return str(node.target), value
+    return None
+
+
+def _params_read_by(gm: fx.GraphModule, node: fx.Node, seen_modules: set) -> list[tuple[str, torch.nn.Parameter]]:
+    found = []
+    for inp in node.all_input_nodes:
+        if inp.op == "placeholder":
+            hit = _placeholder_param(inp)
+            if hit is not None:
+                found.append(hit)
+        elif inp.op == "get_attr":
+            found.extend(_attr_param(gm, inp))
+    if node.op == "get_attr":
+        found.extend(_attr_param(gm, node))
+    elif node.op == "call_module" and node.target not in seen_modules:
+        seen_modules.add(node.target)
+        found.extend((f"{node.target}.{n}", p) for n, p in gm.get_submodule(node.target).named_parameters())
+    return found
+
+
+def _attr_param(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.nn.Parameter]]:
+    value = getattr(gm, str(node.target), None)
+    return [(str(node.target), value)] if isinstance(value, torch.nn.Parameter) else []
+
+
+def _first_use_of_params(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[str, torch.nn.Parameter]]]:
+    """Each counted parameter, keyed by the node of its first forward use."""
+    owner: dict[fx.Node, list] = {}
+    seen_params: set[int] = set()
+    seen_modules: set = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        for name, param in _params_read_by(gm, node, seen_modules):
+            if id(param) in seen_params or not _is_counted(param):
+                continue
+            seen_params.add(id(param))
+            owner.setdefault(node, []).append((name, param))
+    return owner
+
+
+def _has_external_output(bucket: Bucket) -> bool:
+    inside = set(bucket.nodes)
+    return any(user not in inside for node in bucket.nodes for user in node.users)
