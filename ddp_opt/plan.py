@@ -21,6 +21,12 @@ Algorithm
     - When the current bucket has reached its cap, start a new one before the
       next node, but only if the full bucket has an output used outside it; until
       then keep extending it, since a partition without outputs cannot be split.
+    - Never cut inside a global-state region: dynamo records ``autocast`` and
+      ``no_grad`` blocks as enter/exit nodes (``_enter_autocast``,
+      ``_set_grad_enabled``), and a partition that ends inside one would leak
+      the mode into the next partition, or lose it (outputs computed with the
+      wrong dtype or without ``requires_grad``). A full bucket is extended until
+      the region closes.
     - A parameter-free preamble (the first nodes of the forward, such as input
       reshapes) is folded into the bucket that follows it.
 
@@ -43,7 +49,7 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Bucket", "BucketCaps", "plan_buckets", "partition_map", "format_buckets"]
+__all__ = ["Bucket", "BucketCaps", "plan_buckets", "partition_map", "plan_details", "format_buckets"]
 
 MiB = 1024 * 1024
 
@@ -124,13 +130,14 @@ def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:
         fills first during backward. Never empty.
     """
     owner = _first_use_of_params(gm)
+    cuttable = _cuttable_after(gm)
     ready = [Bucket(cap=caps.cap_for(0))]  # ready[0] = first bucket in backward order
     for node in reversed(gm.graph.nodes):
         if node.op in ("placeholder", "output"):
             continue
         cur = ready[-1]
         if cur.size >= cur.cap:
-            if _has_external_output(cur):
+            if node in cuttable and _has_external_output(cur):
                 cur = Bucket(cap=caps.cap_for(len(ready)))
                 ready.append(cur)
             else:
@@ -154,6 +161,14 @@ def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:
 def partition_map(buckets: list[Bucket]) -> dict[fx.Node, int]:
     """Node -> partition index (forward order), the policy for ``compiler.split_graph``."""
     return {node: i for i, b in enumerate(buckets) for node in b.nodes}
+
+
+def plan_details(buckets: list[Bucket]) -> list[dict]:
+    """Buckets as plain data (bytes, cap, node and parameter names), for logs and traces."""
+    return [
+        {"bytes": b.size, "cap": b.cap, "params": list(b.params), "nodes": [n.name for n in reversed(b.nodes)]}
+        for b in buckets
+    ]
 
 
 def format_buckets(buckets: list[Bucket]) -> str:
@@ -183,10 +198,11 @@ _SOURCE_PARTS = re.compile(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['
 
 
 def _source_name(source_name: str) -> str:
-    """``L['self']._modules['0']._parameters['weight']`` -> ``0.weight``."""
+    """``L['self']._modules['0']._parameters['weight']`` -> ``0.weight``
+    (``__self__`` of a compiled bound ``forward`` is dropped too)."""
     root = source_name.find("]")
     tail = source_name[root + 1:] if source_name.startswith(("L[", "G[")) else source_name
-    parts = [a or b for a, b in _SOURCE_PARTS.findall(tail)]
+    parts = [a or b for a, b in _SOURCE_PARTS.findall(tail) if (a or b) != "__self__"]
     return ".".join(parts) if parts else source_name
 
 
@@ -240,6 +256,33 @@ def _first_use_of_params(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[str, to
             seen_params.add(id(param))
             owner.setdefault(node, []).append((name, param))
     return owner
+
+
+_AUTOCAST_ENTER = {torch.amp.autocast_mode._enter_autocast}
+_AUTOCAST_EXIT = {torch.amp.autocast_mode._exit_autocast}
+_SET_GRAD = {torch._C._set_grad_enabled}
+
+
+def _cuttable_after(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes after which the graph may be cut: autocast and grad mode are back to
+    what they were at graph entry (see Note [Bucket planning])."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    grad_sets = [n for n in nodes if n.op == "call_function" and n.target in _SET_GRAD]
+    # dynamo only records a grad-mode switch that changes the mode, so the first
+    # one tells the mode at entry.
+    entry_grad = (not grad_sets[0].args[0]) if grad_sets else True
+    grad, autocast_depth, ok = entry_grad, 0, set()
+    for node in nodes:
+        if node.op == "call_function":
+            if node.target in _AUTOCAST_ENTER:
+                autocast_depth += 1
+            elif node.target in _AUTOCAST_EXIT:
+                autocast_depth -= 1
+            elif node.target in _SET_GRAD:
+                grad = bool(node.args[0])
+        if autocast_depth == 0 and grad == entry_grad:
+            ok.add(node)
+    return ok
 
 
 def _has_external_output(bucket: Bucket) -> bool:

@@ -1,0 +1,72 @@
+"""Process-group helpers for the tests: a free port, a one-rank gloo group in the
+test process, and a runner that spawns real gloo ranks and returns their results."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_rank_group():
+    """A real gloo group of world size 1 in this process."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - shipped to the parent with its traceback
+        payload = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(payload, f)
+
+
+def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    Returns each rank's return value; raises with a rank's traceback if one failed,
+    or if the ranks did not finish within ``timeout`` seconds (a hang)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _rank_main, args=(world_size, free_port(), fn, args, out_dir),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {timeout:.0f}s")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

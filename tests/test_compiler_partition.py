@@ -1,0 +1,110 @@
+"""Graph splitting and lazy per-partition compile on hand-built graphs: no process group."""
+
+import logging
+
+import pytest
+import torch
+from torch import fx
+
+from compiler import LazyPartition, PartitionRecord, compile_partitions, ensure_tuple_output, split_graph
+
+
+class ThreeStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.c = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _by_module_prefix(node: fx.Node) -> int:
+    # call_module targets a, b, c -> partitions 0, 1, 2; relus follow their producer.
+    owner = node if node.op == "call_module" else node.args[0]
+    return "abc".index(str(owner.target))
+
+
+def test_split_graph_cuts_where_the_policy_says():
+    gm = fx.symbolic_trace(ThreeStage())
+    split = split_graph(gm, _by_module_prefix)
+    assert split.partition_names == ["submod_0", "submod_1", "submod_2"]
+    ops = [[n.target for n in p.graph.nodes if n.op == "call_module"] for p in split.partitions()]
+    assert ops == [["a"], ["b"], ["c"]]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(split.gm(x), gm(x))
+
+
+def test_ensure_tuple_output_wraps_once():
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    assert ensure_tuple_output(gm) is True
+    assert isinstance(gm(torch.randn(1, 2)), tuple)
+    assert ensure_tuple_output(gm) is False
+
+
+def _counting_backend(calls):
+    def backend(gm, example_inputs):
+        calls.append([tuple(t.shape) for t in example_inputs])
+        return gm.forward
+
+    return backend
+
+
+def test_lazy_partition_compiles_on_first_call_only_and_unwraps_singletons():
+    calls = []
+    gm = fx.symbolic_trace(torch.nn.Linear(4, 2))
+    lazy = LazyPartition(gm, _counting_backend(calls), PartitionRecord(0, "p0"))
+    assert calls == [] and lazy.record.status == "pending"
+    x = torch.randn(3, 4)
+    out = lazy(x)
+    assert isinstance(out, torch.Tensor) and out.shape == (3, 2)  # singleton unwrapped again
+    lazy(x)
+    assert calls == [[(3, 4)]]
+    assert lazy.record.status == "compiled"
+
+
+def test_compile_partitions_compiles_each_with_fake_inputs_in_order():
+    calls = []
+    model = ThreeStage()
+    split = split_graph(fx.symbolic_trace(model), _by_module_prefix)
+    x = torch.randn(5, 4)
+    records = compile_partitions(split, _counting_backend(calls), [x])
+    assert [r.status for r in records] == ["compiled"] * 3
+    # each partition was compiled once, with the shapes flowing out of the previous one
+    assert len(calls) == 3 and calls[0][-1] == (5, 4)
+    torch.testing.assert_close(split.gm(x), model(x))
+    assert len(calls) == 3  # real calls reuse the compiled partitions
+
+
+def _fails_on_partition(bad_target: str):
+    def backend(gm, example_inputs):
+        if any(n.op == "call_module" and n.target == bad_target for n in gm.graph.nodes):
+            raise RuntimeError(f"backend cannot compile {bad_target}")
+        return gm.forward
+
+    return backend
+
+
+def test_failing_partition_runs_eagerly_with_a_warning_naming_it(caplog):
+    model = ThreeStage()
+    split = split_graph(fx.symbolic_trace(model), _by_module_prefix)
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="compiler.partition"):
+        records = compile_partitions(split, _fails_on_partition("b"), [x])
+    assert [r.status for r in records] == ["compiled", "eager", "compiled"]
+    assert "backend cannot compile b" in records[1].error
+    assert "Compiling partition 1 (submod_1) failed; it will run eagerly" in caplog.text
+    torch.testing.assert_close(split.gm(x), model(x))
+
+
+def test_fallback_raise_reraises_the_backend_error():
+    split = split_graph(fx.symbolic_trace(ThreeStage()), _by_module_prefix)
+    with pytest.raises(RuntimeError, match="backend cannot compile b"):
+        compile_partitions(split, _fails_on_partition("b"), [torch.randn(2, 4)], fallback="raise")
+
+
+def test_unknown_fallback_is_refused():
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        LazyPartition(gm, _counting_backend([]), PartitionRecord(0, "p"), fallback="ignore")
