@@ -1,6 +1,7 @@
 """DDP optimizer: plan gradient buckets from a captured graph, split the graph at
 the bucket boundaries DDP really uses, compile each partition."""
 
+from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
@@ -17,4 +18,8 @@ __all__ = [
     "plan_buckets",
     "partition_map",
     "format_buckets",
+    # rank agreement
+    "PlanMismatchError",
+    "check_plan_agreement",
+    "plan_summary",
 ]

@@ -3,6 +3,7 @@ its graph is split where DDP's real buckets are."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -43,20 +44,17 @@ def caps_from_ddp(ddp_model: DistributedDataParallel) -> BucketCaps:
 class CompiledDDP:
     """What the training loop calls in place of the DDP model.
 
-    Calls run the compiled model with PyTorch's own DDP splitter switched off for
-    the duration of the call only (``optimize_ddp=False`` is patched around it, so
-    no global flag stays flipped). Every other attribute (``parameters``,
-    ``no_sync``, ``state_dict``, ``module``, ...) is the DDP model's.
+    Calling it calls the DDP model, whose wrapped module ``compile_ddp`` compiled
+    in place. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
+    ``module``, ...) is the DDP model's, and checkpoints keep DDP's keys.
 
     Attributes:
         ddp_model: the wrapped DDP module.
         ddp_optimizer: the splitter, or None when compiled with ``split=False``.
-        compiled: the ``torch.compile``d DDP module.
     """
 
-    def __init__(self, ddp_model: DistributedDataParallel, compiled: Callable, ddp_optimizer: DDPOptimizer | None) -> None:
+    def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None) -> None:
         self.ddp_model = ddp_model
-        self.compiled = compiled
         self.ddp_optimizer = ddp_optimizer
 
     @property
@@ -64,8 +62,7 @@ class CompiledDDP:
         return self.ddp_optimizer.buckets if self.ddp_optimizer is not None else []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(optimize_ddp=False):
-            return self.compiled(*args, **kwargs)
+        return self.ddp_model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set in __init__.
@@ -73,6 +70,28 @@ class CompiledDDP:
 
     def __repr__(self) -> str:
         return f"CompiledDDP({self.ddp_model!r})"
+
+
+def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
+    """Switch PyTorch's own DDP splitter off for the duration of each forward call.
+
+    Dynamo hands a graph captured under an active DDP module to PyTorch's splitter
+    whenever ``torch._dynamo.config.optimize_ddp`` is on; it would split our
+    partitions again with its own caps. The patch is entered before forward and
+    left after it, also when forward raises, so no global flag stays flipped."""
+    scopes: list[contextlib.ExitStack] = []
+
+    def enter(module, args):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
+        scopes.append(stack)
+
+    def leave(module, args, output):
+        if scopes:
+            scopes.pop().close()
+
+    ddp_model.register_forward_pre_hook(enter)
+    ddp_model.register_forward_hook(leave, always_call=True)
 
 
 def compile_ddp(
@@ -85,6 +104,7 @@ def compile_ddp(
     fullgraph: bool = False,
     fallback: str = "warn",
     split: bool = True,
+    check_plans: bool = True,
     **more: Any,
 ) -> CompiledDDP:
     """Compile a DDP model, split at the bucket boundaries DDP really uses.
@@ -97,10 +117,15 @@ def compile_ddp(
         dynamic: as for ``torch.compile``.
         fullgraph: as for ``torch.compile``; applies to the wrapped module's
             forward (the bucket splits are not graph breaks in dynamo's sense).
+            The wrapped module's ``forward`` is compiled in place; compile
+            before making copies of the module (``copy.deepcopy``), since a copy
+            would share the compiled forward of the original.
         fallback: ``"warn"`` runs a partition that fails to compile eagerly,
             ``"raise"`` re-raises the backend's error.
         split: False compiles each captured graph whole (no overlap of gradient
             communication with backward; for comparison).
+        check_plans: fail on every rank, with the first differing bucket named,
+            when ranks plan different buckets (which would deadlock in backward).
         **more: passed on to ``torch.compile``.
 
     Returns:
@@ -112,15 +137,28 @@ def compile_ddp(
             "Wrap the model first: compile_ddp(DistributedDataParallel(model, ...)); for a model "
             "without DDP use torch.compile directly."
         )
+    inner = ddp_model.module
+    if getattr(inner, "_compiled_call_impl", None) is not None or hasattr(inner.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+        raise RuntimeError(
+            f"compile_ddp: the module inside this DDP ({type(ddp_model.module).__name__}) is already compiled "
+            "(module.compile() or an earlier compile_ddp call). Compiling it again would nest two compilers. "
+            "Call compile_ddp once, on a DDP model whose module is not compiled."
+        )
     backend_fn = resolve_backend(backend, mode=mode, options=options, dynamic=dynamic)
     optimizer = None
     if split:
         caps = caps_from_ddp(ddp_model)
         optimizer = DDPOptimizer(
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
-            bucket_caps=caps.per_bucket_caps, fallback=fallback,
+            bucket_caps=caps.per_bucket_caps, fallback=fallback, check_plans=check_plans,
         )
         backend_fn = optimizer.compile_fn
-    compiled = torch.compile(ddp_model, backend=backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
-    return CompiledDDP(ddp_model, compiled, optimizer)
+    # Compile the wrapped module's forward in place, then let DDP call it (the
+    # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
+    # frames below DDP's skipped forward, and it skips a torch.nn container's
+    # forward (nn.Sequential) too, compiling nothing; nn.Module.compile() misses
+    # it the same way. In place, state_dict keys stay DDP's.
+    inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
+    _keep_builtin_splitter_out(ddp_model)
+    return CompiledDDP(ddp_model, optimizer)
 

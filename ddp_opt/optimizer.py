@@ -17,17 +17,20 @@ compile. What it does differently:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from typing import Any, Callable
 
 import torch
 from torch import fx
+from torch._logging import trace_structured
 
 from compiler import FALLBACKS, PartitionRecord, compile_partitions, split_graph
 from compiler.backends import BackendFn
 
-from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
+from .agreement import check_plan_agreement, next_plan_namespace
+from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
 
 log = logging.getLogger(__name__)
 graph_log = logging.getLogger(__name__ + ".graphs")  # graph dumps, off unless asked for
@@ -48,6 +51,10 @@ def _default_first_bucket_cap(bucket_bytes_cap: int) -> int:
     return bucket_bytes_cap
 
 
+def _trace_artifact(name: str, encoding: str, payload_fn: Callable[[], str]) -> None:
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
+
+
 class DDPOptimizer:
     """Split dynamo graphs at DDP bucket boundaries; compile each partition.
 
@@ -59,9 +66,14 @@ class DDPOptimizer:
         bucket_caps: per-bucket caps in bytes in gradient-ready order (DDP's
             ``bucket_cap_mb_list``); overrides the two caps above.
         fallback: ``"warn"`` (a failing partition runs eagerly) or ``"raise"``.
+        check_plans: compare the plan with every rank's before compiling and
+            fail on all ranks if they differ (see Note [Plan agreement]).
+        plan_timeout_s: how long to wait for the other ranks' plans.
 
     Attributes:
         buckets: the last plan, in forward-graph order.
+        plans: every plan made, one per captured graph (a model with graph
+            breaks gives several graphs; only those with parameters matter to DDP).
         records: the last compile's partition outcomes, in execution order.
     """
 
@@ -73,6 +85,8 @@ class DDPOptimizer:
         *,
         bucket_caps: list[int] | tuple[int, ...] | None = None,
         fallback: str = "warn",
+        check_plans: bool = True,
+        plan_timeout_s: float = 120.0,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -87,8 +101,12 @@ class DDPOptimizer:
         self.backend_compile_fn = backend_compile_fn
         self.fallback = fallback
         self.buckets: list[Bucket] = []
+        self.plans: list[list[Bucket]] = []
         self.records: list[PartitionRecord] = []
         self.compiles = 0
+        self.check_plans = check_plans
+        self.plan_timeout_s = plan_timeout_s
+        self._plan_namespace = next_plan_namespace()
 
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
         """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
@@ -100,7 +118,15 @@ class DDPOptimizer:
 
         # 1. Plan: which node goes to which bucket (pure; see Note [Bucket planning]).
         self.buckets = plan_buckets(gm, self.caps)
+        self.plans.append(self.buckets)
         self._log_plan()
+        # For tlparse: the plan in PyTorch's structured trace (TORCH_TRACE=dir).
+        _trace_artifact(
+            "ddp_opt_bucket_plan", "json",
+            lambda: json.dumps([{"bucket": i, **d} for i, d in enumerate(plan_details(self.buckets))]),
+        )
+        if self.check_plans:
+            check_plan_agreement(self.buckets, f"{self._plan_namespace}/{self.compiles}", self.plan_timeout_s)
 
         # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
         if len(self.buckets) == 1:
@@ -112,6 +138,7 @@ class DDPOptimizer:
         owner = partition_map(self.buckets)
         split = split_graph(gm, lambda node: owner[node])
         graph_log.debug("ddp_opt split graph:\n%s", split.gm.print_readable(print_output=False))
+        _trace_artifact("ddp_opt_split_graph", "string", lambda: split.gm.print_readable(print_output=False))
 
         # 4. Compile each partition on its first (fake) call, in order.
         self.records = compile_partitions(
