@@ -1,0 +1,241 @@
+"""``apply``: shard a model with FSDP2 (``fully_shard``) and compile it block by
+block. One function holds the wrapping order; the plan it follows is made first
+(``plan_fsdp``) and can be inspected without a process group."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from compiler import resolve_backend
+
+from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig
+from .plan import FSDPPlan, plan_fsdp
+
+log = logging.getLogger(__name__)
+
+__all__ = ["apply", "apply_fsdp", "check_no_compiled_autograd", "default_mesh"]
+
+
+def apply(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    blocks: str | Sequence[str] = "auto",
+    compile: CompileConfig | str | Callable | None = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    prefetch: int = 1,
+    shard_unit_mb: float | None = None,
+    checkpointing: bool = False,
+) -> FSDPPlan:
+    """Shard ``model`` in place with FSDP2, compiling each block first.
+
+    The keyword arguments are those of :class:`FSDPConfig`; see there. This is
+    ``apply_fsdp(model, FSDPConfig(...), mesh=mesh)``.
+
+    Args:
+        model: the unsharded model, on CPU or on this rank's device.
+        mesh: a 1-D device mesh of the data-parallel ranks (2-D for HSDP); None
+            for all ranks of the default process group.
+        blocks, compile, reshard_after_forward, mp_policy, offload_policy,
+        prefetch, shard_unit_mb, checkpointing: see :class:`FSDPConfig`.
+
+    Returns:
+        The plan that was applied (``print(plan.table())`` shows the units).
+
+    Example:
+        >>> plan = fsdp_opt.apply(model, compile="aot_eager", shard_unit_mb=4)
+        >>> loss = model(x, y)[1]; loss.backward(); opt.step()
+    """
+    config = FSDPConfig(
+        blocks=blocks, compile=compile, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        offload_policy=offload_policy, prefetch=prefetch, shard_unit_mb=shard_unit_mb, checkpointing=checkpointing,
+    )
+    return apply_fsdp(model, config, mesh=mesh)
+
+
+def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMesh | None = None) -> FSDPPlan:
+    """Shard ``model`` in place as ``config`` says (the typed-config entry point).
+
+    Order, and why (the order torchtitan uses):
+
+    1. Activation checkpointing wraps each block first, so that the module the
+       parent calls is the wrapper: compile then captures the checkpoint (and
+       AOTAutograd's partitioner plans the recompute), and fully_shard puts its
+       hooks outside the recomputed region.
+    2. Each block is compiled before sharding, in place (``Module.compile``).
+       That is lazy: nothing is traced until the first forward, which runs
+       after FSDP's pre-forward hook has all-gathered the parameters, so the
+       graph sees plain unsharded tensors and no collectives; FSDP's hooks
+       (dynamo-disabled) run eagerly around it. In place keeps the module
+       identity: ``fully_shard`` then shards that same module, parameter
+       names have no ``_orig_mod.``, and the blocks stay ``FSDPModule``s
+       (prefetch, ``unshard``). The repeated block is traced once and its graph
+       reused for the others.
+    3. ``fully_shard`` per shard unit, bottom-up, then on the root (which takes
+       every parameter left: embeddings, final norm, head).
+    4. Explicit prefetch: each unit all-gathers the next ``prefetch`` units in
+       forward and the previous ones in backward.
+
+    Args:
+        model: the unsharded model.
+        config: the configuration; None for the defaults.
+        mesh: the data-parallel device mesh; None for all ranks of the default group.
+
+    Returns:
+        The plan that was applied.
+
+    Raises:
+        ValueError: blocks not found, an unknown backend, a model already
+            sharded, or a compile setting that does not work with FSDP2 (see
+            :class:`CompileConfig`).
+        RuntimeError: compiled autograd is enabled, or no process group.
+    """
+    config = config or FSDPConfig()
+    check_no_compiled_autograd("fsdp_opt.apply")
+    model_name = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
+    sharded = [name or "(root)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"fsdp_opt.apply: {model_name} is already sharded by fully_shard (at {sharded[:3]}): a parameter "
+            "can belong to one shard unit only. Apply once, to the unsharded model."
+        )
+    plan = plan_fsdp(model, config)  # fails on missing blocks before anything changes
+    cc = config.compile
+    backend = resolve_backend(cc.backend, mode=cc.mode, options=cc.options, dynamic=cc.dynamic) if cc else None
+    mesh = mesh if mesh is not None else default_mesh()
+    _check_offload(config.offload_policy)
+    if _rank() == 0:
+        log.info("fsdp_opt: %d blocks in %d shard units, prefetch %d, compile %s\n%s",
+                 len(plan.block_names), len(plan.units), config.prefetch,
+                 _describe_compile(cc), plan.table())
+
+    modules = dict(model.named_modules())
+    blocks = {name: modules[name] for name in plan.block_names}
+    if config.checkpointing:
+        blocks = {name: _checkpoint_wrap(model, name, block) for name, block in blocks.items()}
+    if cc is not None and not cc.whole_model:
+        for block in blocks.values():
+            block.compile(backend=backend, fullgraph=cc.fullgraph, dynamic=cc.dynamic)
+
+    shard_kwargs = dict(mesh=mesh, mp_policy=config.mp_policy or MixedPrecisionPolicy())
+    if config.offload_policy is not None:
+        shard_kwargs["offload_policy"] = config.offload_policy
+    units: list[nn.Module] = []
+    for unit in plan.units:
+        members = [blocks[name] for name in unit.blocks]
+        fully_shard(members if len(members) > 1 else members[0],
+                    reshard_after_forward=config.reshard_after_forward, **shard_kwargs)
+        units.append(members[0])  # a grouped unit's modules share one FSDP state
+    # The root keeps its parameters gathered after forward (None = FSDP2's choice
+    # for a root): they are the first ones backward needs.
+    fully_shard(model, reshard_after_forward=None, **shard_kwargs)
+    _set_prefetch(model, units, config.prefetch)
+
+    model.register_forward_pre_hook(functools.partial(_forward_guard, model_name), prepend=True)
+    if cc is not None and cc.whole_model:
+        log.warning("fsdp_opt: whole-model compile of an FSDP2 model: FSDP's hooks are dynamo-disabled, "
+                    "so the top frame runs eagerly; per-block compile (whole_model=False) is the recipe.")
+        model.compile(backend=backend, fullgraph=False, dynamic=cc.dynamic)
+    return plan
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group, on CUDA with NCCL
+    and on CPU otherwise."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fsdp_opt.apply needs a process group and none is initialized. Call "
+            "torch.distributed.init_process_group(...) first (launch/ does it under torchrun), "
+            "or pass mesh=init_device_mesh(...)."
+        )
+    backend = str(dist.get_backend()).lower()
+    device_type = "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def check_no_compiled_autograd(where: str) -> None:
+    """Raise if compiled autograd is on: it breaks FSDP2 without an error.
+
+    Args:
+        where: what is being called, for the message.
+
+    Raises:
+        RuntimeError: ``torch._dynamo.config.compiled_autograd`` is set, or a
+            compiled-autograd context is active.
+    """
+    from torch._dynamo import compiled_autograd as ca
+
+    if torch._dynamo.config.compiled_autograd or ca.compiled_autograd_enabled or ca.in_compiled_autograd_region:
+        raise RuntimeError(
+            f"{where}: compiled autograd is enabled (torch._dynamo.config.compiled_autograd or a "
+            f"compiled_autograd._enable context) on an FSDP2 model: {COMPILED_AUTOGRAD_WHY}. Turn it "
+            "off (torch._dynamo.config.compiled_autograd = False); per-block compile already compiles "
+            "each block's backward through AOTAutograd."
+        )
+
+
+def _check_offload(policy: OffloadPolicy | None) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and not torch.accelerator.is_available():
+        raise ValueError(
+            "offload_policy=CPUOffloadPolicy(pin_memory=True) on a machine without an accelerator: "
+            "FSDP2 pins the offloaded shards in page-locked memory, which needs one, and fails with "
+            "'Cannot access accelerator device'. Use CPUOffloadPolicy(pin_memory=False), or "
+            "offload_policy=None to keep the shards where they are."
+        )
+
+
+def _forward_guard(model_name: str, module: nn.Module, args: tuple) -> None:
+    # Compiled autograd can be switched on after apply(); catch it at the next step.
+    check_no_compiled_autograd(f"forward of the FSDP2 model {model_name}")
+
+
+def _set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:
+    """Unit i all-gathers units i+1..i+depth in forward and i-1..i-depth (nearest
+    first) in backward; the root prefetches the first units in forward and the
+    last ones at the start of backward."""
+    if depth == 0 or not units:
+        return
+    for i, unit in enumerate(units):
+        assert isinstance(unit, FSDPModule)
+        if i + 1 < len(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
+        if i > 0:
+            unit.set_modules_to_backward_prefetch(units[max(0, i - depth):i][::-1])
+    root.set_modules_to_forward_prefetch(units[:depth])
+    root.set_modules_to_backward_prefetch(units[::-1][:depth])
+
+
+def _checkpoint_wrap(model: nn.Module, name: str, block: nn.Module) -> nn.Module:
+    """Replace ``block`` (at ``name`` in ``model``) by its checkpoint wrapper.
+
+    The wrapper's state_dict hooks drop its ``_checkpoint_wrapped_module.`` prefix,
+    so checkpoints keep the unwrapped parameter names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parent_name, _, child_name = name.rpartition(".")
+    wrapped = checkpoint_wrapper(block)
+    setattr(model.get_submodule(parent_name) if parent_name else model, child_name, wrapped)
+    return wrapped
+
+
+def _describe_compile(cc: CompileConfig | None) -> str:
+    if cc is None:
+        return "off"
+    name = cc.backend if isinstance(cc.backend, str) else getattr(cc.backend, "__name__", "callable")
+    return f"{name} ({'whole model' if cc.whole_model else 'per block'}, fullgraph={cc.fullgraph})"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

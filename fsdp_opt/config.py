@@ -1,0 +1,156 @@
+"""Typed configuration of the FSDP2 + compile transform: what to compile and how,
+and how to shard. Frozen dataclasses, validated when built, so that a bad setting
+fails before any process group, sharding or compile starts."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["CompileConfig", "FSDPConfig"]
+
+# Why whole-model compile cannot be fullgraph under FSDP2; shared by the config
+# check here and the runtime checks in apply.py.
+WHOLE_MODEL_WHY = (
+    "FSDP2's all-gather/reduce-scatter hooks are disabled for dynamo, so a compile of the whole "
+    "model cannot capture them: without fullgraph the top frame silently runs eagerly, and with "
+    "fullgraph=True it fails with 'Attempted to call function marked as skipped'"
+)
+COMPILED_AUTOGRAD_WHY = (
+    "compiled autograd with FSDP2 was measured (torch 2.13, CPU + gloo) to give wrong losses and "
+    "to drop the sharding without raising any error"
+)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How each block is compiled.
+
+    Attributes:
+        backend: a dynamo backend name (``"inductor"``, ``"aot_eager"``, ...) or a
+            callable ``(gm, example_inputs) -> callable``; resolved by
+            ``compiler.resolve_backend``.
+        mode: inductor mode (``"max-autotune-no-cudagraphs"``, ...); inductor only.
+        options: inductor config options; inductor only.
+        dynamic: as for ``torch.compile``.
+        fullgraph: compile each block with ``fullgraph=True`` (the default: a
+            block is one graph, and a graph break inside one is a bug to see).
+        whole_model: compile the whole sharded model instead of each block.
+            Allowed only with ``fullgraph=False``, and even then the FSDP hooks
+            stay eager; per-block compile (the default) is what works.
+        compiled_autograd: always refused with FSDP2 (see ``COMPILED_AUTOGRAD_WHY``);
+            the field exists so that a request for it fails loudly.
+    """
+
+    backend: str | Callable = "inductor"
+    mode: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    dynamic: bool | None = None
+    fullgraph: bool = True
+    whole_model: bool = False
+    compiled_autograd: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compiled_autograd:
+            raise ValueError(
+                f"CompileConfig(compiled_autograd=True) was requested for an FSDP2 model: "
+                f"{COMPILED_AUTOGRAD_WHY}. Leave compiled_autograd=False (the default); the "
+                "per-block compiled forward already gets a compiled backward from AOTAutograd."
+            )
+        if self.whole_model and self.fullgraph:
+            raise ValueError(
+                "CompileConfig(whole_model=True, fullgraph=True) was requested for an FSDP2 model: "
+                f"{WHOLE_MODEL_WHY}. Use per-block compile instead (whole_model=False, the default), "
+                "which compiles each repeated block before fully_shard, one graph per block; "
+                "set compile=None to turn compile off."
+            )
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """How a model is sharded and compiled by ``fsdp_opt.apply``.
+
+    Attributes:
+        blocks: ``"auto"`` (the ModuleLists whose children are all one class), the
+            name of one ModuleList (``"blocks"``), or a sequence of module names
+            (``("layers.0", "layers.1")``). See ``fsdp_opt.find_blocks``.
+        compile: ``None`` (no compile), a backend name or callable (per-block compile
+            with defaults), or a :class:`CompileConfig`. Normalized to a
+            ``CompileConfig`` or ``None``.
+        reshard_after_forward: passed to ``fully_shard`` for every shard unit:
+            ``True`` frees the gathered parameters after forward and all-gathers
+            again in backward; ``False`` keeps them; an int reshards to that
+            smaller world size. The root always keeps them (its parameters are
+            the first needed in backward).
+        mp_policy: FSDP2 mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``).
+        offload_policy: FSDP2 offload; on a machine without an accelerator use
+            ``CPUOffloadPolicy(pin_memory=False)`` (pinning needs one). None for none.
+        prefetch: how many shard units ahead to all-gather explicitly, in forward
+            and in backward. 0 leaves FSDP2's implicit prefetching alone.
+        shard_unit_mb: group consecutive blocks into one shard unit until the
+            unit's all-gather holds at least this many MiB of parameters; None
+            makes every block its own unit. See Note [Shard unit grouping].
+        checkpointing: wrap each block in activation checkpointing (recompute its
+            activations in backward).
+    """
+
+    blocks: str | Sequence[str] = "auto"
+    compile: CompileConfig | str | Callable | None = None
+    reshard_after_forward: bool | int = True
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
+    prefetch: int = 1
+    shard_unit_mb: float | None = None
+    checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compile, (str, bytes)) or (self.compile is not None and callable(self.compile)):
+            object.__setattr__(self, "compile", CompileConfig(backend=self.compile))
+        elif self.compile is not None and not isinstance(self.compile, CompileConfig):
+            raise TypeError(
+                f"FSDPConfig.compile={self.compile!r}: expected None, a backend name such as "
+                "'aot_eager' or 'inductor', a backend callable, or a CompileConfig. "
+                "Set compile=None to turn compile off."
+            )
+        if isinstance(self.blocks, str):
+            if not self.blocks:
+                raise ValueError("FSDPConfig.blocks='' names no module. Use 'auto' or the name of the block ModuleList.")
+        else:
+            names = tuple(self.blocks)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(
+                    f"FSDPConfig.blocks={self.blocks!r}: expected 'auto', the name of one ModuleList, or a "
+                    "non-empty sequence of module names such as ('layers.0', 'layers.1')."
+                )
+            object.__setattr__(self, "blocks", names)
+        rafa = self.reshard_after_forward
+        if not isinstance(rafa, bool) and (not isinstance(rafa, int) or rafa < 2):
+            raise ValueError(
+                f"FSDPConfig.reshard_after_forward={rafa!r}: expected True, False, or an int world size "
+                "(> 1) to reshard to after forward, such as the number of ranks on one node."
+            )
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(
+                f"FSDPConfig.prefetch={self.prefetch!r}: the prefetch depth is how many shard units "
+                "ahead to all-gather, a non-negative int. Use 1 (the default) for one unit ahead, "
+                "or 0 to leave FSDP2's implicit prefetching alone."
+            )
+        mb = self.shard_unit_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not mb > 0):
+            raise ValueError(
+                f"FSDPConfig.shard_unit_mb={mb!r}: the target all-gather size of a shard unit must be a "
+                "positive number of MiB (e.g. 64). Set shard_unit_mb=None to make each block its own unit."
+            )
+        if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"FSDPConfig.mp_policy={self.mp_policy!r}: expected a torch.distributed.fsdp."
+                "MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16), or None."
+            )
+        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
+            raise TypeError(
+                f"FSDPConfig.offload_policy={self.offload_policy!r}: expected a torch.distributed.fsdp."
+                "OffloadPolicy such as CPUOffloadPolicy(), or None."
+            )

@@ -1,0 +1,77 @@
+"""Helpers for the fsdp_opt tests: hand-built module trees for the planner, and a
+rank function that trains an FSDP2 model next to an unsharded reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import GPT, GPTConfig
+
+STEPS = 3
+
+
+class Lin(nn.Module):
+    """A block of exactly ``n`` float32 parameters (``4 * n`` bytes)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+
+class Other(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+
+def named(sizes: list[int]) -> list[tuple[str, nn.Module]]:
+    """Blocks named like a ModuleList's children, ``layers.0`` ..."""
+    return [(f"layers.{i}", Lin(n)) for i, n in enumerate(sizes)]
+
+
+def batch(rank: int, step: int, vocab: int, block: int, batch_size: int = 2):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, vocab, (batch_size, block), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def train_fsdp_vs_reference(rank: int, world_size: int, cfg: GPTConfig, apply_kwargs: dict, seq: int = 16) -> dict:
+    """Train ``fsdp_opt.apply``-ed GPT on this rank's batches and an unsharded
+    reference on every rank's batches (mean loss, which is what FSDP's averaged
+    gradients follow), from the same init. Returns per-step losses, the max
+    parameter difference after training, and what was built."""
+    import fsdp_opt
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = GPT(cfg)
+    ref.load_state_dict(model.state_dict())
+    plan = fsdp_opt.apply(model, **apply_kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        x, y = batch(rank, step, cfg.vocab_size, seq)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        per_rank = [ref(*batch(r, step, cfg.vocab_size, seq))[1] for r in range(world_size)]
+        torch.stack(per_rank).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(per_rank[rank].item())
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    max_diff = max((full[n] - ref_params[n.replace("_checkpoint_wrapped_module.", "")]).abs().max().item() for n in full)
+    from torch._dynamo.utils import counters
+
+    return dict(
+        losses=losses, ref_losses=ref_losses, max_param_diff=max_diff,
+        units=[u.blocks for u in plan.units],
+        graph_breaks=sum(counters["graph_break"].values()),
+        block_types=[type(b).__name__ for b in model.blocks],
+        compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks],
+    )

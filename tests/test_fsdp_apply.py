@@ -1,0 +1,153 @@
+"""fsdp_opt.apply in one process (a one-rank gloo group): what it builds, what it
+refuses, and that nothing changes when it refuses."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+import fsdp_opt
+from _dist import single_rank_group
+from _fsdp_helpers import batch
+from models import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=4, n_embd=32, n_head=2, vocab_size=128, block_size=16)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def group():
+    with single_rank_group():
+        yield
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _unchanged(model):
+    return not any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def test_no_process_group_is_a_clear_error():
+    model = _gpt()
+    with pytest.raises(RuntimeError, match=r"needs a process group.*init_process_group.*mesh="):
+        fsdp_opt.apply(model)
+    assert _unchanged(model)
+
+
+def test_blocks_not_found_fails_before_anything_changes(group):
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"\['layers'\] not found in GPT; candidate ModuleLists: 'blocks' \(4 x Block\)"):
+        fsdp_opt.apply(model, blocks="layers")
+    with pytest.raises(ValueError, match=r"Unknown|unknown|not a registered|valid"):
+        fsdp_opt.apply(model, compile="no_such_backend")
+    assert _unchanged(model) and all(b._compiled_call_impl is None for b in model.blocks)
+
+
+def test_compiled_autograd_is_refused_at_apply(group):
+    model = _gpt()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        with pytest.raises(RuntimeError, match=r"fsdp_opt.apply: compiled autograd is enabled.*wrong losses.*"
+                                               r"compiled_autograd = False"):
+            fsdp_opt.apply(model)
+    assert _unchanged(model)
+
+
+def test_compiled_autograd_switched_on_later_is_refused_at_forward(group):
+    model = _gpt()
+    fsdp_opt.apply(model)
+    x, y = batch(0, 0, CFG.vocab_size, CFG.block_size)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        with pytest.raises(RuntimeError, match=r"forward of the FSDP2 model GPT: compiled autograd is enabled"):
+            model(x, y)
+
+
+def test_grouped_units_prefetch_and_per_block_compile_are_wired(group):
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    block_mb = sum(p.numel() for p in model.blocks[0].parameters()) * 4 / 2**20
+    plan = fsdp_opt.apply(model, compile="eager", shard_unit_mb=1.5 * block_mb, prefetch=2)
+    assert [u.blocks for u in plan.units] == [("blocks.0", "blocks.1"), ("blocks.2", "blocks.3")]
+    b = model.blocks
+    assert isinstance(model, FSDPModule) and all(isinstance(m, FSDPModule) for m in b)
+    # a grouped unit is one FSDP state, so one all-gather
+    assert b[0]._get_fsdp_state() is b[1]._get_fsdp_state()
+    assert b[2]._get_fsdp_state() is not b[0]._get_fsdp_state()
+    assert b[0]._get_fsdp_state()._states_to_forward_prefetch == [b[2]._get_fsdp_state()]
+    assert b[2]._get_fsdp_state()._states_to_backward_prefetch == [b[0]._get_fsdp_state()]
+    assert model._get_fsdp_state()._states_to_forward_prefetch == [b[0]._get_fsdp_state(), b[2]._get_fsdp_state()]
+    assert model._get_fsdp_state()._states_to_backward_prefetch == [b[2]._get_fsdp_state(), b[0]._get_fsdp_state()]
+    assert all(m._compiled_call_impl is not None for m in b)
+    assert model._compiled_call_impl is None
+    x, y = batch(0, 0, CFG.vocab_size, CFG.block_size)
+    loss, ref_loss = model(x, y)[1], ref(x, y)[1]
+    loss.backward(), ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    grad = model.blocks[3].mlp.fc.weight.grad.full_tensor()
+    torch.testing.assert_close(grad, ref.blocks[3].mlp.fc.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works with an accelerator")
+def test_pinned_cpu_offload_without_accelerator_is_refused(group):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"pin_memory=True\) on a machine without an accelerator.*pin_memory=False"):
+        fsdp_opt.apply(model, offload_policy=CPUOffloadPolicy())
+    assert _unchanged(model)
+
+
+def test_applying_twice_is_refused(group):
+    model = _gpt()
+    fsdp_opt.apply(model, prefetch=0)
+    with pytest.raises(ValueError, match=r"GPT is already sharded by fully_shard \(at \['\(root\)', 'blocks.0'"):
+        fsdp_opt.apply(model)
+
+
+def test_checkpointing_keeps_parameter_names_in_state_dict(group):
+    model = _gpt()
+    names = list(model.state_dict())
+    fsdp_opt.apply(model, checkpointing=True, prefetch=0)
+    assert type(model.blocks[0]).__name__.endswith("CheckpointWrapper")
+    assert list(model.state_dict()) == names
+
+
+def test_whole_model_compile_without_fullgraph_warns(group, caplog):
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="fsdp_opt.apply"):
+        fsdp_opt.apply(model, compile=fsdp_opt.CompileConfig(backend="eager", whole_model=True, fullgraph=False))
+    assert "top frame runs eagerly" in caplog.text
+    assert model._compiled_call_impl is not None
+    x, y = batch(0, 0, CFG.vocab_size, CFG.block_size)
+    assert model(x, y)[1].item() == pytest.approx(ref(x, y)[1].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "cpu_offload"])
+def test_mixed_precision_and_offload_policies_pass_through(group, policy):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    kwargs = (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+              if policy == "bf16" else dict(offload_policy=CPUOffloadPolicy(pin_memory=False)))
+    plan = fsdp_opt.apply(model, **kwargs)
+    block_numel = sum(p.numel() for p in ref.blocks[0].parameters())
+    assert plan.units[0].size == block_numel * (2 if policy == "bf16" else 4)
+    x, y = batch(0, 0, CFG.vocab_size, CFG.block_size)
+    loss, ref_loss = model(x, y)[1], ref(x, y)[1]
+    loss.backward()
+    # bf16 parameters give a bf16 loss (about 3 significant digits)
+    assert loss.dtype == (torch.bfloat16 if policy == "bf16" else torch.float32)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2 if policy == "bf16" else 1e-6)
+    assert model.blocks[0].mlp.fc.weight.grad.dtype == torch.float32
