@@ -2,7 +2,7 @@
 fault-tolerant per-partition compile. Knows nothing about DDP or FSDP."""
 
 from .backends import BackendFn, BackendSpec, resolve_backend, valid_backend_names, valid_modes
-from .partition import FALLBACKS, LazyPartition, PartitionRecord, compile_partitions
+from .partition import DYNAMO_CONTROL_FLOW, FALLBACKS, LazyPartition, PartitionRecord, compile_partitions
 from .split import SplitGraph, ensure_tuple_output, split_graph
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "split_graph",
     "ensure_tuple_output",
     # per-partition compile
+    "DYNAMO_CONTROL_FLOW",
     "FALLBACKS",
     "LazyPartition",
     "PartitionRecord",

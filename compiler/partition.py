@@ -56,9 +56,14 @@ from .split import SplitGraph, ensure_tuple_output
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "LazyPartition", "PartitionRecord", "compile_partitions"]
+__all__ = ["DYNAMO_CONTROL_FLOW", "FALLBACKS", "LazyPartition", "PartitionRecord", "compile_partitions"]
 
 FALLBACKS = ("warn", "raise")
+
+# Dynamo control flow, not compile failures: dynamo catches these to restart or
+# skip tracing, so they must reach it (a fallback would hide a restart and leave
+# the partition eager for no reason).
+DYNAMO_CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
 
 
 @dataclass
@@ -110,6 +115,8 @@ class LazyPartition(torch.nn.Module):
         try:
             self._fn = self._backend(self.graph_module, list(args))
             self.record.status = "compiled"
+        except DYNAMO_CONTROL_FLOW:
+            raise
         except Exception as e:  # noqa: BLE001 - any backend failure is a fallback case
             if self._fallback == "raise":
                 raise

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch._logging import trace_structured
 
-from compiler import FALLBACKS, PartitionRecord, compile_partitions, split_graph
+from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, PartitionRecord, compile_partitions, split_graph
 from compiler.backends import BackendFn
 
 from .agreement import check_plan_agreement, next_plan_namespace
@@ -75,6 +75,8 @@ class DDPOptimizer:
         plans: every plan made, one per captured graph (a model with graph
             breaks gives several graphs; only those with parameters matter to DDP).
         records: the last compile's partition outcomes, in execution order.
+        compiles: graphs compiled to the end (a compile that dynamo restarted
+            or that raised is not counted).
     """
 
     def __init__(
@@ -114,7 +116,6 @@ class DDPOptimizer:
         if compiler_configs:
             backend = functools.partial(backend, **compiler_configs)
         t0 = time.perf_counter()
-        self.compiles += 1
 
         # 1. Plan: which node goes to which bucket (pure; see Note [Bucket planning]).
         self.buckets = plan_buckets(gm, self.caps)
@@ -126,13 +127,15 @@ class DDPOptimizer:
             lambda: json.dumps([{"bucket": i, **d} for i, d in enumerate(plan_details(self.buckets))]),
         )
         if self.check_plans:
-            check_plan_agreement(self.buckets, f"{self._plan_namespace}/{self.compiles}", self.plan_timeout_s)
+            check_plan_agreement(self.buckets, f"{self._plan_namespace}/{len(self.plans)}", self.plan_timeout_s)
 
         # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
         if len(self.buckets) == 1:
             record = PartitionRecord(index=0, name="whole_graph")
             self.records = [record]
-            return self._compile_whole(gm, example_inputs, backend, record)
+            compiled = self._compile_whole(gm, example_inputs, backend, record)
+            self.compiles += 1
+            return compiled
 
         # 3. Split at the bucket boundaries.
         owner = partition_map(self.buckets)
@@ -144,6 +147,7 @@ class DDPOptimizer:
         self.records = compile_partitions(
             split, backend, example_inputs, fallback=self.fallback, compile_reason=SPLIT_REASON
         )
+        self.compiles += 1
         eager = [r.name for r in self.records if r.status == "eager"]
         log.info(
             "ddp_opt compiled %d partitions in %.1fs%s", len(self.records), time.perf_counter() - t0,
@@ -156,6 +160,8 @@ class DDPOptimizer:
         try:
             fn = backend(gm, example_inputs)
             record.status = "compiled"
+        except DYNAMO_CONTROL_FLOW:
+            raise
         except Exception as e:  # noqa: BLE001
             if self.fallback == "raise":
                 raise

@@ -108,3 +108,14 @@ def test_unknown_fallback_is_refused():
     gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="fallback must be one of"):
         LazyPartition(gm, _counting_backend([]), PartitionRecord(0, "p"), fallback="ignore")
+
+
+def test_dynamo_restart_is_not_mistaken_for_a_compile_failure():
+    # Dynamo raises RestartAnalysis to re-trace (e.g. TensorifyScalarRestartAnalysis
+    # with dynamic shapes); swallowing it would leave a partition eager for nothing.
+    def restarting_backend(gm, example_inputs):
+        raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+
+    split = split_graph(fx.symbolic_trace(ThreeStage()), _by_module_prefix)
+    with pytest.raises(torch._dynamo.exc.RestartAnalysis):
+        compile_partitions(split, restarting_backend, [torch.randn(2, 4)])

@@ -15,22 +15,24 @@ from models import GPT, GPTConfig
 STEPS = 4
 
 
-def _batch(rank: int, step: int, vocab: int, batch=4, seq=32):
+def _batch(rank: int, step: int, vocab: int, batch=4, seq=32, vary_seq=False):
+    if vary_seq:
+        seq = (32, 24, 16, 28)[step % 4]
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randint(0, vocab, (batch, seq), generator=g)
     return x, torch.roll(x, -1, dims=1)
 
 
-def _train_pair(rank, model, vocab, loss_of, bucket_cap_mb, backend):
+def _train_pair(rank, model, vocab, loss_of, bucket_cap_mb, backend, dynamic=None):
     """Train compile_ddp(model) and eager DDP(copy) side by side; return per-step data."""
     ref_model = copy.deepcopy(model)
     ddp, ref = DDP(model, bucket_cap_mb=bucket_cap_mb), DDP(ref_model, bucket_cap_mb=bucket_cap_mb)
-    compiled = compile_ddp(ddp, backend=backend)
+    compiled = compile_ddp(ddp, backend=backend, dynamic=dynamic)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     losses = []
     for step in range(STEPS):
-        x, y = _batch(rank, step, vocab)
+        x, y = _batch(rank, step, vocab, vary_seq=bool(dynamic))
         loss, ref_loss = loss_of(compiled, x, y), loss_of(ref, x, y)
         loss.backward(), ref_loss.backward()
         for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
@@ -40,16 +42,17 @@ def _train_pair(rank, model, vocab, loss_of, bucket_cap_mb, backend):
     max_param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref_model.parameters()))
     runtime_buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
     return dict(losses=losses, max_param_diff=max_param_diff, partitions=len(compiled.buckets),
-                runtime_buckets=runtime_buckets, statuses=[r.status for r in compiled.ddp_optimizer.records])
+                runtime_buckets=runtime_buckets, statuses=[r.status for r in compiled.ddp_optimizer.records],
+                compiles=compiled.ddp_optimizer.compiles)
 
 
 def _gpt_loss(model, x, y):
     return model(x, y)[1]
 
 
-def _gpt_rank(rank, world_size, backend, bucket_cap_mb, cfg):
+def _gpt_rank(rank, world_size, backend, bucket_cap_mb, cfg, dynamic=None):
     torch.manual_seed(0)
-    return _train_pair(rank, GPT(cfg), cfg.vocab_size, _gpt_loss, bucket_cap_mb, backend)
+    return _train_pair(rank, GPT(cfg), cfg.vocab_size, _gpt_loss, bucket_cap_mb, backend, dynamic)
 
 
 def _check(results, min_partitions):
@@ -70,10 +73,13 @@ def test_two_rank_gpt_aot_eager_matches_eager_ddp_step_by_step():
 
 
 @pytest.mark.slow
-def test_two_rank_small_gpt_inductor_matches_eager_ddp():
+def test_two_rank_small_gpt_inductor_dynamic_seq_matches_eager_ddp():
+    # Sequence length changes every step: one compile (dynamic=True), every
+    # partition compiled (a dynamo restart must not be taken for a failure).
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32)
-    results = run_ranks(_gpt_rank, "inductor", 0.1, cfg, timeout=600)
+    results = run_ranks(_gpt_rank, "inductor", 0.1, cfg, True, timeout=600)
     _check(results, min_partitions=2)
+    assert [r["compiles"] for r in results] == [1, 1]
 
 
 def _hf_loss(model, x, y):
