@@ -1,0 +1,180 @@
+"""Eager DDP vs PyTorch's splitter vs compiling without splitting vs ours, side by side
+in one torchrun job, over a simulated inter-node link (see Note [Interleaved DDP
+benchmark] in ``benchmarks.harness`` and Note [Simulated link] in ``benchmarks.link``).
+
+    python -m benchmarks.ddp_compare --quick --json bench_out/quick.json
+    python -m benchmarks.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
+
+Run outside torchrun, it relaunches itself under ``torch.distributed.run
+--standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
+to stdout, and writes the JSON rows and the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
+
+# The keys issue #4 asks for; rows carry more (IQRs, compute/comm, recompiles, ...).
+ROW_KEYS = (
+    "mode", "backend", "link", "bucket_cap_mb", "step_ms_median", "ratio_vs_builtin",
+    "overlap", "compile_s", "partitions", "loss_max_abs_diff",
+)
+
+QUICK = {"backend": "aot_eager", "warmup": 3, "steps": 8, "caps": "4"}
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive MiB values, e.g. 1,4,25")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.ddp_compare", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB (flags given explicitly still win)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to launch (default 2)")
+    p.add_argument("--backend", default=None, help="dynamo backend for the compiled modes (default inductor)")
+    p.add_argument("--modes", default="eager,builtin,nosplit,ours", help="comma-separated subset of the modes")
+    p.add_argument("--link", default="1ms,100MB/s",
+                   help="simulated link: none, 1ms,1GB/s, 1ms,100MB/s or ALPHA,BANDWIDTH (default 1ms,100MB/s)")
+    p.add_argument("--caps", type=_floats, default=None, help="DDP bucket_cap_mb values to sweep (default 1,4,25)")
+    p.add_argument("--steps", type=int, default=None, help="measured rounds per cap (default 10)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured rounds per cap (default 3)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (block_size)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=256,
+                   help="model width (default 256: ~12.6 MiB of gradients, enough link time to overlap)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the rows here (a JSON list)")
+    p.add_argument("--plot", default=None, help="PNG of step time vs cap (default: the --json path with .png)")
+    p.add_argument("--cache-root", default=None, help="where fresh inductor cache dirs are made (default: tmp)")
+    args = p.parse_args(argv)
+    defaults = {"backend": "inductor", "warmup": 3, "steps": 10, "caps": "1,4,25"}
+    for key, value in (QUICK if args.quick else defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, _floats(value) if key == "caps" else value)
+    if args.plot is None and args.json:
+        args.plot = str(Path(args.json).with_suffix(".png"))
+    return args
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    from tabulate import tabulate
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    headers = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms",
+               "overlap", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "loss diff"]
+    body = []
+    for r in rows:
+        ratio = f(r["ratio_vs_builtin"], ".3f")
+        if r.get("ratio_q1") is not None:
+            ratio += f" [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
+        body.append([
+            f(r["bucket_cap_mb"], "g"), r["mode"], f(r["step_ms_median"], ".1f"), ratio, f(r["compute_ms"], ".1f"),
+            f(r["comm_ms"], ".1f"), f(r["exposed_comm_ms"], ".1f"), f(r["overlap"], ".2f"), f(r["compile_cold_s"], ".1f"),
+            f(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), f(r["partitions"], "d"), r["ddp_buckets"], r["recompiles"],
+            f(r["loss_max_abs_diff"], ".1e"),
+        ])
+    return tabulate(body, headers=headers, tablefmt="github")
+
+
+def _cache_cell(events: dict | None) -> str:
+    if not events or not any(events.values()):
+        return "-"
+    return f"{events['aot_hit']}/{events['aot_miss']}/{events['aot_bypass']}"
+
+
+def _launch(argv: Sequence[str], nproc: int) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "benchmarks.ddp_compare", *argv]
+    print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    env = dict(os.environ, BENCH_DDP_COMMAND=shlex.join(["python", "-m", "benchmarks.ddp_compare", *argv]))
+    return subprocess.call(cmd, env=env)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from .harness import BenchConfig, print0, run_cap
+    from .link import SimulatedLink, parse_link
+
+    cfg = BenchConfig(
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
+        link=parse_link(args.link), caps=args.caps, warmup=args.warmup, rounds=args.steps, batch=args.batch,
+        seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed,
+        cache_root=args.cache_root,
+    )
+    dist.init_process_group("gloo")
+    try:
+        link = SimulatedLink(cfg.link)
+        print0(f"ddp_compare: {dist.get_world_size()} ranks, backend {cfg.backend}, link {cfg.link.label}, "
+               f"caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}")
+        t0 = time.perf_counter()
+        rows: list[dict] = []
+        for cap in cfg.caps:
+            rows += run_cap(cfg, cap, link)
+        if dist.get_rank() == 0:
+            command = os.environ.get("BENCH_DDP_COMMAND", "python -m benchmarks.ddp_compare " + shlex.join(sys.argv[1:]))
+            for row in rows:
+                row["command"] = command
+            print(format_table(rows), flush=True)
+            print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
+                   "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+                print0(f"wrote {args.json}")
+            if args.plot:
+                try:
+                    import matplotlib  # noqa: F401
+                except ImportError:
+                    print0(f"not writing {args.plot}: matplotlib is not installed. Install the bench extra "
+                           "(pip install -e .[bench]) or pass no --json/--plot to skip the plot.")
+                else:
+                    from .plot import plot_caps
+
+                    title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks"
+                    plot_caps(rows, args.plot, title=title)
+                    print0(f"wrote {args.plot}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from .link import parse_link
+
+    parse_link(args.link)  # fail before launching anything
+    if "LOCAL_RANK" not in os.environ:
+        return _launch(argv, args.nproc)
+    return _worker(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Step time against bucket cap, one line per mode (matplotlib, Agg backend); a
+second panel shows each mode's per-round ratio to ``builtin`` with its IQR."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["plot_caps"]
+
+
+def _series(ax, rows: Sequence[dict], key: str, lo: str, hi: str) -> None:
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for i, mode in enumerate(modes):
+        pts = sorted((r for r in rows if r["mode"] == mode and r.get(key) is not None), key=lambda r: r["bucket_cap_mb"])
+        if not pts:
+            continue
+        # Nudge each mode sideways a little so error bars at the same cap stay readable.
+        caps = [r["bucket_cap_mb"] * (1 + 0.04 * (i - (len(modes) - 1) / 2)) for r in pts]
+        mid = [r[key] for r in pts]
+        if all(r.get(lo) is not None and r.get(hi) is not None for r in pts):
+            err = [[m - r[lo] for m, r in zip(mid, pts)], [r[hi] - m for m, r in zip(mid, pts)]]
+            ax.errorbar(caps, mid, yerr=err, marker="o", capsize=3, label=mode)
+        else:
+            ax.plot(caps, mid, marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    caps_all = sorted({r["bucket_cap_mb"] for r in rows})
+    ax.set_xticks(caps_all)
+    ax.set_xticklabels([f"{c:g}" for c in caps_all])
+    ax.set_xlabel("DDP bucket_cap_mb (MiB)")
+    ax.grid(True, alpha=0.3)
+
+
+def plot_caps(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Draw ``step_ms_median`` (IQR bars from ``step_ms_q1``/``q3`` when present) and
+    ``ratio_vs_builtin`` (``ratio_q1``/``q3``) against ``bucket_cap_mb``, per ``mode``.
+
+    Args:
+        rows: benchmark rows as ``ddp_compare --json`` writes them.
+        path: the PNG to write.
+        title: figure title.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    _series(left, rows, "step_ms_median", "step_ms_q1", "step_ms_q3")
+    left.set_ylabel("median step time (ms)")
+    left.set_title("step time vs bucket cap")
+    left.legend()
+    _series(right, rows, "ratio_vs_builtin", "ratio_q1", "ratio_q3")
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set_ylabel("step time / builtin (median of per-round ratios)")
+    right.set_title("ratio to PyTorch's splitter (lower is faster)")
+    if title:
+        fig.suptitle(title)
+    if len({r["bucket_cap_mb"] for r in rows}) > 1:
+        # Modes are interleaved within a cap; caps run one after another.
+        fig.text(0.01, 0.01, "caps are measured one after another: compare modes within a cap, not "
+                 "absolute times across caps (the machine's load drifts)", fontsize=8, color="grey")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,47 @@
+"""benchmarks.readme_results rewrites only the marked section of a file."""
+
+import json
+
+import pytest
+
+from benchmarks.readme_results import END, START, main, replace_section, results_markdown
+
+ROWS = [
+    {"mode": m, "backend": "inductor" if m != "eager" else "eager", "link": "1ms,100MB/s", "bucket_cap_mb": cap,
+     "step_ms_median": 100.0 + i, "ratio_vs_builtin": 1.0 + i / 100, "ratio_q1": 0.99, "ratio_q3": 1.02,
+     "overlap": 0.5, "compile_s": 0.0 if m == "eager" else 10.0, "compile_cold_s": 0.0 if m == "eager" else 10.0,
+     "compile_warm_s": 0.0 if m == "eager" else 3.0, "partitions": None if m == "eager" else 4,
+     "loss_max_abs_diff": 1e-6, "exposed_comm_ms": 12.0, "mode_order": i, "world_size": 2, "rounds": 8,
+     "command": "python -m benchmarks.ddp_compare --caps 1,4"}
+    for cap in (1.0, 4.0) for i, m in enumerate(("eager", "builtin", "nosplit", "ours"))
+]
+
+
+def test_table_has_one_line_per_row_and_the_plot():
+    body = results_markdown(ROWS, plot="bench_out/full.png")
+    table = [line for line in body.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(ROWS)  # header + rows
+    assert "| 4 | ours | inductor | 103.0 | 1.030 [0.990, 1.020] |" in body
+    assert "![step time vs bucket cap](bench_out/full.png)" in body
+    assert "--caps 1,4" in body
+
+
+def test_only_the_marked_section_changes(tmp_path):
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\nintro text\n\n", "\n\n## Later\nkept as is\n"
+    readme.write_text(f"{before}{START}\nold numbers\n{END}{after}")
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps(ROWS))
+    assert main([str(data), str(readme), "--plot", "full.png"]) == 0
+    text = readme.read_text()
+    assert text.startswith(before + START + "\n") and text.endswith(END + after)
+    assert "old numbers" not in text and "| 1 | eager | eager |" in text
+    # Regenerating is idempotent.
+    main([str(data), str(readme), "--plot", "full.png"])
+    assert readme.read_text() == text
+
+
+@pytest.mark.parametrize("text", ["no markers", f"{START} twice {START} {END}", f"{END} reversed {START}"])
+def test_markers_must_be_there_once_and_in_order(text):
+    with pytest.raises(ValueError, match="Expected exactly one"):
+        replace_section(text, "body")
