@@ -1,0 +1,411 @@
+"""The main job's configuration: typed schemas for every config group, their
+registration in Hydra's ConfigStore, and the one validation pass that runs before
+any process group starts.
+
+Hydra composes ``configs/config.yaml`` (YAML group options layered on the schemas
+stored here) and the entry point converts the result with ``OmegaConf.to_object``
+into a :class:`JobConfig`. Everything below the entry point takes these
+dataclasses, never a ``DictConfig``.
+
+Every check in :func:`validate` raises :class:`ConfigError` naming the setting,
+why it is wrong and how to fix it; the entry point prints that message and exits
+with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "ParallelConfig",
+    "CompileConfig",
+    "DDPConfig",
+    "DataConfig",
+    "TrainConfig",
+    "JobConfig",
+    "register_configs",
+    "validate",
+    "describe",
+]
+
+MODEL_NAMES = ("gpt_tiny", "hf_gpt2", "custom")
+PARALLEL_NAMES = ("ddp", "fsdp", "none")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. The message says what, why and how to fix it."""
+
+
+# NOTE: typing.Optional/List/Dict rather than `X | None`: OmegaConf reads these
+# annotations at runtime to type-check overrides.
+
+
+@dataclass
+class ModelConfig:
+    """``model`` group. ``gpt_tiny`` and ``hf_gpt2`` use the size fields; ``custom``
+    builds ``_target_(**kwargs)`` (nested ``_target_`` dicts are instantiated too)."""
+
+    name: str = "gpt_tiny"
+    _target_: Optional[str] = None
+    vocab_size: int = 512
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel`` group: how the model is spread over the ranks."""
+
+    name: str = "ddp"
+    # auto: nccl when CUDA is available, gloo otherwise.
+    dist_backend: str = "auto"
+
+
+@dataclass
+class CompileConfig:
+    """``compile`` group. ``backend=eager`` means no ``torch.compile`` at all."""
+
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    dynamic: Optional[bool] = None
+    fullgraph: bool = False
+    # DDP only: split the graph at DDP's bucket boundaries (False: compile it whole).
+    split: bool = True
+    # A partition that fails to compile: "warn" runs it eagerly, "raise" stops.
+    fallback: str = "warn"
+
+
+@dataclass
+class DDPConfig:
+    """``ddp`` group; all caps in MiB. Unset caps mean DDP's defaults (25 MiB,
+    first bucket 1 MiB)."""
+
+    bucket_cap_mb: Optional[float] = None
+    # Realised as bucket_cap_mb_list=[first, cap]: DDP's reducer fills its rebuilt
+    # buckets in gradient-ready order, the last entry repeating.
+    first_bucket_cap_mb: Optional[float] = None
+    bucket_cap_mb_list: Optional[List[float]] = None
+    static_graph: bool = False
+
+
+@dataclass
+class DataConfig:
+    """``data`` group. ``synthetic``: tokens that are a pure function of
+    (seed, rank, step). A user dataset: ``_target_(**kwargs)`` returning an object
+    with ``batch(step, rank, world_size, batch_size, seq_len) -> (inputs, targets)``."""
+
+    name: str = "synthetic"
+    _target_: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    """``train`` group. ``batch_size`` is the global batch, split evenly over ranks."""
+
+    steps: int = 20
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    seed: int = 1337
+    log_interval: int = 1
+    checkpoint_dir: str = "checkpoints"
+    checkpoint_every: int = 0  # 0: no checkpoints
+    keep_last: int = 2
+    resume: bool = False
+    timeout_s: float = 300.0
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def register_configs() -> None:
+    """Store the schemas Hydra layers the YAML of ``configs/`` on. Idempotent."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+# --- validation ----------------------------------------------------------------------
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Check every value before any process group starts.
+
+    Args:
+        cfg: the composed job config.
+        world_size: the number of ranks the job will run on (torchrun's ``WORLD_SIZE``).
+
+    Raises:
+        ConfigError: the first value that cannot work, with what/why/how to fix.
+    """
+    _validate_model(cfg.model, cfg.train)
+    _validate_parallel(cfg.parallel)
+    _validate_compile(cfg.compile)
+    _validate_ddp(cfg.ddp, cfg.parallel)
+    _validate_data(cfg.data)
+    _validate_train(cfg.train, world_size)
+
+
+def _positive(name: str, value: Any, kind: str, why: str, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{name}={value!r} is not valid: it must be {kind}; {why}. {fix}")
+
+
+def _importable(name: str, target: str, what: str) -> None:
+    module, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError) as e:
+        obj, err = None, e
+    else:
+        err = None
+    if obj is None or not callable(obj):
+        raise ConfigError(
+            f"{name}={target!r} cannot be imported ({err or 'not a callable'}): the job builds the {what} "
+            f"by calling it. Give a full dotted path to a class or function, e.g. {name}=my_pkg.build."
+        )
+
+
+def _validate_model(m: ModelConfig, t: TrainConfig) -> None:
+    if m.name not in MODEL_NAMES:
+        raise ConfigError(
+            f"model.name={m.name!r} is not a model this job knows: valid names are {', '.join(MODEL_NAMES)}. "
+            "Pick one with model=<name>, or use model=custom model._target_=<dotted path> for your own module."
+        )
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        _positive(f"model.{name}", getattr(m, name), "a positive integer", "it sizes the model",
+                  f"Set e.g. model.{name}={getattr(ModelConfig, name)}.")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} is not a probability in [0, 1). Use e.g. model.dropout=0.1.")
+    if m.name in ("gpt_tiny", "hf_gpt2") and m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: each attention head gets "
+            "n_embd // n_head channels. Pick n_embd a multiple of n_head."
+        )
+    if m.name == "hf_gpt2" and importlib.util.find_spec("transformers") is None:
+        raise ConfigError(
+            "model=hf_gpt2 needs the `transformers` package, which is not installed. "
+            "Install it with `pip install -e .[hf]`, or use model=gpt_tiny."
+        )
+    if m.name == "custom" or m._target_:
+        if not m._target_:
+            raise ConfigError(
+                "model=custom needs model._target_, the dotted path of a class or function returning an "
+                "nn.Module whose forward(idx) gives logits. Set model._target_=my_pkg.MyModel."
+            )
+        _importable("model._target_", m._target_, "model")
+    if t.seq_len > m.block_size:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}: the model has no "
+            "position embedding past block_size. Lower train.seq_len or raise model.block_size."
+        )
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    if p.name not in PARALLEL_NAMES:
+        raise ConfigError(
+            f"parallel={p.name!r} is not a parallel mode: valid modes are {', '.join(PARALLEL_NAMES)}. "
+            "Use parallel=ddp (default), parallel=fsdp or parallel=none."
+        )
+    if p.dist_backend not in DIST_BACKENDS:
+        raise ConfigError(
+            f"parallel.dist_backend={p.dist_backend!r} is not one of {', '.join(DIST_BACKENDS)}. "
+            "Leave it at auto (nccl with GPUs, gloo without)."
+        )
+    if p.dist_backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "parallel.dist_backend=nccl needs CUDA GPUs, and none is visible. "
+                "Use parallel.dist_backend=auto (gloo on CPU)."
+            )
+    if p.name == "fsdp":
+        from .parallel import fsdp_entry_point
+
+        fsdp_entry_point()  # raises ConfigError while fsdp_opt has no entry point
+
+
+def _validate_compile(c: CompileConfig) -> None:
+    from compiler import FALLBACKS, resolve_backend
+
+    if c.fallback not in FALLBACKS:
+        raise ConfigError(
+            f"compile.fallback={c.fallback!r} is not one of {', '.join(FALLBACKS)}: 'warn' runs a partition "
+            "that fails to compile eagerly, 'raise' stops on the error."
+        )
+    try:
+        resolve_backend(c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        if msg.startswith("Unknown compile backend"):
+            which, value = "compile.backend", c.backend
+        elif msg.startswith("Unknown inductor mode") or (c.mode not in (None, "default") and not c.options):
+            which, value = "compile.mode", c.mode
+        else:
+            which, value = "compile.options", c.options
+        raise ConfigError(f"{which}={value!r}: {msg}") from None
+
+
+def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
+    why = "DDP fills each gradient bucket up to its cap before it all-reduces it, so a cap of zero or less holds nothing"
+    fix = "Give a size in MiB, e.g. {}=25, or null for DDP's default (25 MiB, first bucket 1 MiB)."
+    if d.bucket_cap_mb is not None:
+        _positive("ddp.bucket_cap_mb", d.bucket_cap_mb, "a positive size in MiB", why, fix.format("ddp.bucket_cap_mb"))
+    if d.first_bucket_cap_mb is not None:
+        _positive("ddp.first_bucket_cap_mb", d.first_bucket_cap_mb, "a positive size in MiB", why,
+                  fix.format("ddp.first_bucket_cap_mb").replace("=25", "=1"))
+    if d.bucket_cap_mb_list is not None:
+        if len(d.bucket_cap_mb_list) == 0:
+            raise ConfigError(
+                "ddp.bucket_cap_mb_list=[] gives no caps: it lists one cap per bucket in gradient-ready order. "
+                "Give at least one, e.g. ddp.bucket_cap_mb_list=[1,25], or set it to null."
+            )
+        for i, cap in enumerate(d.bucket_cap_mb_list):
+            _positive(f"ddp.bucket_cap_mb_list[{i}]", cap, "a positive size in MiB", why,
+                      "Give sizes in MiB, e.g. ddp.bucket_cap_mb_list=[1,25], or null for DDP's default.")
+    using = [n for n in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list") if getattr(d, n) is not None]
+    if d.static_graph:
+        using.append("static_graph")
+    if p.name != "ddp" and using:
+        raise ConfigError(
+            f"ddp.{using[0]} is set but parallel={p.name}: ddp.* settings configure DistributedDataParallel's "
+            "gradient buckets and nothing else uses them. Use parallel=ddp, or drop the ddp.* overrides."
+        )
+    if d.bucket_cap_mb_list is not None:
+        for other in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if getattr(d, other) is not None:
+                raise ConfigError(
+                    f"ddp.bucket_cap_mb_list and ddp.{other} are both set: with a per-bucket list DDP ignores "
+                    f"{other}, so one of them would be silently dropped. Keep one: put the first-bucket cap "
+                    "first in the list (ddp.bucket_cap_mb_list=[1,25]), or set ddp.bucket_cap_mb_list=null."
+                )
+    if d.first_bucket_cap_mb is not None:
+        cap = d.bucket_cap_mb if d.bucket_cap_mb is not None else 25.0
+        if d.first_bucket_cap_mb > cap:
+            raise ConfigError(
+                f"ddp.first_bucket_cap_mb={d.first_bucket_cap_mb} is larger than the other buckets' cap "
+                f"({cap} MiB): the first bucket exists to start communication early, so it must not be larger. "
+                "Lower ddp.first_bucket_cap_mb or raise ddp.bucket_cap_mb."
+            )
+
+
+def _validate_data(d: DataConfig) -> None:
+    if d.name == "synthetic" and not d._target_:
+        return
+    if not d._target_:
+        raise ConfigError(
+            f"data={d.name!r} needs data._target_, the dotted path of a class or function building your "
+            "dataset (an object with batch(step, rank, world_size, batch_size, seq_len)). "
+            "Set data._target_=my_pkg.MyTokens, or use data=synthetic."
+        )
+    _importable("data._target_", d._target_, "dataset")
+
+
+def _validate_train(t: TrainConfig, world_size: int) -> None:
+    _positive("train.steps", t.steps, "a positive integer", "it is the number of optimizer steps to run",
+              "Set e.g. train.steps=20.")
+    _positive("train.batch_size", t.batch_size, "a positive integer", "it is the global batch, in sequences",
+              "Set e.g. train.batch_size=8.")
+    _positive("train.seq_len", t.seq_len, "a positive integer", "it is the tokens per sequence",
+              "Set e.g. train.seq_len=64.")
+    _positive("train.lr", t.lr, "a positive number", "it is AdamW's learning rate", "Set e.g. train.lr=3e-3.")
+    _positive("train.log_interval", t.log_interval, "a positive integer", "rank 0 prints every log_interval steps",
+              "Set e.g. train.log_interval=10.")
+    _positive("train.keep_last", t.keep_last, "a positive integer", "it is how many checkpoints to keep",
+              "Set e.g. train.keep_last=2.")
+    _positive("train.timeout_s", t.timeout_s, "a positive number of seconds",
+              "every collective fails after that long, so that a dead peer stops the job instead of hanging it",
+              "Set e.g. train.timeout_s=300.")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay} is negative. Use 0 to switch weight decay off.")
+    if t.checkpoint_every < 0:
+        raise ConfigError(
+            f"train.checkpoint_every={t.checkpoint_every} is negative: it is a step interval. "
+            "Set e.g. train.checkpoint_every=100, or 0 to switch checkpoints off."
+        )
+    if t.batch_size % world_size:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} does not divide across {world_size} ranks: it is the global batch "
+            f"and every rank takes an equal share. Use a multiple of {world_size}, e.g. "
+            f"train.batch_size={max(world_size, t.batch_size // world_size * world_size)}."
+        )
+    _validate_resume(t)
+
+
+def _validate_resume(t: TrainConfig) -> None:
+    from .checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(t.checkpoint_dir)
+    if t.resume or _restarted_by_torchrun():
+        if latest is None and not _restarted_by_torchrun():
+            raise ConfigError(
+                f"train.resume=true but there is no checkpoint in train.checkpoint_dir={t.checkpoint_dir!r} "
+                f"(looked for {os.path.join(t.checkpoint_dir, 'latest')}). Point train.checkpoint_dir at the "
+                "folder of the run to continue, or set train.resume=false to start fresh."
+            )
+        if latest is not None and latest.step >= t.steps:
+            raise ConfigError(
+                f"train.resume=true but the latest checkpoint ({latest.path}) is already at step {latest.step} "
+                f">= train.steps={t.steps}: there is nothing left to train. Raise train.steps to train further."
+            )
+    elif latest is not None and t.checkpoint_every > 0:
+        raise ConfigError(
+            f"train.checkpoint_dir={t.checkpoint_dir!r} already holds checkpoints of another run (latest: step "
+            f"{latest.step}) and train.resume=false: writing new ones there would mix two runs. Continue it with "
+            "train.resume=true, pick another train.checkpoint_dir, or delete the folder."
+        )
+
+
+def _restarted_by_torchrun() -> bool:
+    """torchrun sets TORCHELASTIC_RESTART_COUNT; > 0 means a worker failed and the job restarted."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+# --- printing ------------------------------------------------------------------------
+
+
+def describe(cfg: JobConfig) -> str:
+    """The resolved config in short: one line per group."""
+    m, c, d, t = cfg.model, cfg.compile, cfg.ddp, cfg.train
+    model = f"{m.name} target={m._target_}" if m._target_ else (
+        f"{m.name} n_layer={m.n_layer} n_head={m.n_head} n_embd={m.n_embd} vocab={m.vocab_size} block={m.block_size}"
+    )
+    comp = f"{c.backend}" + (f" mode={c.mode}" if c.mode else "") + (f" options={c.options}" if c.options else "")
+    comp += f" dynamic={c.dynamic} fullgraph={c.fullgraph}" + (f" split={c.split}" if cfg.parallel.name == "ddp" else "")
+    ddp = " ".join(f"{k}={getattr(d, k)}" for k in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list")
+                   if getattr(d, k) is not None) or "defaults (25 MiB, first 1 MiB)"
+    data = cfg.data.name + (f" target={cfg.data._target_}" if cfg.data._target_ else "")
+    ckpt = f"every {t.checkpoint_every} steps -> {t.checkpoint_dir}" if t.checkpoint_every else "off"
+    lines = [
+        ("model", model),
+        ("parallel", f"{cfg.parallel.name} ({cfg.parallel.dist_backend})"),
+        ("compile", comp),
+        *([("ddp", ddp + (" static_graph" if d.static_graph else ""))] if cfg.parallel.name == "ddp" else []),
+        ("data", data),
+        ("train", f"steps={t.steps} batch={t.batch_size} seq={t.seq_len} lr={t.lr} seed={t.seed} "
+                  f"resume={t.resume}"),
+        ("checkpoint", ckpt),
+    ]
+    return "\n".join(f"  {k:<10} {v}" for k, v in lines)

@@ -1,0 +1,163 @@
+"""Build the model the config names and wrap it for training: DDP + bucket-aware
+compile, FSDP (through ``fsdp_opt``) or a plain, optionally compiled, module.
+
+The wrapping order lives in :func:`apply_parallel`, in one place:
+parallel wrapper first (DDP must see the real parameters to plan its buckets),
+then compile (``compile_ddp`` reads DDP's bucket caps to split the graph there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig
+from .dist import DistEnv
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "fsdp_entry_point"]
+
+DDP_DEFAULT_CAP_MB = 25.0
+
+
+class CausalLM(nn.Module):
+    """Adapt a language model whose ``forward(idx)`` gives logits (a tensor, a tuple
+    starting with them, or an object with ``.logits`` like transformers' outputs)
+    to the job's ``forward(idx, targets) -> (logits, loss)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        out = self.model(idx)
+        logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+        if logits is None:
+            logits = out[0]
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """A fresh model with ``forward(idx, targets) -> (logits, loss)``; seed first."""
+    if cfg._target_:
+        from hydra.utils import instantiate
+
+        return CausalLM(instantiate({"_target_": cfg._target_, **cfg.kwargs}))
+    if cfg.name == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf_cfg = GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+            n_embd=cfg.n_embd, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            use_cache=False, **cfg.kwargs,
+        )
+        return CausalLM(GPT2LMHeadModel(hf_cfg))
+    from models import GPT, GPTConfig
+
+    return GPT(GPTConfig(
+        vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        n_embd=cfg.n_embd, dropout=cfg.dropout, **cfg.kwargs,
+    ))
+
+
+@dataclass
+class Wrapped:
+    """What training needs from a wrapped model.
+
+    Attributes:
+        forward: what the loop calls (compiled, or the module itself).
+        module: the module whose state is checkpointed (DDP/FSDP/plain, never the
+            compiled wrapper, whose state-dict keys carry an ``_orig_mod.`` prefix).
+        compiled_ddp: the ``CompiledDDP`` when compiled with DDP, for the bucket table.
+    """
+
+    forward: Callable[..., Any]
+    module: nn.Module
+    compiled_ddp: Any = None
+
+
+def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
+    """DDP constructor caps for the ``ddp`` config.
+
+    DDP has no first-bucket argument; ``first_bucket_cap_mb`` becomes
+    ``bucket_cap_mb_list=[first, cap]``: DDP fills its buckets in gradient-ready
+    order against that list, the last entry repeating for every later bucket.
+    """
+    if cfg.bucket_cap_mb_list is not None:
+        return {"bucket_cap_mb_list": list(cfg.bucket_cap_mb_list)}
+    if cfg.first_bucket_cap_mb is not None:
+        cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else DDP_DEFAULT_CAP_MB
+        return {"bucket_cap_mb_list": [cfg.first_bucket_cap_mb, cap]}
+    return {"bucket_cap_mb": cfg.bucket_cap_mb}
+
+
+def fsdp_entry_point() -> Callable[..., Any]:
+    """``fsdp_opt.apply_fsdp``, or a ConfigError while it does not exist yet."""
+    try:
+        fsdp_opt = importlib.import_module("fsdp_opt")
+    except ImportError:
+        fsdp_opt = None
+    fn = getattr(fsdp_opt, "apply_fsdp", None)
+    if fn is None:
+        raise ConfigError(
+            "parallel=fsdp is not available yet: this version of the toolkit has no fsdp_opt.apply_fsdp "
+            "(FSDP2 sharding with per-block compile). Use parallel=ddp, or parallel=none on one rank."
+        )
+    return fn
+
+
+def _apply_fsdp(model: nn.Module, c: CompileConfig) -> None:
+    """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's recipe)."""
+    import fsdp_opt
+
+    compile_cfg = None
+    if c.backend != "eager":
+        compile_cfg = fsdp_opt.CompileConfig(backend=c.backend, mode=c.mode, options=dict(c.options),
+                                             dynamic=c.dynamic, fullgraph=c.fullgraph)
+    plan = fsdp_entry_point()(model, fsdp_opt.FSDPConfig(compile=compile_cfg))
+    log.debug("fsdp plan:\n%s", plan.table())
+
+
+def _compile_kwargs(c: CompileConfig) -> dict[str, Any]:
+    return dict(backend=c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic, fullgraph=c.fullgraph)
+
+
+def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv) -> Wrapped:
+    """Wrap ``model`` (already on ``env.device``) as ``cfg.parallel`` says, then compile it.
+
+    ``compile.backend=eager`` means no ``torch.compile`` at all.
+    """
+    c = cfg.compile
+    compile_it = c.backend != "eager"
+    if cfg.parallel.name == "ddp":
+        from ddp_opt import compile_ddp
+
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            static_graph=cfg.ddp.static_graph,
+            **ddp_bucket_kwargs(cfg.ddp),
+        )
+        if not compile_it:
+            return Wrapped(ddp, ddp)
+        compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, **_compile_kwargs(c))
+        return Wrapped(compiled, ddp, compiled)
+    if cfg.parallel.name == "fsdp":
+        _apply_fsdp(model, c)  # shards (and compiles the blocks of) the model in place
+        return Wrapped(model, model)
+    if not compile_it:
+        return Wrapped(model, model)
+    from compiler import resolve_backend
+
+    backend = resolve_backend(c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic)
+    return Wrapped(torch.compile(model, backend=backend, dynamic=c.dynamic, fullgraph=c.fullgraph), model)

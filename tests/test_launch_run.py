@@ -1,0 +1,104 @@
+"""The main job in one process: `run(cfg)` called directly (no Hydra), and the
+`python -m launch.train` shell's exit codes for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.train import run
+
+TINY = dict(n_layer=2, n_head=2, n_embd=64)
+
+
+def _job(tmp_path, **sections) -> JobConfig:
+    train = dict(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt"))
+    train.update(sections.pop("train", {}))
+    return JobConfig(
+        model=ModelConfig(**{**TINY, **sections.pop("model", {})}),
+        train=TrainConfig(**train),
+        **sections,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_clean_dynamo():
+    # As torchrun does (OMP_NUM_THREADS=1): on a busy 2-core machine, two intra-op
+    # threads made each tiny step ~50x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    assert not dist.is_initialized(), "run() must tear its process group down"
+
+
+def test_one_process_ddp_eager_trains_and_writes_metrics(tmp_path, capsys):
+    cfg = _job(tmp_path, compile=CompileConfig(backend="eager"), train=dict(steps=4))
+    metrics = run(cfg, output_dir=str(tmp_path))
+    out = capsys.readouterr().out
+    assert "distcompile main job: 1 rank(s), cpu + gloo" in out and "step     4/4" in out and "done:" in out
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["losses"] == [list(x) for x in metrics["losses"]] and len(saved["losses"]) == 4
+    assert saved["config"]["train"]["steps"] == 4 and saved["world_size"] == 1
+
+
+def test_one_process_ddp_aot_eager_prints_partition_table(tmp_path, capsys, caplog):
+    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1))
+    metrics = run(cfg)
+    out = capsys.readouterr().out
+    assert "DDP buckets = graph partitions" in out and "compile s" in out
+    assert len(metrics["buckets"]) > 1 and all(p["status"] == "compiled" for p in metrics["partitions"])
+    assert "partition 1/" in caplog.text  # compile progress, logger compiler.partition
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "hf_gpt2"])
+def test_parallel_none_compiles_the_plain_model(model, tmp_path):
+    if model == "hf_gpt2":
+        pytest.importorskip("transformers")
+    cfg = _job(tmp_path, model=dict(name=model), parallel=ParallelConfig(name="none"),
+               compile=CompileConfig(backend="aot_eager"), train=dict(steps=2))
+    metrics = run(cfg)
+    assert len(metrics["losses"]) == 2 and metrics["buckets"] == []
+
+
+def test_fsdp_one_process_checkpoints_and_resumes(tmp_path):
+    if not hasattr(pytest.importorskip("fsdp_opt"), "apply_fsdp"):
+        pytest.skip("fsdp_opt.apply_fsdp does not exist in this checkout")
+    common = dict(parallel=ParallelConfig(name="fsdp"), compile=CompileConfig(backend="aot_eager"))
+    first = run(_job(tmp_path, **common, train=dict(steps=2, checkpoint_every=2)))
+    assert first["checkpoints"][-1].endswith("step_000002")
+    torch._dynamo.reset()
+    resumed = run(_job(tmp_path, **common, train=dict(steps=3, checkpoint_every=2, resume=True)))
+    assert resumed["start_step"] == 2 and [s for s, _ in resumed["losses"]] == [3]
+
+
+def test_run_validates_before_starting_a_process_group(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.steps=0"):
+        run(_job(tmp_path, train=dict(steps=0)))
+
+
+def _cli(tmp_path, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "launch.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["ddp.bucket_cap_mb=-1"], "ddp.bucket_cap_mb=-1.0 is not valid"),
+    (["ddp.bucket_cap_mb=abc"], "ddp.bucket_cap_mb"),  # a type error, found by Hydra while composing
+])
+def test_cli_bad_input_exits_2_with_one_message(tmp_path, overrides, needle):
+    proc = _cli(tmp_path, *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "ckpt").exists()

@@ -1,0 +1,121 @@
+"""The main job under torchrun with 2 ranks on gloo: the end-to-end run exits on
+its own, a run killed mid-way and resumed matches an uninterrupted one, and under
+``--max-restarts 1`` a killed rank restarts the job, which resumes by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.train import FAULT_ENV
+
+pytestmark = pytest.mark.slow
+
+# Small and quick to compile, split into several buckets by a 0.05 MiB cap.
+SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+         "train.batch_size=4", "train.seq_len=32", "ddp.bucket_cap_mb=0.05"]
+STEPS, EVERY, KILL_AT = 8, 3, 8  # checkpoints after steps 3, 6, 8; a rank dies at the start of step 8
+
+
+def _torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int = 0, timeout: float = 300):
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if fault:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "-m", "launch.train", *overrides]
+    # Own session, so that a timeout kills the workers too, not only torchrun.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        # A hung exit lands here: the job must end by itself.
+        pytest.fail(f"torchrun did not end within {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+def _assert_same_training(ref: dict, got: dict, ref_ckpt: Path, got_ckpt: Path, from_step: int) -> None:
+    ref_losses = {s: loss for s, loss in ref["losses"]}
+    for step, loss in got["losses"]:
+        torch.testing.assert_close(loss, ref_losses[step], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, step=step: f"loss differs at step {step}: {m}")
+    assert [s for s, _ in got["losses"]] == list(range(from_step + 1, STEPS + 1))
+    ref_p, got_p = _final_params(ref_ckpt), _final_params(got_ckpt)
+    assert ref_p.keys() == got_p.keys()
+    for name in ref_p:
+        torch.testing.assert_close(got_p[name], ref_p[name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"final parameter {name} differs: {m}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run, the yardstick for both resume tests."""
+    cwd = tmp_path_factory.mktemp("reference")
+    _ok(_torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run"))
+    return cwd
+
+
+def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path):
+    # The issue's "done when" command, verbatim.
+    proc = _torchrun(tmp_path, "compile.backend=aot_eager", "train.steps=5", "ddp.bucket_cap_mb=1",
+                     "hydra.run.dir=run", timeout=240)
+    _ok(proc)
+    out = proc.stdout
+    assert "distcompile main job: 2 rank(s), cpu + gloo" in out
+    assert "DDP buckets = graph partitions" in out and "bucket    bytes" in out
+    assert "partition 1/" in out and "elapsed" in out  # compile progress, rank 0 only
+    assert out.count("partition 1/") == 1
+    for step in range(1, 6):
+        assert f"step     {step}/5  loss" in out and "tokens/s" in out
+    assert "done: steps 1..5" in out
+    metrics = _metrics(tmp_path / "run")
+    assert metrics["world_size"] == 2 and len(metrics["losses"]) == 5 and len(metrics["buckets"]) > 1
+    assert not any(p.name != "run" for p in tmp_path.iterdir() if p.is_dir())  # rank 1 wrote no run dir
+
+
+def test_killed_run_resumes_to_the_same_losses_and_parameters(reference, tmp_path):
+    common = [*SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}"]
+    died = _torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
+    assert died.returncode != 0, "the injected fault did not kill the job"
+    assert not (tmp_path / "checkpoints" / f"step_{STEPS:06d}").exists()
+    _ok(_torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second"))
+    resumed = _metrics(tmp_path / "second")
+    assert resumed["start_step"] == 6
+    _assert_same_training(_metrics(reference / "run"), resumed, reference / "checkpoints" / f"step_{STEPS:06d}",
+                          tmp_path / "checkpoints" / f"step_{STEPS:06d}", from_step=6)
+
+
+def test_rank_killed_under_max_restarts_resumes_by_itself(reference, tmp_path):
+    proc = _torchrun(tmp_path, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
+                     "hydra.run.dir=run", fault=f"{KILL_AT}:0", restarts=1, timeout=400)
+    _ok(proc)
+    assert "killing myself at step 8" in proc.stderr
+    assert "resumed from checkpoints/step_000006 at step 6" in proc.stdout
+    _assert_same_training(_metrics(reference / "run"), _metrics(tmp_path / "run"),
+                          reference / "checkpoints" / f"step_{STEPS:06d}",
+                          tmp_path / "checkpoints" / f"step_{STEPS:06d}", from_step=6)
