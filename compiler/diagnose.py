@@ -222,7 +222,9 @@ def advise(
             advice.append(f"partition {p.index} ({p.name}) runs eagerly because its compile failed: {_short(p.error or '', 90)}")
     if graphs and not breaks:
         advice.append("no graph breaks: pass fullgraph=True so that a future break fails loudly instead of slowing you down.")
-    compile_s = sum(g.compile_s for g in graphs) + sum(p.compile_s for p in partitions)
+    # A graph's compile time already includes its partitions' (the splitter runs
+    # inside the wrapped backend); partitions alone count only without graphs.
+    compile_s = sum(g.compile_s for g in graphs) if graphs else sum(p.compile_s for p in partitions)
     if step_s and compile_s > 50 * step_s:
         advice.append(
             f"compile took {compile_s:.1f}s, {compile_s / step_s:.0f}x a step: compile the repeated block once "

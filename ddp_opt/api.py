@@ -105,6 +105,7 @@ def compile_ddp(
     fallback: str = "warn",
     split: bool = True,
     check_plans: bool = True,
+    wrap_backend: Callable[[Callable], Callable] | None = None,
     **more: Any,
 ) -> CompiledDDP:
     """Compile a DDP model, split at the bucket boundaries DDP really uses.
@@ -126,6 +127,9 @@ def compile_ddp(
             communication with backward; for comparison).
         check_plans: fail on every rank, with the first differing bucket named,
             when ranks plan different buckets (which would deadlock in backward).
+        wrap_backend: applied to the backend dynamo calls (the splitter, or the
+            plain backend with ``split=False``), e.g. ``Diagnoser().wrap`` to see
+            every captured graph and its graph-break reason.
         **more: passed on to ``torch.compile``.
 
     Returns:
@@ -153,6 +157,8 @@ def compile_ddp(
             bucket_caps=caps.per_bucket_caps, fallback=fallback, check_plans=check_plans,
         )
         backend_fn = optimizer.compile_fn
+    if wrap_backend is not None:
+        backend_fn = wrap_backend(backend_fn)
     # Compile the wrapped module's forward in place, then let DDP call it (the
     # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
     # frames below DDP's skipped forward, and it skips a torch.nn container's

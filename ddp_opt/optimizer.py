@@ -150,7 +150,9 @@ class DDPOptimizer:
         self.compiles += 1
         eager = [r.name for r in self.records if r.status == "eager"]
         log.info(
-            "ddp_opt compiled %d partitions in %.1fs%s", len(self.records), time.perf_counter() - t0,
+            "ddp_opt compiled %d partitions in %.1fs%s; AOTAutograd backends compile each partition's "
+            "backward at the first backward pass, which can take as long again",
+            len(self.records), time.perf_counter() - t0,
             f" ({len(eager)} running eagerly: {', '.join(eager)})" if eager else "",
         )
         return split.gm

@@ -139,6 +139,10 @@ class JobConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Diagnose the compile (compiler.diagnose): rank 0 prints a report at the end
+    # and writes it as JSON (diagnose_json, or diagnosis.json in the run directory).
+    diagnose: bool = False
+    diagnose_json: Optional[str] = None
 
 
 def register_configs() -> None:
@@ -165,6 +169,22 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _validate_ddp(cfg.ddp, cfg.parallel)
     _validate_data(cfg.data)
     _validate_train(cfg.train, world_size)
+    _validate_diagnose(cfg)
+
+
+def _validate_diagnose(cfg: JobConfig) -> None:
+    if not cfg.diagnose:
+        return
+    if cfg.compile.backend == "eager":
+        raise ConfigError(
+            "diagnose=true with compile.backend=eager: there is no compile to diagnose (eager means no "
+            "torch.compile at all). Use compile=aot_eager (quick) or compile=inductor."
+        )
+    if cfg.parallel.name == "fsdp":
+        raise ConfigError(
+            "diagnose=true is not supported with parallel=fsdp yet: fsdp_opt compiles each block itself, "
+            "out of the diagnoser's reach. Diagnose the same model with parallel=ddp or parallel=none."
+        )
 
 
 def _positive(name: str, value: Any, kind: str, why: str, fix: str) -> None:

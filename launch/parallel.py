@@ -132,10 +132,12 @@ def _compile_kwargs(c: CompileConfig) -> dict[str, Any]:
     return dict(backend=c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic, fullgraph=c.fullgraph)
 
 
-def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv) -> Wrapped:
+def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
+                   wrap_backend: Callable[[Callable], Callable] | None = None) -> Wrapped:
     """Wrap ``model`` (already on ``env.device``) as ``cfg.parallel`` says, then compile it.
 
-    ``compile.backend=eager`` means no ``torch.compile`` at all.
+    ``compile.backend=eager`` means no ``torch.compile`` at all. ``wrap_backend``
+    wraps the backend dynamo calls (the diagnoser's hook; DDP and none only).
     """
     c = cfg.compile
     compile_it = c.backend != "eager"
@@ -150,7 +152,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv) -> Wrapped:
         )
         if not compile_it:
             return Wrapped(ddp, ddp)
-        compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, **_compile_kwargs(c))
+        compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, wrap_backend=wrap_backend, **_compile_kwargs(c))
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == "fsdp":
         _apply_fsdp(model, c)  # shards (and compiles the blocks of) the model in place
@@ -160,4 +162,6 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv) -> Wrapped:
     from compiler import resolve_backend
 
     backend = resolve_backend(c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic)
+    if wrap_backend is not None:
+        backend = wrap_backend(backend)
     return Wrapped(torch.compile(model, backend=backend, dynamic=c.dynamic, fullgraph=c.fullgraph), model)

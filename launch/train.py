@@ -28,6 +28,7 @@ from .config import ConfigError, JobConfig, _restarted_by_torchrun, describe, re
 from .data import build_data, stream_seed
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, world_size_from_env
 from .parallel import Wrapped, apply_parallel, build_model
+from compiler.diagnose import Diagnoser
 
 __all__ = ["run", "main", "to_job_config", "FAULT_ENV"]
 
@@ -71,6 +72,11 @@ def run(cfg: JobConfig, output_dir: str | None = None) -> dict[str, Any]:
             with open(path, "w") as f:
                 json.dump(metrics, f, indent=1)
             print0(f"metrics: {path}")
+        if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):
+            path = cfg.diagnose_json or os.path.join(output_dir, "diagnosis.json")
+            with open(path, "w") as f:
+                json.dump(metrics["diagnosis"], f, indent=1)
+            print0(f"diagnosis: {path}")
     return metrics
 
 
@@ -84,7 +90,8 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     model = build_model(cfg.model).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     print0(f"model: {n_params / 1e6:.2f}M parameters")
-    wrapped = apply_parallel(model, cfg, env)
+    diagnoser = Diagnoser() if cfg.diagnose else None
+    wrapped = apply_parallel(model, cfg, env, wrap_backend=diagnoser.wrap if diagnoser else None)
     optimizer = torch.optim.AdamW(wrapped.module.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
 
@@ -101,6 +108,8 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     step_ms: list[float] = []
     checkpoints: list[str] = []
     first_step_s = None
+    if diagnoser is not None:
+        diagnoser.__enter__()
     for step in range(start + 1, t.steps + 1):
         _maybe_inject_fault(step, env.rank)
         torch.manual_seed(stream_seed(t.seed, env.rank, step))  # dropout etc.: a function of the step
@@ -126,6 +135,12 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
             print0(f"checkpoint: {checkpoints[-1]}")
 
     median_ms = statistics.median(step_ms) if step_ms else (first_step_s or 0.0) * 1e3
+    diagnosis = None
+    if diagnoser is not None:
+        diagnoser.__exit__(None, None, None)
+        report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3)
+        diagnosis = json.loads(report.to_json())
+        print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     metrics = {
         "world_size": env.world_size,
         "device": env.device.type,
@@ -141,6 +156,7 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
         "partitions": _partition_records(wrapped),
         "buckets": [{"size": b.size, "cap": b.cap, "params": list(b.params)} for b in _buckets(wrapped)],
         "checkpoints": checkpoints,
+        "diagnosis": diagnosis,
         "config": asdict(cfg),
     }
     print0(
@@ -163,11 +179,14 @@ def _buckets(wrapped: Wrapped) -> list:
     return list(wrapped.compiled_ddp.buckets) if wrapped.compiled_ddp is not None else []
 
 
-def _partition_records(wrapped: Wrapped) -> list[dict[str, Any]]:
+def _records(wrapped: Wrapped) -> list:
+    """The DDP splitter's partition records (empty without one)."""
     opt = getattr(wrapped.compiled_ddp, "ddp_optimizer", None)
-    records = opt.records if opt is not None else []
-    return [{"index": r.index, "name": r.name, "status": r.status, "compile_s": r.compile_s, "error": r.error}
-            for r in records]
+    return list(opt.records) if opt is not None else []
+
+
+def _partition_records(wrapped: Wrapped) -> list[dict[str, Any]]:
+    return [asdict(r) for r in _records(wrapped)]
 
 
 def _print_partitions(wrapped: Wrapped) -> None:

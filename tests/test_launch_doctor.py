@@ -1,0 +1,67 @@
+"""The doctor entry point: the launcher's diagnose=true, and python -m compiler.doctor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compiler.doctor import DEFAULT_STEPS, doctor_argv
+from launch.config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.train import run
+
+
+def _job(tmp_path, **kw) -> JobConfig:
+    return JobConfig(
+        model=ModelConfig(n_layer=2, n_head=2, n_embd=64),
+        train=TrainConfig(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt")),
+        **kw,
+    )
+
+
+def test_doctor_argv_sets_diagnose_a_short_run_and_the_json_path():
+    assert doctor_argv(["compile=aot_eager", "--json", "d.json"]) == [
+        "compile=aot_eager", "diagnose_json=d.json", f"train.steps={DEFAULT_STEPS}", "diagnose=true"]
+    assert doctor_argv(["train.steps=2", "--json=x.json"]) == ["train.steps=2", "diagnose_json=x.json", "diagnose=true"]
+
+
+def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, capsys):
+    torch.set_num_threads(1)
+    try:
+        cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1), diagnose=True)
+        metrics = run(cfg, output_dir=str(tmp_path))
+    finally:
+        torch._dynamo.reset()
+    out = capsys.readouterr().out
+    assert "== compile diagnosis (rank 0) ==" in out
+    assert "partitions (intended splits at DDP bucket boundaries)" in out and "graph breaks (accidental)" not in out
+    saved = json.loads((tmp_path / "diagnosis.json").read_text())
+    assert saved == metrics["diagnosis"]
+    assert len(saved["graphs"]) == 1 and saved["breaks"] == [] and saved["recompiles"] == []
+    assert len(saved["partitions"]) == len(metrics["buckets"]) > 1
+    assert any("fullgraph=True" in a for a in saved["advice"])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(compile=CompileConfig(backend="eager")), r"diagnose=true with compile.backend=eager: there is no compile"),
+    (dict(parallel=ParallelConfig(name="fsdp")), r"diagnose=true is not supported with parallel=fsdp yet"),
+])
+def test_diagnose_refuses_what_it_cannot_see(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        run(_job(tmp_path, diagnose=True, **kw))
+
+
+@pytest.mark.slow
+def test_python_m_compiler_doctor_runs_and_writes_the_report(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "compiler.doctor", "compile=aot_eager", "model.n_layer=2", "train.steps=3",
+         "--json", str(tmp_path / "d.json"), f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== compile diagnosis (rank 0) ==" in proc.stdout and "advice:" in proc.stdout
+    assert json.loads((tmp_path / "d.json").read_text())["graphs"]
