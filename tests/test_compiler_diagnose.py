@@ -98,3 +98,15 @@ def test_clean_model_gets_fullgraph_advice_and_json_round_trips():
     assert any("fullgraph=True" in a for a in report.advice)
     data = json.loads(report.to_json())
     assert set(data) == {"graphs", "breaks", "recompiles", "partitions", "advice", "recompile_limit"}
+
+
+def test_advice_for_divisibility_guards_and_the_recompile_limit():
+    from compiler.diagnose import Recompile, advise
+
+    mod8 = Recompile("forward", "m.py", 3, "Eq(Mod(s0, 8), 0)")
+    sizes = [Recompile("forward", "m.py", 3, f"tensor 'x' size mismatch at index 0. expected {n}, actual {n + 1}", "x", 0)
+             for n in range(3)]
+    advice = advise([], [], [mod8, *sizes], [], recompile_limit=8)
+    assert any("tests divisibility by 8 (Eq(Mod(s0, 8), 0)); pad that size to a multiple of 8" in a for a in advice)
+    assert any("forward has compiled 5 times of at most 8" in a for a in advice)
+    assert not any("fullgraph" in a for a in advice)  # no graphs seen: no claim about breaks
