@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_opt import compile_ddp
+from ddp_opt import compile_ddp, measure_alignment
 from models import GPT, GPTConfig
 
 from .link import LinkModel, SimulatedLink
@@ -329,6 +329,16 @@ def _nan_to_none(x: float | None) -> float | None:
     return None if x is None or x != x else x
 
 
+def _alignment(r: ModeRunner) -> float | None:
+    """Fraction of gradient bytes whose runtime DDP bucket is exactly one partition
+    (ours: its plan; nosplit: the whole graph). None for eager (no partitions) and
+    builtin (PyTorch's splitter keeps its plan to itself)."""
+    if r.mode not in ("ours", "nosplit"):
+        return None
+    measured = measure_alignment(r.ddp, r.fn.buckets if r.mode == "ours" else None)
+    return measured.fraction if measured is not None else None
+
+
 def _rows(runners: list[ModeRunner], cfg: BenchConfig, cap_mb: float, all_losses: list[dict]) -> list[dict]:
     by_mode = {r.mode: r for r in runners}
     base = by_mode.get("builtin")
@@ -358,6 +368,7 @@ def _rows(runners: list[ModeRunner], cfg: BenchConfig, cap_mb: float, all_losses
             "compile_s": cold,
             "partitions": r.partitions,
             "loss_max_abs_diff": loss_diff,
+            "alignment": _alignment(r),
             # extras
             "mode_order": order,
             "step_ms_q1": q1 * 1e3,

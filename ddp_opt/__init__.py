@@ -1,6 +1,7 @@
 """DDP optimizer: plan gradient buckets from a captured graph, split the graph at
 the bucket boundaries DDP really uses, compile each partition."""
 
+from .alignment import Alignment, alignment_fraction, measure_alignment, runtime_buckets
 from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
 from .optimizer import DDPOptimizer
@@ -18,6 +19,11 @@ __all__ = [
     "plan_buckets",
     "partition_map",
     "format_buckets",
+    # alignment with DDP's runtime buckets
+    "Alignment",
+    "alignment_fraction",
+    "measure_alignment",
+    "runtime_buckets",
     # rank agreement
     "PlanMismatchError",
     "check_plan_agreement",

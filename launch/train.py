@@ -135,6 +135,10 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
             print0(f"checkpoint: {checkpoints[-1]}")
 
     median_ms = statistics.median(step_ms) if step_ms else (first_step_s or 0.0) * 1e3
+    alignment = _alignment(wrapped)
+    if alignment is not None:
+        print0(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly one "
+               f"partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
     diagnosis = None
     if diagnoser is not None:
         diagnoser.__exit__(None, None, None)
@@ -157,6 +161,7 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
         "buckets": [{"size": b.size, "cap": b.cap, "params": list(b.params)} for b in _buckets(wrapped)],
         "checkpoints": checkpoints,
         "diagnosis": diagnosis,
+        "alignment": alignment.fraction if alignment is not None else None,
         "config": asdict(cfg),
     }
     print0(
@@ -177,6 +182,15 @@ def _train_step(wrapped: Wrapped, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 def _buckets(wrapped: Wrapped) -> list:
     return list(wrapped.compiled_ddp.buckets) if wrapped.compiled_ddp is not None else []
+
+
+def _alignment(wrapped: Wrapped):
+    """DDP's runtime buckets against the partitions (None without compile_ddp)."""
+    if wrapped.compiled_ddp is None:
+        return None
+    from ddp_opt import measure_alignment
+
+    return measure_alignment(wrapped.compiled_ddp.ddp_model, wrapped.compiled_ddp.buckets)
 
 
 def _records(wrapped: Wrapped) -> list:

@@ -57,6 +57,7 @@ def test_tiny_run_writes_rows_for_all_four_modes(tmp_path):
         assert r["loss_max_abs_diff"] < 1e-4, f"{r['mode']} drifted from eager by {r['loss_max_abs_diff']}"
     by_mode = {r["mode"]: r for r in rows}
     assert by_mode["ours"]["partitions"] > 1 and by_mode["nosplit"]["partitions"] == 1
+    assert 0.0 <= by_mode["ours"]["alignment"] <= 1.0 and by_mode["eager"]["alignment"] is None
     assert by_mode["builtin"]["ratio_vs_builtin"] == pytest.approx(1.0)
     assert "| ours" in proc.stdout  # the table
     assert "round 2/2" in proc.stderr and "compile" in proc.stderr  # progress
