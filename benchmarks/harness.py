@@ -214,16 +214,20 @@ def build_mode(mode: str, cfg: BenchConfig, cap_mb: float, link: SimulatedLink) 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
     ddp = DDP(model, bucket_cap_mb=cap_mb)
-    ddp.register_comm_hook(link, SimulatedLink.hook)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     runner = ModeRunner(mode, ddp, ddp, opt)
+    if mode == "ours":
+        # compile_ddp re-creates DDP's reducer to align its buckets with the
+        # partitions; a hook registered through it survives that.
+        runner.fn = compile_ddp(ddp, backend=cfg.backend)
+        runner.fn.register_comm_hook(link, SimulatedLink.hook)
+        return runner
+    ddp.register_comm_hook(link, SimulatedLink.hook)
     if mode == "builtin":
         runner.fn = torch.compile(ddp, backend=cfg.backend)
         runner.builtin_log = _BuiltinBuckets()
     elif mode == "nosplit":
         runner.fn = compile_ddp(ddp, backend=cfg.backend, split=False)
-    elif mode == "ours":
-        runner.fn = compile_ddp(ddp, backend=cfg.backend)
     return runner
 
 

@@ -14,6 +14,7 @@ from compiler import resolve_backend
 
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps
+from .realign import realign_reducer, reducer_finalized, registered_hook_name
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,38 @@ class CompiledDDP:
     Attributes:
         ddp_model: the wrapped DDP module.
         ddp_optimizer: the splitter, or None when compiled with ``split=False``.
+        align_buckets: re-create DDP's reducer once, after the first step, so that
+            its buckets equal the partitions (Note [Bucket realignment]).
+        aligned_caps: the caps given to the reducer, once realigned.
     """
 
-    def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None) -> None:
+    def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
+                 align_buckets: bool = False) -> None:
         self.ddp_model = ddp_model
         self.ddp_optimizer = ddp_optimizer
+        self.align_buckets = align_buckets and ddp_optimizer is not None and not ddp_model.static_graph
+        if align_buckets and ddp_model.static_graph:
+            log.info("compile_ddp: align_buckets is skipped for DDP(static_graph=True), whose reducer rebuilds "
+                     "its buckets another way; DDP keeps its own buckets (see ddp_opt.measure_alignment).")
+        self.aligned_caps: tuple[int, ...] | None = None
+        self._comm_hooks: list[tuple[Any, Callable]] = []
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
+        self._comm_hooks.append((state, hook))
+        self.ddp_model.register_comm_hook(state, hook)
+
+    def _maybe_realign(self) -> None:
+        if (self.align_buckets and self.aligned_caps is None and len(self.buckets) > 1
+                and torch.is_grad_enabled() and reducer_finalized(self.ddp_model)):
+            self.aligned_caps = realign_reducer(self.ddp_model, self.buckets, self._comm_hooks)
 
     @property
     def buckets(self) -> list[Bucket]:
         return self.ddp_optimizer.buckets if self.ddp_optimizer is not None else []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_realign()
         return self.ddp_model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -106,6 +128,7 @@ def compile_ddp(
     split: bool = True,
     check_plans: bool = True,
     wrap_backend: Callable[[Callable], Callable] | None = None,
+    align_buckets: bool = True,
     **more: Any,
 ) -> CompiledDDP:
     """Compile a DDP model, split at the bucket boundaries DDP really uses.
@@ -127,6 +150,11 @@ def compile_ddp(
             communication with backward; for comparison).
         check_plans: fail on every rank, with the first differing bucket named,
             when ranks plan different buckets (which would deadlock in backward).
+        align_buckets: after the first step, make DDP's runtime buckets equal
+            the partitions (otherwise DDP's rebuild can make a bucket straddle
+            two partitions and wait for the later one). Register comm hooks
+            through the returned object's ``register_comm_hook``. Not applied
+            to ``DDP(static_graph=True)``.
         wrap_backend: applied to the backend dynamo calls (the splitter, or the
             plain backend with ``split=False``), e.g. ``Diagnoser().wrap`` to see
             every captured graph and its graph-break reason.
@@ -148,6 +176,14 @@ def compile_ddp(
             "(module.compile() or an earlier compile_ddp call). Compiling it again would nest two compilers. "
             "Call compile_ddp once, on a DDP model whose module is not compiled."
         )
+    hook = registered_hook_name(ddp_model) if (align_buckets and split and not ddp_model.static_graph) else None
+    if hook is not None:
+        raise ValueError(
+            f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
+            f"equal the graph partitions, and the comm hook {hook!r} already registered on this DDP module would "
+            "be lost with the old reducer. Register the hook on the object compile_ddp returns instead "
+            "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
+        )
     backend_fn = resolve_backend(backend, mode=mode, options=options, dynamic=dynamic)
     optimizer = None
     if split:
@@ -166,5 +202,5 @@ def compile_ddp(
     # it the same way. In place, state_dict keys stay DDP's.
     inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
     _keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer)
+    return CompiledDDP(ddp_model, optimizer, align_buckets=align_buckets)
 

@@ -1,5 +1,7 @@
 """Alignment of DDP's runtime buckets with the partitions (measured, not enforced)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -43,19 +45,73 @@ def test_one_parameter_per_partition_is_fully_aligned():
     assert a.fraction == 1.0 and a.aligned == [True] * 4
 
 
-def test_split_gpt_drifts_from_its_partitions_after_ddps_rebuild():
-    # The problem issue 5 is about: DDP rebuilds its buckets from the order in
-    # which the compiled partitions hand out gradients, which is not the reverse
-    # graph order the plan counted in, so some buckets straddle two partitions.
+def _gpt_pair(**compile_kwargs):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(GPTConfig())
+    ref = DDP(copy.deepcopy(model), bucket_cap_mb=1)
     ddp = DDP(model, bucket_cap_mb=1)
-    compiled = compile_ddp(ddp, backend="aot_eager")
+    return model, ddp, ref, compile_ddp(ddp, backend="aot_eager", **compile_kwargs)
+
+
+def test_without_realignment_the_split_gpt_drifts_from_its_partitions():
+    # The problem issue 5 is about: DDP rebuilds its buckets from the order in
+    # which the compiled partitions hand out gradients, which is not the reverse
+    # graph order the plan counted in, so some buckets straddle two partitions.
+    model, ddp, _, compiled = _gpt_pair(align_buckets=False)
     x = torch.randint(0, 512, (2, 16))
     _train(compiled, lambda: (x, x))
     a = measure_alignment(ddp, compiled.buckets)
     assert len(a.runtime_bytes) == len(compiled.buckets) == 4
     assert sum(a.runtime_bytes) == sum(b.size for b in compiled.buckets)
     assert 0.0 < a.fraction < 1.0
+    torch._dynamo.reset()
+
+
+def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
+    model, ddp, ref, compiled = _gpt_pair()
+    for step in range(4):
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+        compiled(x, x)[1].backward()
+        ref(x, x)[1].backward()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
+        ddp.zero_grad(), ref.zero_grad()
+    a = measure_alignment(ddp, compiled.buckets)
+    assert a.fraction == 1.0 and a.aligned == [True] * 4
+    assert compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
+    torch._dynamo.reset()
+
+
+def test_comm_hooks_survive_realignment_or_are_refused():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(len(bucket.parameters()))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    torch._dynamo.reset()
+    ddp = DDP(nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))), bucket_cap_mb=1)
+    ddp.register_comm_hook(None, counting_hook)
+    with pytest.raises(ValueError, match=r"comm hook '[^']*counting_hook' already registered on this DDP module would be lost"):
+        compile_ddp(ddp, backend="aot_eager")
+    model, ddp, _, compiled = _gpt_pair()
+    compiled.register_comm_hook(None, counting_hook)
+    x = torch.randint(0, 512, (2, 16))
+    _train(compiled, lambda: (x, x), steps=3)
+    assert compiled.aligned_caps is not None
+    calls.clear()
+    _train(compiled, lambda: (x, x), steps=1)
+    assert len(calls) == 4  # the hook still runs, once per (realigned) bucket
+    torch._dynamo.reset()
+
+
+def test_static_graph_ddp_is_not_realigned():
+    torch._dynamo.reset()
+    ddp = DDP(nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))), bucket_cap_mb=0.01, static_graph=True)
+    compiled = compile_ddp(ddp, backend="aot_eager")
+    _train(compiled, lambda: (torch.randn(2, 64),))
+    assert compiled.align_buckets is False and compiled.aligned_caps is None
     torch._dynamo.reset()

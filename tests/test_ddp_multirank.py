@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
-from ddp_opt import compile_ddp
+from ddp_opt import compile_ddp, measure_alignment
 from models import GPT, GPTConfig
 
 STEPS = 4
@@ -41,9 +41,10 @@ def _train_pair(rank, model, vocab, loss_of, bucket_cap_mb, backend, dynamic=Non
         losses.append((loss.item(), ref_loss.item()))
     max_param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref_model.parameters()))
     runtime_buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
+    alignment = measure_alignment(ddp, compiled.buckets).fraction
     return dict(losses=losses, max_param_diff=max_param_diff, partitions=len(compiled.buckets),
                 runtime_buckets=runtime_buckets, statuses=[r.status for r in compiled.ddp_optimizer.records],
-                compiles=compiled.ddp_optimizer.compiles)
+                compiles=compiled.ddp_optimizer.compiles, alignment=alignment)
 
 
 def _gpt_loss(model, x, y):
@@ -62,6 +63,7 @@ def _check(results, min_partitions):
         assert r["max_param_diff"] < 1e-5, f"rank {rank}"
         assert r["partitions"] == r["runtime_buckets"] >= min_partitions, f"rank {rank}: {r}"
         assert set(r["statuses"]) == {"compiled"}
+        assert r["alignment"] == 1.0, f"rank {rank}: DDP's buckets are not the partitions"
     # ranks saw different data but DDP kept them in sync
     assert results[0]["losses"][0] != results[1]["losses"][0]
 
