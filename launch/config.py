@@ -28,6 +28,7 @@ __all__ = [
     "ParallelConfig",
     "CompileConfig",
     "DDPConfig",
+    "FSDPOptions",
     "DataConfig",
     "TrainConfig",
     "JobConfig",
@@ -39,6 +40,7 @@ __all__ = [
 MODEL_NAMES = ("gpt_tiny", "hf_gpt2", "custom")
 PARALLEL_NAMES = ("ddp", "fsdp", "none")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+MIXED_PRECISION = ("none", "bf16")
 
 
 class ConfigError(ValueError):
@@ -103,6 +105,24 @@ class DDPConfig:
 
 
 @dataclass
+class FSDPOptions:
+    """``fsdp`` section (``parallel=fsdp`` only), passed to ``fsdp_opt.FSDPConfig``:
+    ``fsdp.shard_unit_mb=4 fsdp.prefetch=1`` on the command line."""
+
+    # Group consecutive blocks into one shard unit of at least this many MiB of
+    # all-gather; null: one unit per block.
+    shard_unit_mb: Optional[float] = None
+    # Shard units to all-gather ahead, in forward and backward; 0: FSDP2's implicit prefetch.
+    prefetch: int = 1
+    # Free gathered parameters after forward (all-gather again in backward); false keeps them.
+    reshard_after_forward: bool = True
+    # Recompute each block's activations in backward.
+    checkpointing: bool = False
+    # none: float32 throughout; bf16: parameters gathered and computed in bf16, gradients reduced in float32.
+    mixed_precision: str = "none"
+
+
+@dataclass
 class DataConfig:
     """``data`` group. ``synthetic``: tokens that are a pure function of
     (seed, rank, step). A user dataset: ``_target_(**kwargs)`` returning an object
@@ -137,6 +157,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     # Diagnose the compile (compiler.diagnose): rank 0 prints a report at the end
@@ -167,6 +188,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _validate_parallel(cfg.parallel)
     _validate_compile(cfg.compile)
     _validate_ddp(cfg.ddp, cfg.parallel)
+    _validate_fsdp(cfg.fsdp, cfg.parallel)
     _validate_data(cfg.data)
     _validate_train(cfg.train, world_size)
     _validate_diagnose(cfg)
@@ -331,6 +353,32 @@ def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
             )
 
 
+def _validate_fsdp(f: FSDPOptions, p: ParallelConfig) -> None:
+    changed = [k for k, v in vars(FSDPOptions()).items() if getattr(f, k) != v]
+    if p.name != "fsdp" and changed:
+        raise ConfigError(
+            f"fsdp.{changed[0]}={getattr(f, changed[0])!r} is set but parallel={p.name}: fsdp.* settings "
+            "configure FSDP2 sharding (fsdp_opt) and nothing else uses them. Use parallel=fsdp, or drop the "
+            "fsdp.* overrides."
+        )
+    if f.shard_unit_mb is not None:
+        _positive("fsdp.shard_unit_mb", f.shard_unit_mb, "a positive size in MiB",
+                  "consecutive blocks are grouped into one shard unit until its all-gather holds that many MiB",
+                  "Give a size, e.g. fsdp.shard_unit_mb=4, or fsdp.shard_unit_mb=null for one unit per block.")
+    if isinstance(f.prefetch, bool) or not isinstance(f.prefetch, int) or f.prefetch < 0:
+        raise ConfigError(
+            f"fsdp.prefetch={f.prefetch!r} is not valid: it is how many shard units ahead to all-gather, a "
+            "non-negative integer. Use fsdp.prefetch=1 (the default), or fsdp.prefetch=0 to leave FSDP2's "
+            "implicit prefetching alone."
+        )
+    if f.mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"fsdp.mixed_precision={f.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}: bf16 gathers "
+            "and computes parameters in bfloat16 and reduces gradients in float32. Use fsdp.mixed_precision=bf16, "
+            "or fsdp.mixed_precision=none to train in float32."
+        )
+
+
 def _validate_data(d: DataConfig) -> None:
     if d.name == "synthetic" and not d._target_:
         return
@@ -423,9 +471,16 @@ def describe(cfg: JobConfig) -> str:
         ("parallel", f"{cfg.parallel.name} ({cfg.parallel.dist_backend})"),
         ("compile", comp),
         *([("ddp", ddp + (" static_graph" if d.static_graph else ""))] if cfg.parallel.name == "ddp" else []),
+        *([("fsdp", _describe_fsdp(cfg.fsdp))] if cfg.parallel.name == "fsdp" else []),
         ("data", data),
         ("train", f"steps={t.steps} batch={t.batch_size} seq={t.seq_len} lr={t.lr} seed={t.seed} "
                   f"resume={t.resume}"),
         ("checkpoint", ckpt),
     ]
     return "\n".join(f"  {k:<10} {v}" for k, v in lines)
+
+
+def _describe_fsdp(f: FSDPOptions) -> str:
+    units = f"shard_unit_mb={f.shard_unit_mb}" if f.shard_unit_mb is not None else "one unit per block"
+    return (f"{units} prefetch={f.prefetch} reshard_after_forward={f.reshard_after_forward} "
+            f"checkpointing={f.checkpointing} mixed_precision={f.mixed_precision}")

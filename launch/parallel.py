@@ -11,19 +11,22 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig
+from .config import CompileConfig, ConfigError, DDPConfig, FSDPOptions, JobConfig, ModelConfig
 from .dist import DistEnv
+
+if TYPE_CHECKING:
+    import fsdp_opt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "fsdp_entry_point"]
+__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "fsdp_config", "fsdp_entry_point"]
 
 DDP_DEFAULT_CAP_MB = 25.0
 
@@ -116,15 +119,32 @@ def fsdp_entry_point() -> Callable[..., Any]:
     return fn
 
 
-def _apply_fsdp(model: nn.Module, c: CompileConfig) -> None:
-    """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's recipe)."""
+def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
+    """The ``fsdp_opt.FSDPConfig`` for the job's ``fsdp`` and ``compile`` sections.
+
+    ``compile.backend=eager`` means no compile; otherwise each block is compiled
+    (``compile.fullgraph`` as given: the launcher's default is False, so a graph
+    break inside a block falls back instead of failing the job)."""
     import fsdp_opt
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     compile_cfg = None
     if c.backend != "eager":
         compile_cfg = fsdp_opt.CompileConfig(backend=c.backend, mode=c.mode, options=dict(c.options),
                                              dynamic=c.dynamic, fullgraph=c.fullgraph)
-    plan = fsdp_entry_point()(model, fsdp_opt.FSDPConfig(compile=compile_cfg))
+    mp = None
+    if f.mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fsdp_opt.FSDPConfig(
+        compile=compile_cfg, shard_unit_mb=f.shard_unit_mb, prefetch=f.prefetch,
+        reshard_after_forward=f.reshard_after_forward, checkpointing=f.checkpointing, mp_policy=mp,
+    )
+
+
+def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> None:
+    """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's
+    recipe; fsdp_opt logs the shard-unit table on rank 0)."""
+    plan = fsdp_entry_point()(model, fsdp_config(cfg.fsdp, cfg.compile))
     log.debug("fsdp plan:\n%s", plan.table())
 
 
@@ -155,7 +175,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
         compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, wrap_backend=wrap_backend, **_compile_kwargs(c))
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == "fsdp":
-        _apply_fsdp(model, c)  # shards (and compiles the blocks of) the model in place
+        _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
         return Wrapped(model, model)
     if not compile_it:
         return Wrapped(model, model)

@@ -1,0 +1,168 @@
+"""``parallel=fsdp`` in the main job: the ``fsdp.*`` options compose, validate with
+their own messages and reach ``fsdp_opt``; under torchrun with 2 gloo ranks the
+issue's command exits 0, and a run killed mid-way resumes from its sharded DCP
+checkpoint to the same losses and final parameters as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from launch.config import ConfigError, FSDPOptions, JobConfig, describe, register_configs, validate
+from launch.parallel import fsdp_config
+from launch.train import FAULT_ENV, to_job_config
+
+
+def _job(*overrides: str) -> JobConfig:
+    register_configs()
+    with initialize_config_module("configs", version_base="1.3"):
+        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+
+
+# --- config: compose, validate, convert (no process group) ---------------------------
+
+
+def test_fsdp_options_compose_and_reach_fsdp_config():
+    cfg = _job("parallel=fsdp", "compile.backend=aot_eager", "fsdp.shard_unit_mb=4", "fsdp.prefetch=2",
+               "fsdp.reshard_after_forward=false", "fsdp.checkpointing=true", "fsdp.mixed_precision=bf16")
+    validate(cfg, world_size=2)
+    fc = fsdp_config(cfg.fsdp, cfg.compile)
+    assert (fc.shard_unit_mb, fc.prefetch, fc.reshard_after_forward, fc.checkpointing) == (4.0, 2, False, True)
+    assert fc.mp_policy.param_dtype == torch.bfloat16 and fc.mp_policy.reduce_dtype == torch.float32
+    assert fc.compile.backend == "aot_eager" and fc.compile.fullgraph is False
+    assert "fsdp       shard_unit_mb=4.0 prefetch=2" in describe(cfg)
+
+
+def test_fsdp_defaults_are_one_unit_per_block_and_eager_means_no_compile():
+    cfg = _job("parallel=fsdp", "compile=eager")
+    assert cfg.fsdp == FSDPOptions()
+    fc = fsdp_config(cfg.fsdp, cfg.compile)
+    assert fc.compile is None and fc.shard_unit_mb is None and fc.prefetch == 1 and fc.mp_policy is None
+    assert "one unit per block" in describe(cfg)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["fsdp.shard_unit_mb=0"], r"fsdp\.shard_unit_mb=0\.0 is not valid: it must be a positive size in MiB.*"
+                               r"fsdp\.shard_unit_mb=null for one unit per block"),
+    (["fsdp.prefetch=-1"], r"fsdp\.prefetch=-1 is not valid.*non-negative.*fsdp\.prefetch=0 to leave"),
+    (["fsdp.mixed_precision=fp8"], r"fsdp\.mixed_precision='fp8' is not one of none, bf16.*mixed_precision=none"),
+])
+def test_bad_fsdp_values_are_named_with_a_fix(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(_job("parallel=fsdp", *overrides), world_size=2)
+
+
+def test_fsdp_options_without_parallel_fsdp_are_refused():
+    with pytest.raises(ConfigError, match=r"fsdp\.prefetch=2 is set but parallel=ddp.*Use parallel=fsdp, or drop"):
+        validate(_job("fsdp.prefetch=2"), world_size=2)
+
+
+def test_cli_bad_fsdp_value_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.train", "parallel=fsdp", "fsdp.mixed_precision=fp8",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "fsdp.mixed_precision='fp8'" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+# --- 2 ranks under torchrun ---------------------------------------------------------
+
+SMALL = ["parallel=fsdp", "compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+         "train.batch_size=4", "train.seq_len=32", "fsdp.shard_unit_mb=0.3"]  # both blocks (~0.19 MiB each) in one unit
+STEPS, EVERY, KILL_AT = 6, 2, 5  # checkpoints after steps 2, 4, 6; rank 1 dies at the start of step 5
+
+
+def _torchrun(cwd: Path, *overrides: str, fault: str | None = None, timeout: float = 240):
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if fault:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "0", "-m", "launch.train", *overrides]
+    # Own session, so that a timeout kills the workers too, not only torchrun.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not end within {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters of a DCP checkpoint, as one state dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank FSDP run with checkpoints: the yardstick for the resume test."""
+    cwd = tmp_path_factory.mktemp("fsdp_reference")
+    proc = _torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run")
+    _ok(proc)
+    return cwd, proc
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_run_shards_in_units_trains_and_exits(reference):
+    cwd, proc = reference
+    out = proc.stdout
+    assert "distcompile main job: 2 rank(s), cpu + gloo" in out and "parallel   fsdp (auto)" in out
+    assert "fsdp_opt: 2 blocks in 1 shard units, prefetch 1, compile aot_eager" in out
+    assert out.count("fsdp_opt: 2 blocks") == 1  # the plan is logged by rank 0 only
+    for step in range(1, STEPS + 1):
+        assert f"step     {step}/{STEPS}  loss" in out
+    assert f"done: steps 1..{STEPS}" in out
+    metrics = _metrics(cwd / "run")
+    assert metrics["world_size"] == 2 and len(metrics["losses"]) == STEPS
+    assert metrics["config"]["fsdp"]["shard_unit_mb"] == 0.3
+    losses = [loss for _, loss in metrics["losses"]]
+    assert losses[-1] < losses[0], f"the loss did not go down: {losses}"
+
+
+@pytest.mark.slow
+def test_killed_fsdp_run_resumes_from_sharded_checkpoint_to_same_losses_and_parameters(reference, tmp_path):
+    ref_dir, _ = reference
+    common = [*SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}"]
+    died = _torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
+    assert died.returncode != 0, "the injected fault did not kill the job"
+    assert "killing myself at step 5" in died.stderr
+    assert not (tmp_path / "checkpoints" / f"step_{STEPS:06d}").exists()
+    resumed_proc = _torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second")
+    _ok(resumed_proc)
+    assert "resumed from checkpoints/step_000004 at step 4" in resumed_proc.stdout
+    ref, got = _metrics(ref_dir / "run"), _metrics(tmp_path / "second")
+    assert got["start_step"] == 4 and [s for s, _ in got["losses"]] == [5, 6]
+    ref_losses = dict(ref["losses"])
+    for step, loss in got["losses"]:
+        torch.testing.assert_close(loss, ref_losses[step], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, step=step: f"loss differs at step {step}: {m}")
+    ref_p = _final_params(ref_dir / "checkpoints" / f"step_{STEPS:06d}")
+    got_p = _final_params(tmp_path / "checkpoints" / f"step_{STEPS:06d}")
+    assert ref_p.keys() == got_p.keys() and any(k.startswith("blocks.1.") for k in ref_p)
+    for name in ref_p:
+        torch.testing.assert_close(got_p[name], ref_p[name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"final parameter {name} differs: {m}")
