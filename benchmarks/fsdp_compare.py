@@ -1,0 +1,274 @@
+"""FSDP2 without compile vs per-block compile vs per-block compile with shard-unit
+grouping and explicit prefetch (ours), side by side in one torchrun job (see Note
+[Interleaved FSDP benchmark] in ``benchmarks.fsdp_harness``).
+
+    python -m benchmarks.fsdp_compare --quick --json bench_out/fsdp_quick.json
+    python -m benchmarks.fsdp_compare --json bench_out/fsdp.json --readme README.md
+    python -m benchmarks.fsdp_compare --from-json bench_out/fsdp.json --readme README.md   # no run
+
+Run outside torchrun, it relaunches itself under ``torch.distributed.run
+--standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
+to stdout, and writes the JSON rows, the plot and the README section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
+           "ROW_KEYS", "START", "END"]
+
+# The keys issue #7 asks for; rows carry more (IQRs, unit sizes, compile seconds, ...).
+ROW_KEYS = ("mode", "backend", "step_ms_median", "ratio_vs_per_block", "peak_mem_mib_per_rank",
+            "loss_max_abs_diff", "units")
+
+START = "<!-- bench:fsdp:start -->"
+END = "<!-- bench:fsdp:end -->"
+
+QUICK = {"backend": "aot_eager", "warmup": 2, "steps": 20}
+DEFAULTS = {"backend": "inductor", "warmup": 3, "steps": 30}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.fsdp_compare", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="aot_eager, 2 warmup + 20 measured rounds (flags given explicitly still win)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to launch (default 2)")
+    p.add_argument("--backend", default=None, help="dynamo backend for the compiled modes (default inductor)")
+    p.add_argument("--modes", default="eager,per_block,grouped", help="comma-separated subset of the modes")
+    p.add_argument("--shard-unit-mb", type=float, default=2.0, help="grouped: target MiB per shard unit (default 2)")
+    p.add_argument("--prefetch", type=int, default=1, help="grouped: shard units all-gathered ahead (default 1)")
+    p.add_argument("--steps", type=int, default=None, help="measured rounds (default 30)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured rounds (default 3)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (block_size)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--embd", type=int, default=128, help="model width (default 128: ~0.76 MiB per block)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the rows here (a JSON list)")
+    p.add_argument("--plot", default=None, help="PNG of step time per mode (default: the --json path with .png)")
+    p.add_argument("--readme", default=None,
+                   help=f"Markdown file whose {START} ... {END} section is rewritten from the rows")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="with --readme: write the section from these row files (one table each), no run")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.plot is None and args.json:
+        args.plot = str(Path(args.json).with_suffix(".png"))
+    if args.from_json and not args.readme:
+        p.error("--from-json only renders rows into --readme; give --readme README.md too")
+    return args
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _ratio(r: dict) -> str:
+    text = _fmt(r.get("ratio_vs_per_block"), ".3f")
+    if r.get("ratio_q1") is not None and r.get("ratio_q3") is not None:
+        text += f" [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
+    return text
+
+
+def _cells(r: dict) -> list[str]:
+    peak = "/".join(f"{m:.0f}" for m in r["peak_mem_mib_per_rank"]) if r.get("peak_mem_mib_per_rank") else "-"
+    units = f"{r['units']} ({_unit_sizes(r.get('unit_mib') or [])})"
+    return [r["mode"], r["backend"], _fmt(r["step_ms_median"], ".1f"), _ratio(r), _fmt(r.get("compile_s"), ".1f"),
+            peak, _fmt(r.get("loss_max_abs_diff"), ".1e"), units, _fmt(r.get("prefetch"), "d")]
+
+
+def _unit_sizes(mib: Sequence[float]) -> str:
+    if mib and len(set(mib)) == 1:
+        return f"{mib[0]:.2f} each"
+    return "/".join(f"{m:.2f}" for m in mib)
+
+
+HEADERS = ["mode", "backend", "step ms", "vs per_block [IQR]", "compile s", "peak MiB/rank", "loss diff",
+           "units (MiB each)", "prefetch"]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    from tabulate import tabulate
+
+    return tabulate([_cells(r) for r in rows], headers=HEADERS, tablefmt="github")
+
+
+def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
+    """One run's rows as a Markdown paragraph (what, how measured; left out with
+    ``describe=False``), the command and the table."""
+    if not rows:
+        return "(no rows)"
+    r0 = rows[0]
+    kind = r0.get("peak_mem_kind", "")
+    mem = ("peak MiB/rank = `torch.cuda.max_memory_allocated` per rank over the measured steps"
+           if kind.startswith("cuda") else
+           "peak MiB/rank = each rank's process RSS high-water mark (`ru_maxrss`) at the end of the job, "
+           "the same for every mode (all modes share the process; CPU has no per-mode allocator counter)")
+    text = (
+        f"FSDP2 over plain {r0.get('transport', 'gloo').split()[0]} (the simulated link of the DDP benchmark is a DDP comm "
+        f"hook and does not apply to FSDP; on one machine this is loopback), world size {r0.get('world_size', '?')}, "
+        f"{r0.get('model', '')}, {r0.get('param_mib', 0):.1f} MiB of float32 parameters; modes interleaved "
+        "round by round. `eager` = FSDP2 without compile, `per_block` = each block compiled, one shard unit per block, "
+        "FSDP2's implicit prefetch; `grouped` (ours) = per-block compile, blocks grouped into shard units of "
+        f"`shard_unit_mb` and explicit prefetch. Ratios are medians of per-round ratios to `per_block` (IQR in "
+        "brackets; below 1 is faster). compile s = first step minus the median step (cold: `torch._dynamo.reset()` and a fresh "
+        f"inductor cache dir before each compiled mode); loss diff = max over ranks and steps of |loss - eager's loss|; {mem}. "
+        "Absolute times drift between tables with the machine's load; compare modes within a table."
+    )
+    parts = [text] if describe else []
+    run = f"{r0.get('rounds', '?')} measured rounds after {r0.get('warmup', '?')} warmup"
+    parts.append(f"Command ({run}): `{r0['command']}`" if r0.get("command") else f"{run}:")
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in sorted(rows, key=lambda r: r.get("mode_order", 0))]
+    parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def replace_section(text: str, body: str) -> str:
+    """``text`` with everything between the FSDP markers replaced by ``body``.
+
+    Raises:
+        ValueError: a marker is missing, repeated or out of order.
+    """
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise ValueError(
+            f"Expected exactly one {START!r} followed by one {END!r} in the file, found "
+            f"{text.count(START)} start and {text.count(END)} end marker(s). Add the two markers "
+            "where the results belong; nothing outside them is touched."
+        )
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{body}\n{END}{tail}"
+
+
+def update_readme(runs: Sequence[Sequence[dict]], target: str | Path, sources: Sequence[str] = ()) -> str:
+    """Rewrite ``target``'s FSDP section with one table per run; return the new body.
+
+    Args:
+        runs: each run's rows, as ``--json`` writes them.
+        target: the Markdown file with the FSDP markers.
+        sources: the JSON paths the runs were read from, named in the footer.
+    """
+    body = "\n\n".join(results_markdown(rows, describe=i == 0) for i, rows in enumerate(runs))
+    src = " ".join(sources) if sources else "ROWS.json"
+    body += f"\n\nGenerated by `python -m benchmarks.fsdp_compare --from-json {src} --readme {Path(target).name}`."
+    target = Path(target)
+    target.write_text(replace_section(target.read_text(), body))
+    return body
+
+
+def _plot(rows: Sequence[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for i, r in enumerate(rows):
+        err = [[r["step_ms_median"] - r["step_ms_q1"]], [r["step_ms_q3"] - r["step_ms_median"]]]
+        ax.bar(i, r["step_ms_median"], yerr=err, capsize=4)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['mode']}\n{r['units']} units" for r in rows])
+    ax.set_ylabel("median step ms (IQR)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _launch(argv: Sequence[str], nproc: int) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "benchmarks.fsdp_compare", *argv]
+    print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    env = dict(os.environ, BENCH_FSDP_COMMAND=shlex.join(["python", "-m", "benchmarks.fsdp_compare", *argv]))
+    return subprocess.call(cmd, env=env)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .fsdp_harness import FSDPBenchConfig, print0, run_fsdp
+
+    cfg = FSDPBenchConfig(
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
+        shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch, warmup=args.warmup, rounds=args.steps,
+        batch=args.batch, seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads,
+        seed=args.seed,
+    )
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        print0(f"fsdp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
+               f"{cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}, "
+               f"grouped: shard_unit_mb={cfg.shard_unit_mb:g} prefetch={cfg.prefetch}")
+        t0 = time.perf_counter()
+        rows = run_fsdp(cfg)
+        if dist.get_rank() == 0:
+            command = os.environ.get("BENCH_FSDP_COMMAND", "python -m benchmarks.fsdp_compare " + shlex.join(sys.argv[1:]))
+            for row in rows:
+                row["command"] = command
+            print(format_table(rows), flush=True)
+            print0(f"fsdp_compare: done in {time.perf_counter() - t0:.0f} s.")
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+                print0(f"wrote {args.json}")
+            if args.plot:
+                try:
+                    import matplotlib  # noqa: F401
+                except ImportError:
+                    print0(f"not writing {args.plot}: matplotlib is not installed (pip install -e .[bench]).")
+                else:
+                    _plot(rows, args.plot, f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}")
+                    print0(f"wrote {args.plot}")
+            if args.readme:
+                update_readme([rows], args.readme, [args.json] if args.json else ())
+                print0(f"updated {args.readme}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.from_json:
+        update_readme([json.loads(Path(p).read_text()) for p in args.from_json], args.readme, args.from_json)
+        print(f"updated {args.readme}")
+        return 0
+    from .fsdp_harness import FSDPBenchConfig
+
+    FSDPBenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+                    shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch,
+                    rounds=args.steps, warmup=args.warmup)  # fail before launching anything
+    if "LOCAL_RANK" not in os.environ:
+        return _launch(argv, args.nproc)
+    return _worker(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""The fsdp_compare harness: argument defaults, the README section writer, and one
+tiny end-to-end run on 2 gloo ranks with aot_eager. Checks the rows, never the timings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.fsdp_compare import END, ROW_KEYS, START, main, parse_args, replace_section, results_markdown
+
+REPO = Path(__file__).resolve().parents[1]
+# Two blocks of ~0.19 MiB each: per_block has 2 units, grouped (0.3 MiB target) puts both in 1.
+TINY = ["--backend", "aot_eager", "--layers", "2", "--embd", "64", "--heads", "2", "--vocab", "256", "--seq", "16",
+        "--batch", "2", "--steps", "2", "--warmup", "1", "--shard-unit-mb", "0.3"]
+
+
+def test_quick_defaults_and_explicit_flags_win():
+    args = parse_args(["--quick", "--json", "x/out.json"])
+    assert (args.backend, args.steps, args.warmup) == ("aot_eager", 20, 2)
+    assert args.plot == str(Path("x/out.png"))
+    assert parse_args(["--quick", "--backend", "eager"]).backend == "eager"
+    assert parse_args([]).backend == "inductor"
+
+
+def test_bad_mode_fails_before_launching():
+    with pytest.raises(ValueError, match="valid modes are eager, per_block, grouped"):
+        main(["--modes", "eager,fast"])
+
+
+def test_from_json_needs_readme(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--from-json", "rows.json"])
+    assert "give --readme README.md too" in capsys.readouterr().err
+
+
+def test_replace_section_touches_only_the_fsdp_markers():
+    text = f"intro\n{START}\nold\n{END}\n<!-- bench:ddp:start -->\nddp\n<!-- bench:ddp:end -->\n"
+    new = replace_section(text, "NEW")
+    assert new == f"intro\n{START}\nNEW\n{END}\n<!-- bench:ddp:start -->\nddp\n<!-- bench:ddp:end -->\n"
+    with pytest.raises(ValueError, match="Expected exactly one"):
+        replace_section("no markers", "x")
+
+
+def test_tiny_run_writes_rows_table_and_readme_section(tmp_path):
+    out, readme = tmp_path / "rows.json", tmp_path / "README.md"
+    readme.write_text(f"# t\n{START}\n{END}\ntail\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fsdp_compare", *TINY, "--json", str(out), "--readme", str(readme)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["eager", "per_block", "grouped"]
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r), f"{r['mode']} lacks {set(ROW_KEYS) - set(r)}"
+        assert r["backend"] == ("eager" if r["mode"] == "eager" else "aot_eager") and r["step_ms_median"] > 0
+        assert r["loss_max_abs_diff"] < 1e-4, f"{r['mode']} drifted from eager by {r['loss_max_abs_diff']}"
+        assert len(r["peak_mem_mib_per_rank"]) == 2 and all(m > 0 for m in r["peak_mem_mib_per_rank"])
+        assert r["transport"].startswith("gloo")
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["per_block"]["units"] == 2 and by_mode["grouped"]["units"] == 1
+    assert by_mode["grouped"]["prefetch"] == 1 and by_mode["per_block"]["prefetch"] == 0
+    assert by_mode["per_block"]["ratio_vs_per_block"] == pytest.approx(1.0)
+    assert "| grouped" in proc.stdout  # the table
+    assert "round 2/2" in proc.stderr  # progress
+    text = readme.read_text()
+    assert text.startswith(f"# t\n{START}\n") and text.endswith(f"{END}\ntail\n")
+    assert "| grouped | aot_eager |" in text and "plain gloo" in text and "RSS high-water mark" in text
+    assert results_markdown(rows) in text
+
+
+def test_from_json_rewrites_readme_without_running(tmp_path):
+    rows = [{"mode": "eager", "backend": "eager", "step_ms_median": 10.0, "ratio_vs_per_block": 0.9, "ratio_q1": 0.8,
+             "ratio_q3": 1.0, "peak_mem_mib_per_rank": [100.0, 101.0], "loss_max_abs_diff": 0.0, "units": 2,
+             "unit_mib": [0.5, 0.5], "prefetch": 0, "compile_s": 0.0, "transport": "gloo"}]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{START}\n{END}\n")
+    assert main(["--from-json", str(tmp_path / "rows.json"), "--readme", str(readme)]) == 0
+    assert "| eager | eager | 10.0 | 0.900 [0.800, 1.000] | 0.0 | 100/101 | 0.0e+00 | 2 (0.50 each) | 0 |" in readme.read_text()
