@@ -16,11 +16,12 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
 
@@ -107,14 +108,6 @@ def _cache_cell(events: dict | None) -> str:
     return f"{events['aot_hit']}/{events['aot_miss']}/{events['aot_bypass']}"
 
 
-def _launch(argv: Sequence[str], nproc: int) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "benchmarks.ddp_compare", *argv]
-    print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    env = dict(os.environ, BENCH_DDP_COMMAND=shlex.join(["python", "-m", "benchmarks.ddp_compare", *argv]))
-    return subprocess.call(cmd, env=env)
-
-
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -171,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .link import parse_link
 
     parse_link(args.link)  # fail before launching anything
-    if "LOCAL_RANK" not in os.environ:
-        return _launch(argv, args.nproc)
+    if not inside_torchrun():
+        return relaunch("benchmarks.ddp_compare", argv, args.nproc, "BENCH_DDP_COMMAND")
     return _worker(args)
 
 

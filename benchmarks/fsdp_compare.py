@@ -18,11 +18,13 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+from . import readme_results
+from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
            "ROW_KEYS", "START", "END"]
@@ -144,20 +146,8 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
 
 
 def replace_section(text: str, body: str) -> str:
-    """``text`` with everything between the FSDP markers replaced by ``body``.
-
-    Raises:
-        ValueError: a marker is missing, repeated or out of order.
-    """
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise ValueError(
-            f"Expected exactly one {START!r} followed by one {END!r} in the file, found "
-            f"{text.count(START)} start and {text.count(END)} end marker(s). Add the two markers "
-            "where the results belong; nothing outside them is touched."
-        )
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{body}\n{END}{tail}"
+    """``text`` with everything between the FSDP markers replaced by ``body``."""
+    return readme_results.replace_section(text, body, START, END)
 
 
 def update_readme(runs: Sequence[Sequence[dict]], target: str | Path, sources: Sequence[str] = ()) -> str:
@@ -194,14 +184,6 @@ def _plot(rows: Sequence[dict], path: str, title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _launch(argv: Sequence[str], nproc: int) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "benchmarks.fsdp_compare", *argv]
-    print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    env = dict(os.environ, BENCH_FSDP_COMMAND=shlex.join(["python", "-m", "benchmarks.fsdp_compare", *argv]))
-    return subprocess.call(cmd, env=env)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -265,8 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     FSDPBenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                     shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch,
                     rounds=args.steps, warmup=args.warmup)  # fail before launching anything
-    if "LOCAL_RANK" not in os.environ:
-        return _launch(argv, args.nproc)
+    if not inside_torchrun():
+        return relaunch("benchmarks.fsdp_compare", argv, args.nproc, "BENCH_FSDP_COMMAND")
     return _worker(args)
 
 

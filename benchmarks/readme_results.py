@@ -68,21 +68,21 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
     return "\n\n".join(parts)
 
 
-def replace_section(text: str, body: str) -> str:
-    """``text`` with everything between the markers replaced by ``body``.
+def replace_section(text: str, body: str, start: str = START, end: str = END) -> str:
+    """``text`` with everything between the ``start`` and ``end`` markers replaced by ``body``.
 
     Raises:
         ValueError: a marker is missing, repeated or out of order.
     """
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
         raise ValueError(
-            f"Expected exactly one {START!r} followed by one {END!r} in the file, found "
-            f"{text.count(START)} start and {text.count(END)} end marker(s). Add the two markers "
+            f"Expected exactly one {start!r} followed by one {end!r} in the file, found "
+            f"{text.count(start)} start and {text.count(end)} end marker(s). Add the two markers "
             "where the results belong; nothing outside them is touched."
         )
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{body}\n{END}{tail}"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 def update_file(json_path: str | Path, target: str | Path, plot: str | None = None) -> str:

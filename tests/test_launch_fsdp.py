@@ -5,12 +5,9 @@ checkpoint to the same losses and final parameters as an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +15,8 @@ from hydra import compose, initialize_config_module
 
 from launch.config import ConfigError, FSDPOptions, JobConfig, describe, register_configs, validate
 from launch.parallel import fsdp_config
-from launch.train import FAULT_ENV, to_job_config
+from launch.train import to_job_config
+from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok, torchrun as _torchrun
 
 
 def _job(*overrides: str) -> JobConfig:
@@ -80,41 +78,6 @@ def test_cli_bad_fsdp_value_exits_2(tmp_path):
 SMALL = ["parallel=fsdp", "compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
          "train.batch_size=4", "train.seq_len=32", "fsdp.shard_unit_mb=0.3"]  # both blocks (~0.19 MiB each) in one unit
 STEPS, EVERY, KILL_AT = 6, 2, 5  # checkpoints after steps 2, 4, 6; rank 1 dies at the start of step 5
-
-
-def _torchrun(cwd: Path, *overrides: str, fault: str | None = None, timeout: float = 240):
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "0", "-m", "launch.train", *overrides]
-    # Own session, so that a timeout kills the workers too, not only torchrun.
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not end within {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _ok(proc) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-
-
-def _metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
-def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The full (unsharded) parameters of a DCP checkpoint, as one state dict."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = ckpt.parent / f"{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=False)["model"]
 
 
 @pytest.fixture(scope="module")

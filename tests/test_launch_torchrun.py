@@ -4,17 +4,12 @@ its own, a run killed mid-way and resumed matches an uninterrupted one, and unde
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch.train import FAULT_ENV
+from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok, torchrun as _torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -22,41 +17,6 @@ pytestmark = pytest.mark.slow
 SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
          "train.batch_size=4", "train.seq_len=32", "ddp.bucket_cap_mb=0.05"]
 STEPS, EVERY, KILL_AT = 8, 3, 8  # checkpoints after steps 3, 6, 8; a rank dies at the start of step 8
-
-
-def _torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int = 0, timeout: float = 300):
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "launch.train", *overrides]
-    # Own session, so that a timeout kills the workers too, not only torchrun.
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        # A hung exit lands here: the job must end by itself.
-        pytest.fail(f"torchrun did not end within {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _ok(proc) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-
-
-def _metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
-def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = ckpt.parent / f"{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=False)["model"]
 
 
 def _assert_same_training(ref: dict, got: dict, ref_ckpt: Path, got_ckpt: Path, from_step: int) -> None:

@@ -1,0 +1,53 @@
+"""Running the main job under torchrun from a test: 2 ranks, an optional fault,
+a hard timeout that kills the workers too, and readers for what the job wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.train import FAULT_ENV
+
+
+def torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int = 0, timeout: float = 300):
+    """``torchrun --standalone --nproc-per-node 2 -m launch.train overrides`` in ``cwd``."""
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if fault:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "-m", "launch.train", *overrides]
+    # Own session, so that a timeout kills the workers too, not only torchrun.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        # A hung exit lands here: the job must end by itself.
+        pytest.fail(f"torchrun did not end within {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def final_params(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters of a DCP checkpoint, as one state dict."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=False)["model"]
