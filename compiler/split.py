@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 

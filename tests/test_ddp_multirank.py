@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
@@ -131,16 +130,14 @@ def test_ranks_with_different_plans_fail_together_naming_the_bucket():
 
 
 def _agree_rank(rank, world_size):
-    from ddp_opt import check_plan_agreement, plan_buckets  # noqa: F401
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
     compiled = compile_ddp(DDP(model, bucket_cap_mb=64 * 64 * 4 / 2**20), backend="eager")
     compiled(torch.randn(2, 64))
-    from ddp_opt.agreement import check_plan_agreement as check
+    from ddp_opt import check_plan_agreement
 
     # The check ran at compile time; run it again by hand to see its verdict.
-    return len(compiled.buckets), check(compiled.buckets, "test/agree", timeout_s=30)
+    return len(compiled.buckets), check_plan_agreement(compiled.buckets, "test/agree", timeout_s=30)
 
 
 def test_ranks_with_equal_plans_pass_the_check():
