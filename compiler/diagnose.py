@@ -78,6 +78,7 @@ class Report:
     partitions: list[PartitionRecord]
     advice: list[str]
     recompile_limit: int
+    alignment: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -96,6 +97,8 @@ class Report:
             out += ["", "recompilations:", tabulate(
                 [(r.function, f"{r.file}:{r.line}", r.guard) for r in self.recompiles],
                 headers=("function", "where", "failed guard"), tablefmt="simple")]
+        if self.alignment is not None:
+            out += [f"alignment of DDP's runtime buckets with the partitions: {self.alignment:.2f}"]
         if self.partitions:
             out += ["", "partitions (intended splits at DDP bucket boundaries):", tabulate(
                 [(p.index, p.name, p.status, f"{p.compile_s:.2f}", _short(p.error or "")) for p in self.partitions],
@@ -171,18 +174,22 @@ class Diagnoser:
             ))
         return found
 
-    def report(self, partitions: list[PartitionRecord] | None = None, step_s: float | None = None) -> Report:
+    def report(self, partitions: list[PartitionRecord] | None = None, step_s: float | None = None,
+               alignment: float | None = None, partition_mib: list[float] | None = None) -> Report:
         """Everything seen so far, with advice.
 
         Args:
             partitions: the partition records of a splitting backend (intended splits).
             step_s: a typical step time after warm-up, to weigh compile time against.
+            alignment: the fraction of gradient bytes whose runtime bucket is one
+                partition (``ddp_opt.measure_alignment``), if measured.
+            partition_mib: the partitions' gradient sizes in MiB, gradient-ready order.
         """
         recompiles = self.recompiles()
         partitions = list(partitions or [])
         limit = int(torch._dynamo.config.recompile_limit)
-        return Report(self.graphs, self.breaks, recompiles, partitions,
-                      advise(self.graphs, self.breaks, recompiles, partitions, limit, step_s), limit)
+        advice = advise(self.graphs, self.breaks, recompiles, partitions, limit, step_s, alignment, partition_mib)
+        return Report(self.graphs, self.breaks, recompiles, partitions, advice, limit, alignment)
 
 
 def advise(
@@ -192,9 +199,19 @@ def advise(
     partitions: list[PartitionRecord],
     recompile_limit: int,
     step_s: float | None = None,
+    alignment: float | None = None,
+    partition_mib: list[float] | None = None,
 ) -> list[str]:
     """Advice lines tied to what was seen."""
     advice = []
+    if alignment is not None and alignment < 0.99:
+        caps = f"[{', '.join(f'{m:.3g}' for m in partition_mib)}]" if partition_mib else "the partition sizes"
+        advice.append(
+            f"only {alignment:.0%} of the gradient bytes are in DDP buckets that match one partition: a bucket "
+            "that straddles two partitions waits for the later one. Keep compile_ddp's align_buckets=True (it is "
+            f"skipped for static_graph), or give DDP bucket_cap_mb_list={caps} (the partitions in MiB, "
+            "gradient-ready order) so its rebuilt buckets are the partitions."
+        )
     for b in breaks:
         advice.append(f"graph break at {b.file}:{b.line} ({b.code or _short(b.reason, 60)}): {_fix_for_break(b.reason)}")
     for r in recompiles:

@@ -142,7 +142,10 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     diagnosis = None
     if diagnoser is not None:
         diagnoser.__exit__(None, None, None)
-        report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3)
+        sizes = [b.size / 2**20 for b in reversed(_buckets(wrapped)) if b.size]
+        report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3,
+                                  alignment=alignment.fraction if alignment is not None else None,
+                                  partition_mib=sizes or None)
         diagnosis = json.loads(report.to_json())
         print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     metrics = {

@@ -97,7 +97,8 @@ def test_clean_model_gets_fullgraph_advice_and_json_round_trips():
     assert report.breaks == [] and report.recompiles == [] and len(report.graphs) == 1
     assert any("fullgraph=True" in a for a in report.advice)
     data = json.loads(report.to_json())
-    assert set(data) == {"graphs", "breaks", "recompiles", "partitions", "advice", "recompile_limit"}
+    assert set(data) == {"graphs", "breaks", "recompiles", "partitions", "advice", "recompile_limit", "alignment"}
+    assert data["alignment"] is None  # nothing measured without DDP
 
 
 def test_advice_for_divisibility_guards_and_the_recompile_limit():
@@ -110,3 +111,13 @@ def test_advice_for_divisibility_guards_and_the_recompile_limit():
     assert any("tests divisibility by 8 (Eq(Mod(s0, 8), 0)); pad that size to a multiple of 8" in a for a in advice)
     assert any("forward has compiled 5 times of at most 8" in a for a in advice)
     assert not any("fullgraph" in a for a in advice)  # no graphs seen: no claim about breaks
+
+
+def test_poor_alignment_suggests_the_partition_sizes_as_bucket_caps():
+    from compiler.diagnose import advise
+
+    advice = advise([], [], [], [], recompile_limit=8, alignment=0.39, partition_mib=[1.0078, 1.0085, 1.0093, 0.2822])
+    (line,) = [a for a in advice if "match one partition" in a]
+    assert line.startswith("only 39% of the gradient bytes are in DDP buckets that match one partition")
+    assert "bucket_cap_mb_list=[1.01, 1.01, 1.01, 0.282]" in line
+    assert not any("match one partition" in a for a in advise([], [], [], [], 8, alignment=1.0))

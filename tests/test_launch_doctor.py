@@ -16,11 +16,8 @@ from launch.train import run
 
 
 def _job(tmp_path, **kw) -> JobConfig:
-    return JobConfig(
-        model=ModelConfig(n_layer=2, n_head=2, n_embd=64),
-        train=TrainConfig(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt")),
-        **kw,
-    )
+    kw.setdefault("train", TrainConfig(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt")))
+    return JobConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64), **kw)
 
 
 def test_doctor_argv_sets_diagnose_a_short_run_and_the_json_path():
@@ -44,6 +41,21 @@ def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, c
     assert len(saved["graphs"]) == 1 and saved["breaks"] == [] and saved["recompiles"] == []
     assert len(saved["partitions"]) == len(metrics["buckets"]) > 1
     assert any("fullgraph=True" in a for a in saved["advice"])
+
+
+def test_diagnose_reports_poor_alignment_with_a_bucket_cap_suggestion(tmp_path, capsys):
+    # DDP(static_graph=True) is not realigned, so its buckets straddle partitions.
+    torch.set_num_threads(1)
+    try:
+        cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1, static_graph=True),
+                   diagnose=True, train=TrainConfig(steps=4, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "c")))
+        metrics = run(cfg, output_dir=str(tmp_path))
+    finally:
+        torch._dynamo.reset()
+    d = metrics["diagnosis"]
+    assert d["alignment"] == metrics["alignment"] < 1.0
+    assert any("bucket_cap_mb_list=[" in a for a in d["advice"])
+    assert "alignment of DDP's runtime buckets with the partitions" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kw, match", [
