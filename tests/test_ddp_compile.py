@@ -301,3 +301,29 @@ def test_plan_and_split_graph_appear_in_pytorchs_structured_trace():
     plan = __import__("json").loads(artifacts["ddp_opt_bucket_plan"])
     assert [b["params"] for b in plan] == [[f"layers.{i}.weight"] for i in range(4)]
     assert "submod_3" in artifacts["ddp_opt_split_graph"]
+
+
+def test_doctor_sees_one_graph_with_intended_splits_and_a_fallback():
+    from compiler.diagnose import Diagnoser
+
+    diag = Diagnoser()
+    ddp, _ = _pair(Tower, bucket_cap_mb=LAYER_MB)
+    compiled = compile_ddp(ddp, backend=_backend_failing_on(1), wrap_backend=diag.wrap)
+    with diag:
+        compiled(torch.randn(4, 64)).sum().backward()
+    report = diag.report(partitions=compiled.ddp_optimizer.records)
+    assert len(report.graphs) == 1 and report.breaks == []  # the 4 partitions are not graph breaks
+    assert [p.status for p in report.partitions] == ["compiled", "eager", "compiled", "compiled"]
+    assert any("partition 1 (submod_1) runs eagerly because its compile failed: RuntimeError: simulated backend crash" in a
+               for a in report.advice)
+
+
+def test_torch_logs_turns_on_our_loggers():
+    import os
+    import subprocess
+    import sys
+
+    code = "import logging, torch, ddp_opt, compiler; print(logging.getLogger('ddp_opt').level, logging.getLogger('compiler').level)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TORCH_LOGS": "+ddp_opt,+compiler"})
+    assert out.stdout.split() == ["10", "10"], out.stderr[-2000:]  # DEBUG
