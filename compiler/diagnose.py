@@ -79,6 +79,8 @@ class Report:
     advice: list[str]
     recompile_limit: int
     alignment: float | None = None
+    exposed_comm_ms: float | None = None
+    compute_ms: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -99,6 +101,9 @@ class Report:
                 headers=("function", "where", "failed guard"), tablefmt="simple")]
         if self.alignment is not None:
             out += [f"alignment of DDP's runtime buckets with the partitions: {self.alignment:.2f}"]
+        if self.exposed_comm_ms is not None and self.compute_ms is not None:
+            out += [f"communication left exposed: {self.exposed_comm_ms:.1f} ms per step "
+                    f"(forward+backward {self.compute_ms:.1f} ms without gradient sync)"]
         if self.partitions:
             out += ["", "partitions (intended splits at DDP bucket boundaries):", tabulate(
                 [(p.index, p.name, p.status, f"{p.compile_s:.2f}", _short(p.error or "")) for p in self.partitions],
@@ -175,7 +180,9 @@ class Diagnoser:
         return found
 
     def report(self, partitions: list[PartitionRecord] | None = None, step_s: float | None = None,
-               alignment: float | None = None, partition_mib: list[float] | None = None) -> Report:
+               alignment: float | None = None, partition_mib: list[float] | None = None,
+               exposed_comm_ms: float | None = None, compute_ms: float | None = None,
+               bucket_cap_mb: float | None = None) -> Report:
         """Everything seen so far, with advice.
 
         Args:
@@ -184,12 +191,18 @@ class Diagnoser:
             alignment: the fraction of gradient bytes whose runtime bucket is one
                 partition (``ddp_opt.measure_alignment``), if measured.
             partition_mib: the partitions' gradient sizes in MiB, gradient-ready order.
+            exposed_comm_ms: a step with gradient sync minus the same without
+                (DDP's ``no_sync``): communication that backward did not hide.
+            compute_ms: forward+backward without gradient sync.
+            bucket_cap_mb: the bucket cap in use, for the cap suggestion.
         """
         recompiles = self.recompiles()
         partitions = list(partitions or [])
         limit = int(torch._dynamo.config.recompile_limit)
-        advice = advise(self.graphs, self.breaks, recompiles, partitions, limit, step_s, alignment, partition_mib)
-        return Report(self.graphs, self.breaks, recompiles, partitions, advice, limit, alignment)
+        advice = advise(self.graphs, self.breaks, recompiles, partitions, limit, step_s, alignment, partition_mib,
+                        exposed_comm_ms, compute_ms, bucket_cap_mb)
+        return Report(self.graphs, self.breaks, recompiles, partitions, advice, limit, alignment,
+                      exposed_comm_ms, compute_ms)
 
 
 def advise(
@@ -201,9 +214,21 @@ def advise(
     step_s: float | None = None,
     alignment: float | None = None,
     partition_mib: list[float] | None = None,
+    exposed_comm_ms: float | None = None,
+    compute_ms: float | None = None,
+    bucket_cap_mb: float | None = None,
 ) -> list[str]:
     """Advice lines tied to what was seen."""
     advice = []
+    if exposed_comm_ms is not None and compute_ms and exposed_comm_ms > 0.1 * (compute_ms + exposed_comm_ms):
+        cap = bucket_cap_mb or 25.0
+        advice.append(
+            f"{exposed_comm_ms:.0f} ms of each {compute_ms + exposed_comm_ms:.0f} ms step waits for gradient "
+            f"communication that backward did not hide: try ddp.bucket_cap_mb={cap / 2:g} (smaller buckets start "
+            f"their all-reduce earlier) and ddp.bucket_cap_mb={cap * 2:g} (fewer all-reduces, when latency "
+            "dominates), side by side with python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps "
+            f"{cap / 2:g},{cap:g},{cap * 2:g}."
+        )
     if alignment is not None and alignment < 0.99:
         caps = f"[{', '.join(f'{m:.3g}' for m in partition_mib)}]" if partition_mib else "the partition sizes"
         advice.append(

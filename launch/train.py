@@ -10,6 +10,7 @@ code 2. Tests call :func:`run` directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -143,9 +144,11 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     if diagnoser is not None:
         diagnoser.__exit__(None, None, None)
         sizes = [b.size / 2**20 for b in reversed(_buckets(wrapped)) if b.size]
+        exposed_ms, compute_ms = _probe_exposed_comm(wrapped, data, cfg, env, local_bs)
         report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3,
                                   alignment=alignment.fraction if alignment is not None else None,
-                                  partition_mib=sizes or None)
+                                  partition_mib=sizes or None, exposed_comm_ms=exposed_ms, compute_ms=compute_ms,
+                                  bucket_cap_mb=cfg.ddp.bucket_cap_mb)
         diagnosis = json.loads(report.to_json())
         print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     metrics = {
@@ -185,6 +188,29 @@ def _train_step(wrapped: Wrapped, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 def _buckets(wrapped: Wrapped) -> list:
     return list(wrapped.compiled_ddp.buckets) if wrapped.compiled_ddp is not None else []
+
+
+def _probe_exposed_comm(wrapped: Wrapped, data: Any, cfg: JobConfig, env: DistEnv, local_bs: int,
+                        rounds: int = 3) -> tuple[float | None, float | None]:
+    """Median forward+backward with and without DDP's gradient sync, in ms, on
+    batches past the end of training; gradients are zeroed and no optimizer step
+    is taken, so the model is unchanged. (None, None) without DDP."""
+    if wrapped.compiled_ddp is None:
+        return None, None
+    ddp = wrapped.compiled_ddp.ddp_model
+    synced, unsynced = [], []
+    for i in range(rounds):
+        x, y = (v.to(env.device) for v in data.batch(cfg.train.steps + 1 + i, env.rank, env.world_size,
+                                                      local_bs, cfg.train.seq_len))
+        for sync, times in ((True, synced), (False, unsynced)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                wrapped.forward(x, y)[1].backward()
+            times.append((time.perf_counter() - t0) * 1e3)
+            ddp.zero_grad(set_to_none=True)
+    sync_ms, nosync_ms = statistics.median(synced), statistics.median(unsynced)
+    return max(sync_ms - nosync_ms, 0.0), nosync_ms
 
 
 def _alignment(wrapped: Wrapped):

@@ -97,7 +97,8 @@ def test_clean_model_gets_fullgraph_advice_and_json_round_trips():
     assert report.breaks == [] and report.recompiles == [] and len(report.graphs) == 1
     assert any("fullgraph=True" in a for a in report.advice)
     data = json.loads(report.to_json())
-    assert set(data) == {"graphs", "breaks", "recompiles", "partitions", "advice", "recompile_limit", "alignment"}
+    assert set(data) == {"graphs", "breaks", "recompiles", "partitions", "advice", "recompile_limit", "alignment",
+                         "exposed_comm_ms", "compute_ms"}
     assert data["alignment"] is None  # nothing measured without DDP
 
 
@@ -121,3 +122,14 @@ def test_poor_alignment_suggests_the_partition_sizes_as_bucket_caps():
     assert line.startswith("only 39% of the gradient bytes are in DDP buckets that match one partition")
     assert "bucket_cap_mb_list=[1.01, 1.01, 1.01, 0.282]" in line
     assert not any("match one partition" in a for a in advise([], [], [], [], 8, alignment=1.0))
+
+
+def test_exposed_communication_suggests_caps_to_compare():
+    from compiler.diagnose import advise
+
+    advice = advise([], [], [], [], recompile_limit=8, exposed_comm_ms=60.0, compute_ms=200.0, bucket_cap_mb=4.0)
+    (line,) = [a for a in advice if "waits for gradient communication" in a]
+    assert line.startswith("60 ms of each 260 ms step waits for gradient communication")
+    assert "ddp.bucket_cap_mb=2" in line and "ddp.bucket_cap_mb=8" in line and "--modes eager,nosplit,ours --caps 2,4,8" in line
+    hidden = advise([], [], [], [], recompile_limit=8, exposed_comm_ms=5.0, compute_ms=200.0, bucket_cap_mb=4.0)
+    assert not any("waits for gradient communication" in a for a in hidden)

@@ -39,6 +39,8 @@ def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, c
     saved = json.loads((tmp_path / "diagnosis.json").read_text())
     assert saved == metrics["diagnosis"]
     assert len(saved["graphs"]) == 1 and saved["breaks"] == [] and saved["recompiles"] == []
+    assert saved["exposed_comm_ms"] >= 0.0 and saved["compute_ms"] > 0.0  # measured, values not asserted
+    assert "communication left exposed:" in out
     assert len(saved["partitions"]) == len(metrics["buckets"]) > 1
     assert any("fullgraph=True" in a for a in saved["advice"])
 
