@@ -15,11 +15,25 @@ Algorithm
       dynamo's tracing context, walking the outer graph in order: partition i is
       compiled, then run on fake inputs to produce the fake outputs that partition
       i+1 is compiled with. With AOTAutograd, that run sets ``fakify_first_call``
-      so the fake outputs carry Inductor's real output strides.
+      so the fake outputs carry Inductor's real output strides, unless
+      ``aot_cache`` is on (below).
+    - AOTAutograd refuses to cache a graph compiled with ``fakify_first_call``
+      (``check_cacheable`` in ``autograd_cache.py``), so PyTorch's own splitter
+      re-runs the joint trace and the partitioner of every partition on every
+      restart. With ``aot_cache`` (the default whenever Inductor's FX graph cache
+      and AOTAutograd's cache are on), a partition is compiled without it, and the
+      fake outputs for the next partition come from running the partition's FX
+      graph on fake tensors. Inductor keeps eager output strides
+      (``keep_output_stride``, default True), so those are the strides the
+      compiled partition really returns; Inductor's input stride asserts would
+      fail loudly, not silently, if they ever differed.
     - AOTAutograd compiles backward graphs lazily, last partition first, long
       after dynamo's graph is done. It finds each partition's forward metadata in
       the tracing context's ``ddp_optimizer_ctx``, which we fill in as PyTorch's
-      own splitter does.
+      own splitter does, for the partitions AOTAutograd really traced: a partition
+      served from AOTAutograd's cache comes with its backward already compiled and
+      takes no entry (the lazy backward pops entries last first, so an entry for
+      a cache hit would hand later partitions the wrong metadata).
     - If the backend raises on a partition, that partition runs eagerly (its FX
       graph, uncompiled) and the others stay compiled; ``fallback="raise"``
       re-raises instead.
@@ -56,7 +70,7 @@ from .split import SplitGraph, ensure_tuple_output
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DYNAMO_CONTROL_FLOW", "FALLBACKS", "LazyPartition", "PartitionRecord", "compile_partitions"]
+__all__ = ["DYNAMO_CONTROL_FLOW", "FALLBACKS", "LazyPartition", "PartitionRecord", "aot_cache_enabled", "compile_partitions"]
 
 FALLBACKS = ("warn", "raise")
 
@@ -155,6 +169,7 @@ def compile_partitions(
     *,
     fallback: str = "warn",
     compile_reason: str | None = None,
+    aot_cache: bool | None = None,
 ) -> list[PartitionRecord]:
     """Replace each partition of ``split`` by a :class:`LazyPartition` and make its
     first call (the compile) with fake inputs propagated through the outer graph.
@@ -165,6 +180,9 @@ def compile_partitions(
         example_inputs: the outer graph's example inputs (fake under dynamo).
         fallback: ``"warn"`` runs a failing partition eagerly, ``"raise"`` re-raises.
         compile_reason: text recorded as each partition's graph-break reason.
+        aot_cache: compile without ``fakify_first_call`` so that AOTAutograd can
+            cache each partition (see the Note); None: on when Inductor's FX
+            graph cache and AOTAutograd's cache are both enabled.
 
     Returns:
         One :class:`PartitionRecord` per partition, in execution order.
@@ -182,18 +200,30 @@ def compile_partitions(
     tracing = torch._guards.TracingContext.try_get()
     if tracing is not None:
         tracing.ddp_optimizer_ctx = _PartitionMetadata()
-    runner = _FirstCallRunner(split.gm, fake_mode, tracing, len(records))
+    if aot_cache is None:
+        aot_cache = aot_cache_enabled()
+    runner = _FirstCallRunner(split.gm, fake_mode, tracing, len(records), aot_cache)
     with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
         runner.run(*example_inputs)
     split.gm.recompile()
     return records
 
 
+def aot_cache_enabled() -> bool:
+    """Whether AOTAutograd's local cache would serve a partition compiled without
+    ``fakify_first_call`` (its own checks: FX graph cache and autograd cache on)."""
+    from torch._functorch import config as functorch_config
+
+    return bool(torch._inductor.config.fx_graph_cache and functorch_config.enable_autograd_cache)
+
+
 class _FirstCallRunner(fx.Interpreter):
     """Runs the outer graph on fake tensors; each LazyPartition compiles on its call."""
 
-    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, tracing: Any, total: int) -> None:
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, tracing: Any, total: int,
+                 aot_cache: bool = False) -> None:
         super().__init__(gm)
+        self.aot_cache = aot_cache
         self.fake_mode = fake_mode
         self.tracing = tracing
         self.total = total
@@ -211,12 +241,13 @@ class _FirstCallRunner(fx.Interpreter):
             with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
                 return deepcopy_to_fake_tensor(mod, self.fake_mode)(*args, **kwargs)
         with ExitStack() as stack:
-            if self.tracing is not None:
+            if self.tracing is not None and not self.aot_cache:
                 # Ask AOTAutograd to return fake outputs with the backend's real
                 # strides on the compiled function's first call (the one below).
                 self.tracing.fakify_first_call = True
                 stack.callback(setattr, self.tracing, "fakify_first_call", False)
             aot_before = counters["aot_autograd"]["total"]
+            hits_before = counters["aot_autograd"]["autograd_cache_hit"]
             log.debug("compiling partition %d/%d (%s)", mod.record.index + 1, self.total, mod.record.name)
             mod.compile(list(args))
             log.info(
@@ -225,12 +256,15 @@ class _FirstCallRunner(fx.Interpreter):
                 time.perf_counter() - self.t_start,
             )
             went_through_aot = counters["aot_autograd"]["total"] != aot_before
+            cache_hit = counters["aot_autograd"]["autograd_cache_hit"] != hits_before
             with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
                 if mod.compiled and went_through_aot and self.tracing is not None:
-                    meta = self.tracing.ddp_optimizer_ctx
-                    meta.curr_bucket += 1
-                    meta.metadata_per_bucket.append(self.tracing.fw_metadata)
-                    return mod(*args)
+                    if not cache_hit:  # a traced partition: its backward compiles lazily
+                        meta = self.tracing.ddp_optimizer_ctx
+                        meta.curr_bucket += 1
+                        meta.metadata_per_bucket.append(self.tracing.fw_metadata)
+                    if not self.aot_cache:
+                        return mod(*args)
                 # No AOT first-call fakification: run the partition's FX graph itself
                 # on fake tensors to get outputs for the next partition.
                 out = deepcopy_to_fake_tensor(mod.graph_module, self.fake_mode)(*args)

@@ -4,6 +4,8 @@ the bucket boundaries DDP really uses, compile each partition."""
 from .alignment import Alignment, alignment_fraction, measure_alignment, runtime_buckets
 from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
+from .autoplan import LinkEstimate, Timeline, UnitCost, simulate, solve
+from .cost import CostModel, DeviceRates, measure_link, measure_rates, plan_auto
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
 
@@ -19,6 +21,17 @@ __all__ = [
     "plan_buckets",
     "partition_map",
     "format_buckets",
+    # cost-model plan (bucket_cap_mb="auto")
+    "CostModel",
+    "DeviceRates",
+    "LinkEstimate",
+    "Timeline",
+    "UnitCost",
+    "measure_link",
+    "measure_rates",
+    "plan_auto",
+    "simulate",
+    "solve",
     # alignment with DDP's runtime buckets
     "Alignment",
     "alignment_fraction",

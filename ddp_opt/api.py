@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import resolve_backend
+from compiler.cache import CacheKey, CompileCache
 
+from .autoplan import LinkEstimate, Timeline
+from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps
 from .realign import realign_reducer, reducer_finalized, registered_hook_name
+from .regional import compile_blocks, find_ddp_blocks, plan_block_buckets
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompiledDDP", "caps_from_ddp", "compile_ddp"]
+__all__ = ["CompiledDDP", "caps_from_ddp", "compile_ddp", "resolve_cost_model"]
 
 
 def caps_from_ddp(ddp_model: DistributedDataParallel) -> BucketCaps:
@@ -55,13 +60,23 @@ class CompiledDDP:
         align_buckets: re-create DDP's reducer once, after the first step, so that
             its buckets equal the partitions (Note [Bucket realignment]).
         aligned_caps: the caps given to the reducer, once realigned.
+        block_buckets: with regional compile, the buckets of whole blocks
+            (Note [Regional compile]); None otherwise.
+        compile_cache: the :class:`compiler.cache.CompileCache` with
+            ``cache_dir``, else None; saved by :meth:`save_compile_cache`.
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
-                 align_buckets: bool = False) -> None:
+                 align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
+                 compile_cache: CompileCache | None = None) -> None:
         self.ddp_model = ddp_model
         self.ddp_optimizer = ddp_optimizer
-        self.align_buckets = align_buckets and ddp_optimizer is not None and not ddp_model.static_graph
+        self.block_buckets = block_buckets
+        self.compile_cache = compile_cache
+        self._calls = 0
+        self.auto_save_cache = True
+        planned = ddp_optimizer is not None or block_buckets is not None
+        self.align_buckets = align_buckets and planned and not ddp_model.static_graph
         if align_buckets and ddp_model.static_graph:
             log.info("compile_ddp: align_buckets is skipped for DDP(static_graph=True), whose reducer rebuilds "
                      "its buckets another way; DDP keeps its own buckets (see ddp_opt.measure_alignment).")
@@ -74,15 +89,46 @@ class CompiledDDP:
         self.ddp_model.register_comm_hook(state, hook)
 
     def _maybe_realign(self) -> None:
-        if (self.align_buckets and self.aligned_caps is None and len(self.buckets) > 1
+        # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
+        auto = self.ddp_optimizer is not None and self.ddp_optimizer.auto_plan
+        if (self.align_buckets and self.aligned_caps is None and (len(self.buckets) > 1 or (auto and self.buckets))
                 and torch.is_grad_enabled() and reducer_finalized(self.ddp_model)):
             self.aligned_caps = realign_reducer(self.ddp_model, self.buckets, self._comm_hooks)
 
     @property
     def buckets(self) -> list[Bucket]:
+        if self.block_buckets is not None:
+            return self.block_buckets
         return self.ddp_optimizer.buckets if self.ddp_optimizer is not None else []
 
+    def save_compile_cache(self) -> str | None:
+        """Save the compile artifacts to ``cache_dir`` (Note [Compile cache]), once.
+
+        Call it after the first full step (forward and backward: AOTAutograd
+        compiles the backward at the first backward); it is also called
+        automatically at the start of the second call unless
+        ``auto_save_cache`` is set False. Only local rank 0 writes.
+        A no-op without ``cache_dir``, after an earlier call, or when the entry
+        was loaded. Returns the entry's path when one was written.
+        """
+        cache = self.compile_cache
+        if cache is None or cache.saved:
+            return None
+        cache.saved = True  # one attempt per process, whatever happens below
+        if (cache.last_load is not None and cache.last_load.loaded) or _local_rank() != 0:
+            return None
+        path = cache.save()
+        return str(path) if path is not None else None
+
+    @property
+    def prediction(self) -> Timeline | None:
+        """With ``bucket_cap_mb="auto"``: the last plan's predicted backward + comm timeline."""
+        return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._calls += 1
+        if self._calls == 2 and self.auto_save_cache and torch.is_grad_enabled():
+            self.save_compile_cache()
         self._maybe_realign()
         return self.ddp_model(*args, **kwargs)
 
@@ -92,6 +138,30 @@ class CompiledDDP:
 
     def __repr__(self) -> str:
         return f"CompiledDDP({self.ddp_model!r})"
+
+
+def _local_rank() -> int:
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any]) -> CompileCache:
+    """The compile cache entry of this model, config and world size; loaded now.
+
+    When the process has no Inductor cache directory yet (``TORCHINDUCTOR_CACHE_DIR``
+    unset and nothing compiled), Inductor's local caches go to ``cache_dir/inductor``
+    too, so that compiled kernels that the artifact file does not bundle (C++ on CPU)
+    survive as well."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.join(cache_dir, "inductor"))
+    param = next(ddp_model.module.parameters(), None)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    key = CacheKey.for_model(ddp_model.module, settings, world_size=world,
+                             device=param.device if param is not None else None)
+    cache = CompileCache(cache_dir, key)
+    cache.load()
+    return cache
 
 
 def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
@@ -116,6 +186,41 @@ def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
     ddp_model.register_forward_hook(leave, always_call=True)
 
 
+def resolve_cost_model(ddp_model: DistributedDataParallel, bucket_cap_mb: Any, link: Any,
+                       split: bool = True, regional: bool = False) -> CostModel | None:
+    """The cost model ``compile_ddp(bucket_cap_mb=..., link=...)`` plans with; None for DDP's caps.
+
+    Measures (all ranks together) what ``link`` does not give; see Note [Cost measurement].
+    """
+    if bucket_cap_mb is None and link is None:
+        return None
+    if bucket_cap_mb not in (None, "auto"):
+        raise ValueError(
+            f"compile_ddp(bucket_cap_mb={bucket_cap_mb!r}): expected None (split at DDP's own caps) or 'auto' "
+            "(choose the buckets from a cost model of the link and the model). A fixed cap belongs on DDP: "
+            "DistributedDataParallel(model, bucket_cap_mb=4), which compile_ddp follows."
+        )
+    if not split or regional:
+        which = "split=False" if not split else "regional=True"
+        given = "bucket_cap_mb='auto'" if bucket_cap_mb == "auto" else "link=..."
+        raise ValueError(
+            f"compile_ddp({given}, {which}): the cost model chooses (or predicts) where to split the graph, "
+            f"and {which} does not split it at planned buckets. Drop one of the two."
+        )
+    if isinstance(link, CostModel):
+        return link
+    if link is not None and not isinstance(link, LinkEstimate) and not callable(link):
+        raise TypeError(
+            f"compile_ddp(link={link!r}): expected None (measure dist.all_reduce), a probe callable "
+            "(tensor) -> Future, a ddp_opt.LinkEstimate(alpha_s, bandwidth) or a ddp_opt.CostModel."
+        )
+    group = ddp_model.process_group
+    device = next((p.device for p in ddp_model.module.parameters()), torch.device("cpu"))
+    est = link if isinstance(link, LinkEstimate) else measure_link(link, group=group, device=device)
+    rates: DeviceRates = measure_rates(device, group=group)
+    return CostModel(est, rates)
+
+
 def compile_ddp(
     ddp_model: DistributedDataParallel,
     *,
@@ -129,6 +234,11 @@ def compile_ddp(
     check_plans: bool = True,
     wrap_backend: Callable[[Callable], Callable] | None = None,
     align_buckets: bool = True,
+    bucket_cap_mb: str | None = None,
+    link: LinkEstimate | CostModel | Callable | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    regional: bool = False,
+    blocks: str | Sequence[str] = "auto",
     **more: Any,
 ) -> CompiledDDP:
     """Compile a DDP model, split at the bucket boundaries DDP really uses.
@@ -158,6 +268,30 @@ def compile_ddp(
         wrap_backend: applied to the backend dynamo calls (the splitter, or the
             plain backend with ``split=False``), e.g. ``Diagnoser().wrap`` to see
             every captured graph and its graph-break reason.
+        bucket_cap_mb: None splits at DDP's own caps; ``"auto"`` chooses the
+            buckets by the cost model (Note [Cost-model bucket plan]): the link
+            and this device are measured here, once, on all ranks together (rank
+            0's numbers broadcast), and with ``align_buckets`` DDP's runtime
+            buckets follow the chosen partitions once realigned. The plan and its
+            predicted timeline are logged and kept in ``compiled.prediction``.
+        link: with ``"auto"``: None measures ``dist.all_reduce`` on DDP's group;
+            a callable ``probe(tensor) -> Future/Work`` measures that path instead
+            (e.g. a comm hook's, such as the benchmark's ``SimulatedLink.probe``);
+            a ``LinkEstimate`` skips the link measurement; a ``CostModel`` skips
+            all measuring. Given without ``"auto"``, the graph is split at DDP's
+            caps as usual and the model only predicts that plan's timeline
+            (``compiled.prediction``).
+        cache_dir: a persistent compile cache (Note [Compile cache]): the entry
+            for this model, config, world size, torch version and device is
+            loaded now, and saved after the first step (or by
+            ``save_compile_cache()``). A stale, foreign or corrupt entry is
+            ignored with a warning. Loading a cache is loading code: the
+            directory must be as trusted as the training code.
+        regional: compile each repeated block once and reuse it for every
+            instance, with DDP's buckets made of whole blocks; the rest of the
+            model runs eagerly (Note [Regional compile]). ``split`` is unused.
+        blocks: with ``regional``, which blocks: ``"auto"`` (the children of a
+            ModuleList of one class), a ModuleList's name, or module names.
         **more: passed on to ``torch.compile``.
 
     Returns:
@@ -184,13 +318,31 @@ def compile_ddp(
             "be lost with the old reducer. Register the hook on the object compile_ddp returns instead "
             "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
         )
+    cost_model = resolve_cost_model(ddp_model, bucket_cap_mb, link, split, regional)
     backend_fn = resolve_backend(backend, mode=mode, options=options, dynamic=dynamic)
+    cache = None
+    if cache_dir is not None:
+        settings = dict(backend=backend if isinstance(backend, str) else getattr(backend, "__qualname__", repr(backend)),
+                        mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph, split=split,
+                        regional=regional, blocks=blocks, caps=repr(caps_from_ddp(ddp_model)),
+                        bucket_cap_mb=bucket_cap_mb, more=more)
+        cache = _cache_for(ddp_model, cache_dir, settings)
+    if regional:
+        found = find_ddp_blocks(inner, blocks)
+        if wrap_backend is not None:
+            backend_fn = wrap_backend(backend_fn)
+        compile_blocks(found, backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
+        _keep_builtin_splitter_out(ddp_model)
+        block_buckets = plan_block_buckets(inner, found, caps_from_ddp(ddp_model))
+        return CompiledDDP(ddp_model, None, align_buckets=align_buckets, block_buckets=block_buckets,
+                           compile_cache=cache)
     optimizer = None
     if split:
         caps = caps_from_ddp(ddp_model)
         optimizer = DDPOptimizer(
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
-            bucket_caps=caps.per_bucket_caps, fallback=fallback, check_plans=check_plans,
+            bucket_caps=caps.per_bucket_caps, fallback=fallback, check_plans=check_plans, cost_model=cost_model,
+            auto_plan=bucket_cap_mb == "auto",
         )
         backend_fn = optimizer.compile_fn
     if wrap_backend is not None:
@@ -202,5 +354,5 @@ def compile_ddp(
     # it the same way. In place, state_dict keys stay DDP's.
     inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
     _keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer, align_buckets=align_buckets)
+    return CompiledDDP(ddp_model, optimizer, align_buckets=align_buckets, compile_cache=cache)
 

@@ -30,6 +30,8 @@ from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, PartitionRecord, compile_pa
 from compiler.backends import BackendFn
 
 from .agreement import check_plan_agreement, next_plan_namespace
+from .autoplan import Timeline
+from .cost import CostModel, describe, plan_auto, predict_plan
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,9 @@ class DDPOptimizer:
         check_plans: compare the plan with every rank's before compiling and
             fail on all ranks if they differ (see Note [Plan agreement]).
         plan_timeout_s: how long to wait for the other ranks' plans.
+        cost_model: when given, each graph's caps come from the cost-model DP
+            (Note [Cost-model bucket plan]) and the caps above are unused; with
+            ``auto_plan=False`` the caps above plan and the model only predicts.
 
     Attributes:
         buckets: the last plan, in forward-graph order.
@@ -77,6 +82,8 @@ class DDPOptimizer:
         records: the last compile's partition outcomes, in execution order.
         compiles: graphs compiled to the end (a compile that dynamo restarted
             or that raised is not counted).
+        prediction: with a cost model, the last plan's predicted timeline
+            (``predictions``: one per plan), else None.
     """
 
     def __init__(
@@ -89,6 +96,8 @@ class DDPOptimizer:
         fallback: str = "warn",
         check_plans: bool = True,
         plan_timeout_s: float = 120.0,
+        cost_model: CostModel | None = None,
+        auto_plan: bool = True,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -109,6 +118,10 @@ class DDPOptimizer:
         self.check_plans = check_plans
         self.plan_timeout_s = plan_timeout_s
         self._plan_namespace = next_plan_namespace()
+        self.cost_model = cost_model
+        self.auto_plan = auto_plan and cost_model is not None
+        self.prediction: Timeline | None = None
+        self.predictions: list[Timeline] = []
 
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
         """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
@@ -117,10 +130,18 @@ class DDPOptimizer:
             backend = functools.partial(backend, **compiler_configs)
         t0 = time.perf_counter()
 
-        # 1. Plan: which node goes to which bucket (pure; see Note [Bucket planning]).
-        self.buckets = plan_buckets(gm, self.caps)
+        # 1. Plan: which node goes to which bucket (pure; see Note [Bucket planning]),
+        #    with caps chosen by the cost model when there is one.
+        caps = self.caps
+        if self.auto_plan:
+            caps, self.prediction = plan_auto(gm, self.cost_model)
+        self.buckets = plan_buckets(gm, caps)
+        if self.cost_model is not None and not self.auto_plan:
+            self.prediction = predict_plan(gm, self.buckets, self.cost_model)
+        if self.cost_model is not None:
+            self.predictions.append(self.prediction)
         self.plans.append(self.buckets)
-        self._log_plan()
+        self._log_plan(caps)
         # For tlparse: the plan in PyTorch's structured trace (TORCH_TRACE=dir).
         _trace_artifact(
             "ddp_opt_bucket_plan", "json",
@@ -175,12 +196,17 @@ class DDPOptimizer:
         record.compile_s = time.perf_counter() - t0
         return fn
 
-    def _log_plan(self) -> None:
+    def _log_plan(self, caps: BucketCaps) -> None:
         total = sum(b.size for b in self.buckets)
         log.info(
             "ddp_opt planned %d bucket(s) over %.2f MiB of gradients (first cap %d B, cap %d B%s)",
-            len(self.buckets), total / 2**20, self.caps.cap_for(0), self.caps.bucket_bytes_cap,
-            f", per-bucket caps {list(self.caps.per_bucket_caps)}" if self.caps.per_bucket_caps else "",
+            len(self.buckets), total / 2**20, caps.cap_for(0), caps.bucket_bytes_cap,
+            f", per-bucket caps {list(caps.per_bucket_caps)}" if caps.per_bucket_caps else "",
         )
+        if self.prediction is not None and self.cost_model is not None:
+            rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            log.log(logging.INFO if rank0 else logging.DEBUG, "ddp_opt %s (gradient-ready order):\n%s",
+                    "cost-model plan" if self.auto_plan else "predicted timeline of the plan",
+                    describe(self.prediction, self.buckets))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("ddp_opt bucket assignment:\n%s", format_buckets(self.buckets))

@@ -1,0 +1,267 @@
+"""Cost-model bucket plan: choose bucket boundaries by dynamic programming to
+minimise the predicted end of gradient communication. Pure: cost tables in, plan
+out; nothing is measured or run here (``ddp_opt.cost`` measures).
+
+Note [Cost-model bucket plan]
+
+Background
+    A fixed bucket cap is a guess: small buckets start communication early but pay
+    the link latency (and a graph break) per bucket; large buckets pay little
+    latency but leave the last one's transfer exposed after backward. The best
+    split depends on the link and on how backward time is spread over the model
+    (MG-WFBP; the U-shaped latency vs bucket size in the PyTorch DDP paper).
+
+Algorithm
+    - Units: the finest legal split, ``plan_buckets`` with a 1-byte cap (every
+      bucket closes at the first legal cut after its first parameter). Any plan
+      ``plan_buckets`` can make with per-bucket caps is a merge of consecutive
+      units, so the DP searches exactly the plans the planner can express and the
+      legality rules stay in ``plan.py`` alone.
+    - Per unit, in gradient-ready order: backward seconds ``c_u`` and gradient
+      bytes ``b_u``. A bucket ``k`` (0 = first ready) covering units ``j..i`` is
+      ready at ``R(i, k) = sum(c_0..c_i) + k * gamma`` (each extra partition adds
+      ``gamma``, the cost of a graph break, to the backward after it). One serial
+      link: ``start_k = max(R, finish_{k-1})``,
+      ``finish_k = start_k + alpha + bytes(j..i) / beta``.
+    - ``F[k][i]`` = least finish of units ``0..i`` in ``k + 1`` buckets:
+      ``F[0][i] = R(i, 0) + alpha + B(0..i)/beta``,
+      ``F[k][i] = min_j max(F[k-1][j], R(i, k)) + alpha + B(j+1..i)/beta``.
+      Exact, because a bucket's finish is monotone in the previous one's. The
+      answer is ``min_k F[k][n-1]``; ties go to fewer buckets.
+    - Caps: bucket k's cap = its bytes. ``plan_buckets`` closes a bucket once its
+      bytes reach its cap, at the next legal cut, which is where the unit ends.
+    - Robustness (``solve_robust``, what ``bucket_cap_mb="auto"`` uses): the
+      backward estimate can be off by a constant factor (FLOP counts miss
+      per-op and cache effects). When communication dominates, the exact
+      optimum is indifferent to a huge last bucket, which is exposed as soon as
+      backward turns out slower than estimated. So the DP is solved for the
+      estimate scaled by 0.5x..3x, each optimum (and the finest split) is a
+      candidate, and the plan with the least worst-case regret (its finish /
+      that scale's optimum) over the scales wins; ties go to fewer buckets.
+
+Notes
+    - The objective is the finish of the last all-reduce, which is also when the
+      optimizer step can start: exposed communication = finish - backward end.
+    - Forward cost of a graph break is folded into ``gamma`` as well.
+    - ``simulate`` evaluates any plan (list of unit counts per bucket) with the
+      same model, so fixed-cap plans can be predicted too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+__all__ = [
+    "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust", "simulate", "format_timeline",
+    "DEFAULT_SCALES",
+]
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """A serial link: ``alpha_s`` seconds per all-reduce plus ``nbytes / bandwidth``.
+
+    Attributes:
+        alpha_s: latency per all-reduce, seconds.
+        bandwidth: bytes per second (of the buffer handed to the all-reduce).
+        source: where the numbers came from ("measured", "given", ...), for logs.
+    """
+
+    alpha_s: float
+    bandwidth: float
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not (self.alpha_s >= 0) or not (self.bandwidth > 0):
+            raise ValueError(
+                f"LinkEstimate(alpha_s={self.alpha_s!r}, bandwidth={self.bandwidth!r}): the latency must be >= 0 "
+                "seconds and the bandwidth > 0 bytes/s, e.g. LinkEstimate(1e-3, 100e6) for 1 ms and 100 MB/s."
+            )
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.alpha_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit of the finest legal split, in gradient-ready order."""
+
+    backward_s: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketTiming:
+    """Predicted timing of one bucket (seconds from the start of backward)."""
+
+    units: int
+    nbytes: int
+    ready_s: float
+    start_s: float
+    finish_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A plan's predicted backward + communication timeline.
+
+    Attributes:
+        buckets: per bucket in gradient-ready order.
+        backward_s: predicted end of backward (graph-break costs included).
+        finish_s: predicted end of the last all-reduce.
+        link: the link the prediction used.
+        gamma_s: the per-partition overhead used.
+    """
+
+    buckets: tuple[BucketTiming, ...]
+    backward_s: float
+    finish_s: float
+    link: LinkEstimate
+    gamma_s: float = 0.0
+    extra: dict = field(default_factory=dict, compare=False)  # e.g. regret, scales (solve_robust)
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication left after backward: the step's comm tail."""
+        return self.finish_s - self.backward_s
+
+    @property
+    def caps(self) -> tuple[int, ...]:
+        """Per-bucket byte caps in gradient-ready order (``BucketCaps.per_bucket_caps``)."""
+        return tuple(max(1, b.nbytes) for b in self.buckets)
+
+    def as_dict(self) -> dict:
+        return {
+            "link_alpha_ms": self.link.alpha_s * 1e3, "link_bandwidth_MBps": self.link.bandwidth / 1e6,
+            "link_source": self.link.source, "gamma_ms": self.gamma_s * 1e3,
+            "predicted_backward_ms": self.backward_s * 1e3, "predicted_finish_ms": self.finish_s * 1e3,
+            "predicted_exposed_comm_ms": self.exposed_s * 1e3,
+            "buckets": [
+                {"units": b.units, "mib": b.nbytes / 2**20, "ready_ms": b.ready_s * 1e3, "start_ms": b.start_s * 1e3,
+                 "finish_ms": b.finish_s * 1e3} for b in self.buckets
+            ],
+            **self.extra,
+        }
+
+
+def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimate, gamma_s: float = 0.0) -> Timeline:
+    """The timeline of the plan that puts ``counts[k]`` consecutive units in bucket k.
+
+    Args:
+        units: per-unit costs in gradient-ready order.
+        counts: units per bucket in gradient-ready order; must sum to ``len(units)``.
+        link: the link model.
+        gamma_s: seconds each partition after the first adds to backward.
+    """
+    if sum(counts) != len(units) or any(c <= 0 for c in counts):
+        raise ValueError(f"bucket unit counts {list(counts)} do not cover the {len(units)} units exactly")
+    timings, done, compute, free = [], 0, 0.0, 0.0
+    for k, c in enumerate(counts):
+        chunk = units[done:done + c]
+        done += c
+        compute += sum(u.backward_s for u in chunk)
+        nbytes = sum(u.nbytes for u in chunk)
+        ready = compute + k * gamma_s
+        start = max(ready, free)
+        free = start + link.transfer_s(nbytes)
+        timings.append(BucketTiming(c, nbytes, ready, start, free))
+    backward = compute + (len(counts) - 1) * gamma_s
+    return Timeline(tuple(timings), backward, free, link, gamma_s)
+
+
+def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, max_buckets: int | None = None) -> Timeline:
+    """The plan (a merge of consecutive units) with the least predicted finish.
+
+    Args:
+        units: per-unit costs in gradient-ready order (at least one).
+        link: the link model.
+        gamma_s: seconds each extra partition adds to backward.
+        max_buckets: an upper bound on the number of buckets (default: one per unit).
+
+    Returns:
+        The optimal plan's :class:`Timeline` (``caps`` gives its per-bucket caps).
+    """
+    n = len(units)
+    if n == 0:
+        raise ValueError("solve needs at least one unit")
+    kmax = min(n, max_buckets or n)
+    cum_c = [0.0]
+    cum_b = [0]
+    for u in units:
+        cum_c.append(cum_c[-1] + u.backward_s)
+        cum_b.append(cum_b[-1] + u.nbytes)
+    inf = float("inf")
+    # F[k][i]: least finish with units 0..i in k+1 buckets; P[k][i]: end of bucket k-1.
+    F = [[inf] * n for _ in range(kmax)]
+    P = [[-1] * n for _ in range(kmax)]
+    for i in range(n):
+        F[0][i] = cum_c[i + 1] + link.transfer_s(cum_b[i + 1])
+    for k in range(1, kmax):
+        prev, row, back = F[k - 1], F[k], P[k]
+        for i in range(k, n):
+            ready = cum_c[i + 1] + k * gamma_s
+            best, arg = inf, -1
+            for j in range(k - 1, i):
+                f = max(prev[j], ready) + link.alpha_s + (cum_b[i + 1] - cum_b[j + 1]) / link.bandwidth
+                if f < best:
+                    best, arg = f, j
+            row[i], back[i] = best, arg
+    # Fewest buckets among the (numerically) best.
+    best_k = min(range(kmax), key=lambda k: (round(F[k][n - 1], 12), k))
+    ends, i = [], n - 1
+    for k in range(best_k, -1, -1):
+        ends.append(i)
+        i = P[k][i]
+    ends.reverse()
+    counts = [ends[0] + 1] + [b - a for a, b in zip(ends, ends[1:])]
+    return simulate(units, counts, link, gamma_s)
+
+
+DEFAULT_SCALES = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
+
+
+def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0,
+                 scales: Sequence[float] = DEFAULT_SCALES) -> Timeline:
+    """The plan with the least worst-case regret when backward really takes ``scale`` x the estimate.
+
+    Candidates: the exact optimum (``solve``) for every scale, and the finest split.
+    Regret of a plan at a scale = its finish / the optimum's finish at that scale.
+    Returns the chosen plan's timeline at scale 1, with ``extra["regret"]`` (the
+    worst case) and ``extra["scales"]`` (see Note [Cost-model bucket plan]).
+    """
+    def scaled(s: float) -> list[UnitCost]:
+        return [UnitCost(u.backward_s * s, u.nbytes) for u in units]
+
+    tables = {s: scaled(s) for s in scales}
+    optimum = {s: solve(t, link, gamma_s) for s, t in tables.items()}
+    candidates = {tuple(b.units for b in t.buckets) for t in optimum.values()} | {(1,) * len(units)}
+
+    def regret(counts: tuple[int, ...]) -> float:
+        return max(simulate(tables[s], counts, link, gamma_s).finish_s / max(optimum[s].finish_s, 1e-12)
+                   for s in scales)
+
+    best = min(candidates, key=lambda c: (round(regret(c), 9), len(c), c))
+    t = simulate(units, best, link, gamma_s)
+    t.extra.update(regret=regret(best), scales=list(scales))
+    return t
+
+
+def format_timeline(t: Timeline, names: Sequence[str] | None = None) -> str:
+    """One table: bucket, MiB, predicted ready / start / finish (ms), then the comm tail."""
+    from tabulate import tabulate
+
+    rows = [
+        (k, names[k] if names else b.units, f"{b.nbytes / 2**20:.3f}", f"{b.ready_s * 1e3:.2f}",
+         f"{b.start_s * 1e3:.2f}", f"{b.finish_s * 1e3:.2f}")
+        for k, b in enumerate(t.buckets)
+    ]
+    table = tabulate(rows, headers=("bucket", "first param" if names else "units", "MiB", "ready ms", "start ms",
+                                    "finish ms"), tablefmt="simple")
+    return (
+        f"{table}\npredicted: backward {t.backward_s * 1e3:.2f} ms, last all-reduce done at {t.finish_s * 1e3:.2f} ms, "
+        f"exposed comm (step comm tail) {t.exposed_s * 1e3:.2f} ms; link {t.link.alpha_s * 1e3:.3g} ms + "
+        f"{t.link.bandwidth / 1e6:.4g} MB/s ({t.link.source}), {t.gamma_s * 1e3:.3g} ms per extra partition"
+        + (f"; worst-case regret {t.extra['regret']:.3f} if backward takes {min(t.extra['scales']):g}x.."
+           f"{max(t.extra['scales']):g}x the estimate" if "regret" in t.extra else "")
+    )

@@ -1,0 +1,363 @@
+"""Measurements and estimates for the cost-model bucket plan (Note [Cost-model
+bucket plan] in ``ddp_opt.autoplan``): the link (latency, bandwidth), this device's
+compute rates, and each graph node's backward seconds.
+
+Note [Cost measurement]
+
+Background
+    The DP needs three things: how long an all-reduce of n bytes takes on the path
+    the gradients really travel, how long each part of backward takes, and what a
+    graph break costs. All ranks must plan alike, so every measured number is
+    rank 0's, broadcast.
+
+Algorithm
+    - Link: after ``warmup`` all-reduces, time ``reps`` all-reduces of each of a
+      few sizes (64 KiB .. 4 MiB by default) through ``probe`` (default
+      ``dist.all_reduce`` on DDP's group; the benchmark passes its simulated link's
+      ``probe`` so the sweep crosses the same comm-hook path as the gradients),
+      take the median per size and fit ``t = alpha + n / beta`` by least squares.
+    - Device rates: a square matmul (FLOP/s), a buffer copy (bytes/s) and a
+      one-element in-place add (seconds per operator), timed once on the
+      parameters' device.
+    - Backward per node: run the node's target on meta copies of its example values under
+      ``torch.utils.flop_counter.FlopCounterMode``; backward FLOPs = 2 x forward
+      FLOPs (gradients of both operands of a matmul). Nodes without FLOPs (norms,
+      activations, softmax, ...) are memory-bound: 2 x their output bytes (read
+      the output gradient, write the input gradient) over the copy rate. Every
+      non-view node adds 2 x a measured per-operator cost (dispatch, launch: it
+      dominates small models on CPU). Views cost nothing. Only the ranking of
+      plans needs to be right, not the seconds.
+    - ``gamma`` (cost of one graph break, forward + backward) is a setting, 0.5 ms
+      by default: a graph break costs a partition call and an autograd node, not
+      a measurable amount of work here.
+
+Notes
+    - A node whose FLOP count fails (an op without a meta kernel) counts as
+      memory-bound; the log says how many.
+    - Explicit numbers (``LinkEstimate``, ``DeviceRates``) skip measuring and are
+      not broadcast: giving different numbers on different ranks is caught by the
+      plan-agreement check (Note [Plan agreement]).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from .autoplan import LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
+from .plan import Bucket, BucketCaps, plan_buckets
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DeviceRates", "CostModel", "fit_link", "measure_link", "measure_rates", "node_backward_costs",
+    "unit_costs", "plan_auto", "predict_plan", "describe", "DEFAULT_PROBE_SIZES",
+]
+
+DEFAULT_PROBE_SIZES = (64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+Probe = Callable[[torch.Tensor], Any]  # (tensor) -> Future / Work / anything with .wait()
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Compute rates of this device: ``flops`` per second (matmul), ``bytes`` per second (copy),
+    ``op_s`` seconds of fixed cost per operator (dispatch / launch)."""
+
+    flops: float
+    bytes: float
+    op_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.flops > 0 and self.bytes > 0 and self.op_s >= 0):
+            raise ValueError(f"DeviceRates(flops={self.flops!r}, bytes={self.bytes!r}, op_s={self.op_s!r}): both "
+                             "rates must be > 0 and the per-operator cost >= 0.")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Everything the DP needs besides the graph.
+
+    Attributes:
+        link: the measured or given link.
+        rates: the measured or given device rates.
+        gamma_s: seconds one extra partition (graph break) costs.
+    """
+
+    link: LinkEstimate
+    rates: DeviceRates
+    gamma_s: float = 5e-4
+
+
+# --- measuring -------------------------------------------------------------------
+
+
+def fit_link(sizes: Sequence[int], seconds: Sequence[float], source: str = "measured") -> LinkEstimate:
+    """Least-squares fit of ``seconds = alpha + size / bandwidth``.
+
+    A negative intercept becomes 0; a slope <= 0 (sizes too small to see the
+    bandwidth) becomes 1 TB/s, i.e. latency-bound.
+    """
+    n = len(sizes)
+    if n < 2 or len(set(sizes)) < 2 or len(seconds) != n:
+        raise ValueError("fit_link needs timings of at least two different sizes")
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
+    alpha = my - slope * mx
+    bandwidth = 1.0 / slope if slope > 0 else 1e12
+    return LinkEstimate(max(alpha, 0.0), bandwidth, source)
+
+
+def _wait(handle: Any) -> None:
+    if handle is not None and hasattr(handle, "wait"):
+        handle.wait()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _broadcast_floats(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """Rank 0's values on every rank (identity without a multi-rank group)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    box = [list(values)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return [float(v) for v in box[0]]
+
+
+def measure_link(
+    probe: Probe | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    sizes: Sequence[int] = DEFAULT_PROBE_SIZES,
+    reps: int = 3,
+    warmup: int = 2,
+) -> LinkEstimate:
+    """Time an all-reduce sweep and fit the link; every rank returns rank 0's fit.
+
+    Args:
+        probe: ``probe(tensor)`` starts an all-reduce of ``tensor`` and returns
+            something with ``wait()``; default ``dist.all_reduce(..., async_op=True)``
+            on ``group``. All ranks must call this together.
+        group: the process group (DDP's), also used to broadcast the result.
+        device: where the probe buffers live (the gradients' device).
+        sizes: buffer sizes in bytes; reps: timed repetitions per size;
+        warmup: untimed all-reduces of the smallest size first.
+    """
+    device = torch.device(device)
+    if probe is None:
+        def probe(t: torch.Tensor):  # noqa: E306
+            return dist.all_reduce(t, group=group, async_op=True)
+    bufs = {s: torch.zeros(max(1, s // 4), dtype=torch.float32, device=device) for s in sizes}
+    for _ in range(warmup):
+        _wait(probe(bufs[min(sizes)]))
+    xs, ys = [], []
+    for s in sizes:
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            _wait(probe(bufs[s]))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        xs.append(s)
+        ys.append(statistics.median(times))
+    fit = fit_link(xs, ys)
+    alpha, bandwidth = _broadcast_floats([fit.alpha_s, fit.bandwidth], group)
+    est = LinkEstimate(alpha, bandwidth, "measured")
+    log.info("ddp_opt measured the link: %.3f ms + %.4g MB/s (rank 0's fit of %s)", alpha * 1e3, bandwidth / 1e6,
+             ", ".join(f"{x // 1024} KiB {y * 1e3:.2f} ms" for x, y in zip(xs, ys)))
+    return est
+
+
+def measure_rates(device: torch.device | str = "cpu", *, group: dist.ProcessGroup | None = None,
+                  n: int = 256, copy_bytes: int = 32 * 2**20, reps: int = 5) -> DeviceRates:
+    """Matmul FLOP/s and copy bytes/s on ``device`` (best of ``reps``); rank 0's on every rank."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device)
+    src = torch.empty(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return max(min(times), 1e-9)
+
+    tiny = torch.zeros(1, device=device)
+
+    def hundred_tiny_ops() -> None:
+        for _ in range(100):
+            tiny.add_(1.0)
+
+    with torch.no_grad():
+        flops = 2 * n**3 / best(lambda: a @ a)
+        nbytes = 2 * copy_bytes / best(lambda: dst.copy_(src))
+        op_s = best(hundred_tiny_ops) / 100
+    flops, nbytes, op_s = _broadcast_floats([flops, nbytes, op_s], group)
+    log.info("ddp_opt measured the device: %.3g GFLOP/s matmul, %.3g GB/s copy, %.2g us per operator",
+             flops / 1e9, nbytes / 1e9, op_s * 1e6)
+    return DeviceRates(flops, nbytes, op_s)
+
+
+# --- estimating backward time ----------------------------------------------------
+
+
+def _fake(node_or_value: Any) -> Any:
+    if isinstance(node_or_value, fx.Node):
+        meta = node_or_value.meta
+        return meta.get("example_value", meta.get("val"))
+    return node_or_value
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        if value._is_view():
+            return 0
+        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
+
+        return hint_int(value.numel()) * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _meta(value: Any) -> Any:
+    """A meta tensor shaped like a (fake) tensor value: ops run on it for FLOP counting
+    without the fake mode dynamo traced with (placeholders and nodes may carry values
+    of different fake modes)."""
+    if isinstance(value, torch.Tensor):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
+
+        size = [hint_int(s) for s in value.shape]  # dynamic shapes: the example size, no guard added
+        return torch.empty(size, dtype=value.dtype, device="meta", requires_grad=False)
+    if isinstance(value, torch.SymInt):  # a symbolic size passed as an argument (view, reshape, ...)
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return optimization_hint(value)
+    if isinstance(value, (torch.SymFloat, torch.SymBool)):
+        raise TypeError("symbolic float/bool argument")  # not worth a guard: counted as memory-bound
+    return value
+
+
+def _forward_flops(node: fx.Node) -> int | None:
+    """FLOPs of ``node`` on meta copies of its example values; None when it cannot be run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if node.op not in ("call_function", "call_method"):
+        return 0
+    try:
+        args = fx.node.map_aggregate(node.args, lambda a: _meta(_fake(a)))
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda a: _meta(_fake(a)))
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            if node.op == "call_method":
+                getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op that cannot run on meta values: count it as memory-bound
+        return None
+    return int(counter.get_total_flops())
+
+
+_SKIP = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast, torch._C._set_grad_enabled}
+
+
+def node_backward_costs(gm: fx.GraphModule, rates: DeviceRates) -> dict[fx.Node, float]:
+    """Estimated backward seconds of every node (see Note [Cost measurement])."""
+    costs: dict[fx.Node, float] = {}
+    failed = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr") or node.target in _SKIP:
+            costs[node] = 0.0
+            continue
+        flops = _forward_flops(node)
+        if flops is None:
+            failed += 1
+        nbytes = _tensor_bytes(_fake(node))
+        overhead = 2 * rates.op_s if nbytes else 0.0  # views: no backward kernel of their own
+        if flops:
+            costs[node] = 2 * flops / rates.flops + overhead
+        else:
+            costs[node] = 2 * nbytes / rates.bytes + overhead
+    if failed:
+        log.debug("ddp_opt cost model: %d node(s) could not run on meta values; counted as memory-bound", failed)
+    return costs
+
+
+def unit_costs(units: list[Bucket], costs: dict[fx.Node, float]) -> list[UnitCost]:
+    """Per-unit (backward seconds, bytes), in gradient-ready order, from forward-order buckets."""
+    return [UnitCost(sum(costs.get(n, 0.0) for n in b.nodes), b.size) for b in reversed(units)]
+
+
+def plan_auto(gm: fx.GraphModule, model: CostModel) -> tuple[BucketCaps, Timeline]:
+    """Choose per-bucket caps for ``gm`` by the DP (Note [Cost-model bucket plan]).
+
+    Returns:
+        The caps (``plan_buckets(gm, caps)`` gives the DP's buckets) and the
+        predicted timeline of the plan those caps give.
+    """
+    units = plan_buckets(gm, BucketCaps(1))  # the finest legal split, forward order
+    costs = node_backward_costs(gm, model.rates)
+    table = unit_costs(units, costs)
+    best = solve_robust(table, model.link, model.gamma_s)
+    caps = BucketCaps(best.caps[0], per_bucket_caps=best.caps)
+    # The prediction is for the plan plan_buckets really makes with these caps.
+    planned = plan_buckets(gm, caps)
+    counts = _unit_counts(units, planned)
+    if counts is None:
+        log.warning("ddp_opt auto plan: the planner did not reproduce the DP's boundaries; the prediction is "
+                    "for the DP's plan, the split follows plan_buckets with caps %s", list(caps.per_bucket_caps))
+        return caps, best
+    timeline = simulate(table, counts, model.link, model.gamma_s)
+    timeline.extra.update(best.extra)
+    return caps, timeline
+
+
+def predict_plan(gm: fx.GraphModule, buckets: list[Bucket], model: CostModel) -> Timeline | None:
+    """The predicted timeline of a plan made otherwise (fixed caps), or None when its
+    buckets do not end on unit boundaries (Note [Cost-model bucket plan])."""
+    units = plan_buckets(gm, BucketCaps(1))
+    counts = _unit_counts(units, buckets)
+    if counts is None:
+        return None
+    return simulate(unit_costs(units, node_backward_costs(gm, model.rates)), counts, model.link, model.gamma_s)
+
+
+def _unit_counts(units: list[Bucket], planned: list[Bucket]) -> list[int] | None:
+    """Units per planned bucket (gradient-ready order), or None when a bucket does not end on a unit boundary."""
+    unit_end = {}
+    for k, u in enumerate(reversed(units)):
+        for n in u.nodes:
+            unit_end[n] = k
+    counts, prev = [], -1
+    for b in reversed(planned):
+        last = max(unit_end[n] for n in b.nodes)
+        first = min(unit_end[n] for n in b.nodes)
+        if first != prev + 1:
+            return None
+        counts.append(last - prev)
+        prev = last
+    return counts if prev == len(units) - 1 else None
+
+
+def describe(timeline: Timeline, buckets: list[Bucket]) -> str:
+    """The plan table with predicted times (buckets given in forward order)."""
+    names = [(b.params[0] if b.params else "(no parameters)") for b in reversed(buckets)]
+    if len(names) != len(timeline.buckets):
+        names = None
+    return format_timeline(timeline, names)

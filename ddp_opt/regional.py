@@ -1,0 +1,122 @@
+"""Regional compile under DDP: compile the repeated block once, bucket by blocks.
+
+Note [Regional compile]
+
+Background
+    Whole-model compile traces, partitions and lowers every transformer layer
+    again, although the layers are the same code on parameters of the same
+    shapes. Compiling the block's forward instead gives one dynamo graph that
+    every instance reuses: with ``inline_inbuilt_nn_modules`` (the default) the
+    parameters are graph inputs, not constants, so the guards of the first
+    block's graph hold for the others.
+
+Algorithm
+    - :func:`find_blocks` (``fsdp_opt.blocks``, shared with FSDP's per-block
+      compile) picks the repeated blocks; each is compiled in place with the
+      plain backend (``Module.compile``), never split inside.
+    - Everything else (embeddings, final norm, head, loss) runs eagerly: it is a
+      small share of the compute, and compiling it would mean a second capture
+      of the outer forward with a graph break at every block.
+    - A compiled block's backward is one autograd node: all of its gradients
+      become ready together, when it ends. So partition boundaries *are* block
+      boundaries, and :func:`plan_block_buckets` groups whole blocks (in
+      gradient-ready order, last block first) until DDP's cap for that bucket is
+      reached. The parameters outside the blocks form their own buckets: those
+      registered after the last block (final norm, untied head) are ready first,
+      those before the first block (embeddings; a tied head shares them) last.
+      ``CompiledDDP`` realigns DDP's reducer to these buckets after step 1
+      (Note [Bucket realignment]); ``ddp_opt.measure_alignment`` checks it.
+
+Notes
+    - The outside-parameter order is a heuristic (parameter registration order);
+      an unusual model shows it as alignment below 1.0, not as wrong results.
+    - A block whose forward breaks the graph still works (dynamo compiles the
+      pieces); only a graph break changes the one-graph-per-block count.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from .plan import Bucket, BucketCaps
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_blocks", "find_ddp_blocks", "plan_block_buckets"]
+
+
+def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> list[tuple[str, nn.Module]]:
+    """``fsdp_opt.find_blocks`` with an error that says how to fix it for DDP."""
+    from fsdp_opt.blocks import find_blocks
+
+    try:
+        return find_blocks(model, blocks)
+    except ValueError as e:
+        raise ValueError(
+            f"Regional compile needs repeated blocks to compile once and reuse: {e} Either name them "
+            "(compile_ddp(..., regional=True, blocks='layers'); launcher: compile.blocks=layers) or compile "
+            "the whole model instead (compile_ddp(..., regional=False); launcher: compile.regional=false)."
+        ) from None
+
+
+def compile_blocks(found: list[tuple[str, nn.Module]], backend: Callable, *, dynamic: bool | None = None,
+                   fullgraph: bool = False, **more: Any) -> None:
+    """Compile each block in place (``Module.compile``); instances share one graph."""
+    for _, block in found:
+        block.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph, **more)
+    log.info("ddp_opt regional compile: %d blocks of %s compiled in place; the rest runs eagerly",
+             len(found), "/".join(sorted({type(b).__name__ for _, b in found})))
+
+
+def _unit(model_params: dict[int, str], params: list[nn.Parameter]) -> Bucket:
+    unit = Bucket()
+    for p in params:
+        unit.params.append(model_params[id(p)])
+        unit.param_ids.append(id(p))
+        unit.size += p.numel() * p.element_size()
+    return unit
+
+
+def plan_block_buckets(model: nn.Module, found: list[tuple[str, nn.Module]], caps: BucketCaps) -> list[Bucket]:
+    """Buckets made of whole blocks, in forward order (see the Note).
+
+    Args:
+        model: the model (DDP's ``module``).
+        found: its blocks, in forward order, from :func:`find_ddp_blocks`.
+        caps: DDP's caps (``caps_from_ddp``), in gradient-ready order.
+    """
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = {id(p): n for n, p in trainable}
+    in_block: dict[int, int] = {}
+    for i, (_, block) in enumerate(found):
+        for p in block.parameters():
+            if id(p) in names:
+                in_block.setdefault(id(p), i)
+    order = [i for i, (n, p) in enumerate(trainable) if id(p) in in_block]
+    first = order[0] if order else len(trainable)
+    before = [p for i, (_, p) in enumerate(trainable) if id(p) not in in_block and i < first]
+    after = [p for i, (_, p) in enumerate(trainable) if id(p) not in in_block and i >= first]
+    per_block = [[p for _, p in trainable if in_block.get(id(p)) == i] for i in range(len(found))]
+
+    # In gradient-ready order: after-the-blocks, last block .. first block, before;
+    # the parameters outside the blocks never share a bucket with a block.
+    buckets: list[Bucket] = [_unit(names, after)] if after else []
+    current: Bucket | None = None
+    for params in reversed(per_block):
+        unit = _unit(names, params)
+        if current is None:
+            current = Bucket(cap=caps.cap_for(len(buckets)))
+        current.size += unit.size
+        current.params += unit.params
+        current.param_ids += unit.param_ids
+        if current.size >= current.cap:
+            buckets.append(current)
+            current = None
+    if current is not None:
+        buckets.append(current)
+    if before:
+        buckets.append(_unit(names, before))
+    return list(reversed(buckets))

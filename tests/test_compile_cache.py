@@ -1,0 +1,216 @@
+"""The persistent compile cache (Note [Compile cache]): entries that are stale,
+foreign or corrupt are ignored with one warning, writes are atomic, and a warm
+restart in a new process is served from the cache (one small inductor test)."""
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import single_rank_group
+from compiler.cache import MAGIC, CacheKey, CompileCache
+from ddp_opt import compile_ddp
+from models import GPT, GPTConfig
+
+TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+
+
+def _key(**settings):
+    return CacheKey.for_model(GPT(GPTConfig(**TINY)), {"backend": "inductor", **settings})
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """Payloads handed to torch.compiler.load_cache_artifacts (replaced: these tests are about files)."""
+    seen = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda payload: seen.append(payload))
+    return seen
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "compiler.cache" and r.levelno >= logging.WARNING]
+
+
+def test_an_entry_round_trips_and_a_missing_entry_is_silent(tmp_path, loaded, caplog):
+    cache = CompileCache(tmp_path, _key())
+    assert cache.load().status == "missing" and loaded == []
+    cache.write(b"artifacts")
+    assert cache.path.name.startswith("GPT-") and cache.path.suffix == ".pt2cache"
+    assert CompileCache(tmp_path, _key()).load().status == "loaded"
+    assert loaded == [b"artifacts"]
+    assert _warnings(caplog) == []
+
+
+def _corrupt_truncated(path):
+    path.write_bytes(path.read_bytes()[:-3])
+
+
+def _corrupt_flipped(path):
+    raw = bytearray(path.read_bytes())
+    raw[-2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _corrupt_garbage(path):
+    path.write_bytes(b"\x00\x01 not a cache file")
+
+
+def _corrupt_header(path):
+    path.write_bytes(MAGIC + b"{not json\n" + b"payload")
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_corrupt_truncated, "is corrupt: truncated payload (6 of 9 bytes)"),
+    (_corrupt_flipped, "is corrupt: payload checksum mismatch"),
+    (_corrupt_garbage, "is corrupt: not a compile-cache file (bad magic line)"),
+    (_corrupt_header, "is corrupt: unreadable header"),
+])
+def test_a_corrupt_entry_gives_one_warning_and_is_not_loaded(tmp_path, loaded, caplog, damage, reason):
+    cache = CompileCache(tmp_path, _key())
+    cache.write(b"artifacts")
+    damage(cache.path)
+    result = CompileCache(tmp_path, _key()).load()
+    assert result.status == "corrupt" and loaded == []
+    (msg,) = _warnings(caplog)
+    assert str(cache.path) in msg and reason in msg
+    assert "Ignoring it and compiling from scratch" in msg
+
+
+def test_a_stale_entry_from_another_torch_version_gives_one_warning(tmp_path, loaded, caplog):
+    key = _key()
+    old = dataclasses.replace(key, runtime={**key.runtime, "torch": "2.0.0"})
+    stale = CompileCache(tmp_path, old)
+    stale.path = CompileCache(tmp_path, key).path  # the same file name, as after a torch upgrade in place
+    stale.write(b"artifacts")
+    assert CompileCache(tmp_path, key).load().status == "stale" and loaded == []
+    (msg,) = _warnings(caplog)
+    assert f"is stale: written for torch '2.0.0', this job has '{torch.__version__}'" in msg
+
+
+def test_a_foreign_entry_for_another_model_gives_one_warning(tmp_path, loaded, caplog):
+    ours = CompileCache(tmp_path, _key())
+    other_model = GPT(GPTConfig(**{**TINY, "n_embd": 64}))
+    foreign = CompileCache(tmp_path, CacheKey.for_model(other_model, {"backend": "inductor"}))
+    foreign.path = ours.path  # another model's entry where ours should be (copied, or a name clash)
+    foreign.write(b"other model's artifacts")
+    assert ours.load().status == "foreign" and loaded == []
+    (msg,) = _warnings(caplog)
+    assert "is foreign: written for another model or config" in msg and "differs in model" in msg
+
+
+def test_the_key_covers_model_settings_and_world_size():
+    base = _key()
+    assert _key().digest == base.digest
+    assert _key(mode="max-autotune").digest != base.digest
+    assert CacheKey.for_model(GPT(GPTConfig(**TINY)), {"backend": "inductor"}, world_size=2).digest != base.digest
+    assert CacheKey.for_model(GPT(GPTConfig(**{**TINY, "n_layer": 3})), {"backend": "inductor"}).digest != base.digest
+
+
+def test_a_write_that_fails_before_the_rename_leaves_the_old_entry(tmp_path, loaded, monkeypatch):
+    cache = CompileCache(tmp_path, _key())
+    cache.write(b"old artifacts")
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        cache.write(b"new artifacts that never land")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache.path.name]  # no partial or temporary file
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda payload: loaded.append(payload))
+    assert CompileCache(tmp_path, _key()).load().loaded and loaded == [b"old artifacts"]
+
+
+def test_save_does_not_fail_the_job_when_the_write_fails(tmp_path, monkeypatch, caplog):
+    cache = CompileCache(tmp_path / "cache", _key())
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk full")))
+    assert cache.save() is None
+    (msg,) = _warnings(caplog)
+    assert "could not write" in msg and "disk full" in msg
+
+
+def test_a_payload_torch_rejects_is_reported_as_corrupt(tmp_path, monkeypatch, caplog):
+    cache = CompileCache(tmp_path, _key())
+    cache.write(b"valid checksum, not torch's format")
+
+    def reject(payload):
+        raise RuntimeError("unpickling failed")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", reject)
+    assert CompileCache(tmp_path, _key()).load().status == "corrupt"
+    (msg,) = _warnings(caplog)
+    assert "load_cache_artifacts failed (RuntimeError: unpickling failed)" in msg
+
+
+def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_path, caplog, monkeypatch):
+    # aot_eager records no cache artifacts, so the saved payload is stubbed; the
+    # compile and its parity with eager are real.
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"fresh artifacts", None))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "placeholder")  # restored after the test
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with single_rank_group():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY))
+        ref = DDP(copy.deepcopy(model), bucket_cap_mb=0.01)
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        compiled = compile_ddp(ddp, backend="aot_eager", cache_dir=tmp_path)
+        path = compiled.compile_cache.path
+        assert compiled.compile_cache.last_load.status == "missing"
+        # No Inductor cache dir chosen yet: Inductor's local cache goes under cache_dir too.
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+        torch._dynamo.reset()
+        ddp2 = DDP(copy.deepcopy(ref.module), bucket_cap_mb=0.01)
+        path.write_bytes(MAGIC + b"garbage")
+        compiled = compile_ddp(ddp2, backend="aot_eager", cache_dir=tmp_path)
+        assert compiled.compile_cache.path == path
+        (msg,) = _warnings(caplog)
+        assert f"Compile cache entry {path} is corrupt" in msg
+        for step in range(2):
+            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss, ref_loss = compiled(x, x)[1], ref(x, x)[1]
+            loss.backward(), ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss)
+            for p, q in zip(ddp2.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+        # Saved automatically at the start of the second call: the corrupt entry is replaced.
+        assert CompileCache(tmp_path, compiled.compile_cache.key)._check()[0] == "ok"
+        torch._dynamo.reset()
+
+
+# -- one inductor test: a warm restart in a new process ------------------------------------------
+
+JOB = Path(__file__).with_name("_cache_job.py")
+
+
+def _run_job(cache_dir: Path, inductor_dir: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(JOB), str(cache_dir)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_restart_in_a_new_process_loads_every_partition_from_the_cache(tmp_path):
+    cold = _run_job(tmp_path / "cache", tmp_path / "inductor_cold")
+    assert cold["load"] == "missing" and cold["saved"] and cold["partitions"] >= 2
+    assert cold["aot"].get("autograd_cache_hit", 0) == 0
+    assert cold["aot"].get("autograd_cache_bypass", 0) == 0  # split partitions are cacheable
+    # A fresh Inductor cache dir: every hit below comes from the compile-cache file.
+    warm = _run_job(tmp_path / "cache", tmp_path / "inductor_warm")
+    assert warm["load"] == "loaded" and not warm["saved"]
+    assert warm["aot"].get("autograd_cache_hit", 0) == warm["partitions"] == cold["partitions"]
+    assert warm["aot"].get("autograd_cache_miss", 0) == 0
+    assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-5)
+    assert warm["losses"] == pytest.approx(cold["eager_losses"], rel=1e-4)
