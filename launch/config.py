@@ -41,6 +41,9 @@ MODEL_NAMES = ("gpt_tiny", "hf_gpt2", "custom")
 PARALLEL_NAMES = ("ddp", "fsdp", "none")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 MIXED_PRECISION = ("none", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LENGTHS = ("fixed", "skewed")
+PADDINGS = ("max", "multiple", "dynamic")
 
 
 class ConfigError(ValueError):
@@ -89,19 +92,43 @@ class CompileConfig:
     split: bool = True
     # A partition that fails to compile: "warn" runs it eagerly, "raise" stops.
     fallback: str = "warn"
+    # Compile optimizer.step too (launch.optim, Note [Compiled optimizer step]).
+    optimizer: bool = False
+    # DDP only: a persistent compile cache directory (Note [Compile cache]), loaded before the
+    # first step and written after it; null: only torch's local caches. Loading a cache is
+    # loading code: use a directory as trusted as this code.
+    cache_dir: Optional[str] = None
+    # DDP only: compile each repeated block once, buckets of whole blocks, the rest eager
+    # (Note [Regional compile]). parallel=fsdp always compiles per block.
+    regional: bool = False
+    # With regional: "auto" (a ModuleList of one block class) or the ModuleList's name.
+    blocks: str = "auto"
 
 
 @dataclass
 class DDPConfig:
     """``ddp`` group; all caps in MiB. Unset caps mean DDP's defaults (25 MiB,
-    first bucket 1 MiB)."""
+    first bucket 1 MiB). ``bucket_cap_mb=auto`` chooses the buckets from a cost
+    model of the link and the model (Note [Cost-model bucket plan])."""
 
-    bucket_cap_mb: Optional[float] = None
+    # A size in MiB, or "auto" (a typed Union of float and str is not supported by OmegaConf 2.3).
+    bucket_cap_mb: Optional[Any] = None
     # Realised as bucket_cap_mb_list=[first, cap]: DDP's reducer fills its rebuilt
     # buckets in gradient-ready order, the last entry repeating.
     first_bucket_cap_mb: Optional[float] = None
     bucket_cap_mb_list: Optional[List[float]] = None
     static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        cap = self.bucket_cap_mb
+        if isinstance(cap, str) and cap != "auto":
+            raise ConfigError(
+                f"ddp.bucket_cap_mb={cap!r} is not valid: it must be a positive size in MiB or 'auto' (buckets chosen "
+                "by a cost model of the measured link and the model's backward). Use e.g. ddp.bucket_cap_mb=25, "
+                "ddp.bucket_cap_mb=auto, or null for DDP's default."
+            )
+        if isinstance(cap, int) and not isinstance(cap, bool):
+            self.bucket_cap_mb = float(cap)
 
 
 @dataclass
@@ -131,6 +158,13 @@ class DataConfig:
     name: str = "synthetic"
     _target_: Optional[str] = None
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Sequence lengths (launch.batching, Note [Padding strategies]): fixed (all
+    # train.seq_len) or skewed (most short, a few up to train.seq_len).
+    lengths: str = "fixed"
+    # max: pad to train.seq_len; multiple: to the batch's longest rounded up to
+    # pad_multiple (every shape compiled in warm-up); dynamic: mark_dynamic.
+    padding: str = "max"
+    pad_multiple: int = 8
 
 
 @dataclass
@@ -149,6 +183,12 @@ class TrainConfig:
     keep_last: int = 2
     resume: bool = False
     timeout_s: float = 300.0
+    # fp32 | bf16 (autocast, CPU and CUDA) | fp16 (autocast + GradScaler, CUDA only).
+    precision: str = "fp32"
+    # Micro-batches per optimizer step (DDP no_sync on all but the last).
+    grad_accum: int = 1
+    # After the warm-up pass, a recompile is an error (the production stance).
+    no_recompile_after_warmup: bool = False
 
 
 @dataclass
@@ -187,11 +227,14 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _validate_model(cfg.model, cfg.train)
     _validate_parallel(cfg.parallel)
     _validate_compile(cfg.compile)
+    _validate_compile_time(cfg.compile, cfg.parallel)
     _validate_ddp(cfg.ddp, cfg.parallel)
+    _validate_auto_caps(cfg.ddp, cfg.compile)
     _validate_fsdp(cfg.fsdp, cfg.parallel)
     _validate_data(cfg.data)
     _validate_train(cfg.train, world_size)
     _validate_diagnose(cfg)
+    _validate_step(cfg, world_size)
 
 
 def _validate_diagnose(cfg: JobConfig) -> None:
@@ -310,10 +353,38 @@ def _validate_compile(c: CompileConfig) -> None:
         raise ConfigError(f"{which}={value!r}: {msg}") from None
 
 
+def _validate_compile_time(c: CompileConfig, p: ParallelConfig) -> None:
+    """compile.cache_dir and compile.regional (issue 6)."""
+    if c.cache_dir is not None:
+        if p.name != "ddp":
+            raise ConfigError(
+                f"compile.cache_dir={c.cache_dir!r} with parallel={p.name}: the persistent compile cache is "
+                "implemented for parallel=ddp (compile_ddp). Drop compile.cache_dir; torch's local "
+                "Inductor cache (TORCHINDUCTOR_CACHE_DIR) still serves warm restarts."
+            )
+        if c.backend == "eager":
+            raise ConfigError(
+                f"compile.cache_dir={c.cache_dir!r} with compile.backend=eager: nothing is compiled, so there is "
+                "nothing to cache. Drop compile.cache_dir or pick a compile backend (compile.backend=inductor)."
+            )
+        if not c.cache_dir or os.path.isfile(c.cache_dir):
+            raise ConfigError(
+                f"compile.cache_dir={c.cache_dir!r} is not a directory: it must name a directory (created if "
+                "missing) to keep one compile-cache file per model and config in. Pass a directory path, "
+                "e.g. compile.cache_dir=/scratch/compile_cache."
+            )
+    if c.regional and p.name == "none":
+        raise ConfigError(
+            "compile.regional=true with parallel=none: regional compile is implemented with DDP, whose buckets "
+            "it aligns to the blocks (and parallel=fsdp always compiles per block). Use parallel=ddp "
+            "(also on one rank) or compile.regional=false."
+        )
+
+
 def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
     why = "DDP fills each gradient bucket up to its cap before it all-reduces it, so a cap of zero or less holds nothing"
     fix = "Give a size in MiB, e.g. {}=25, or null for DDP's default (25 MiB, first bucket 1 MiB)."
-    if d.bucket_cap_mb is not None:
+    if d.bucket_cap_mb is not None and d.bucket_cap_mb != "auto":
         _positive("ddp.bucket_cap_mb", d.bucket_cap_mb, "a positive size in MiB", why, fix.format("ddp.bucket_cap_mb"))
     if d.first_bucket_cap_mb is not None:
         _positive("ddp.first_bucket_cap_mb", d.first_bucket_cap_mb, "a positive size in MiB", why,
@@ -335,6 +406,14 @@ def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
             f"ddp.{using[0]} is set but parallel={p.name}: ddp.* settings configure DistributedDataParallel's "
             "gradient buckets and nothing else uses them. Use parallel=ddp, or drop the ddp.* overrides."
         )
+    if d.bucket_cap_mb == "auto":
+        for other in ("first_bucket_cap_mb", "bucket_cap_mb_list"):
+            if getattr(d, other) is not None:
+                raise ConfigError(
+                    f"ddp.bucket_cap_mb=auto and ddp.{other} are both set: auto chooses every bucket's size from "
+                    f"the cost model, so {other} would be silently dropped. Keep one: ddp.{other}=null or a fixed "
+                    "ddp.bucket_cap_mb."
+                )
     if d.bucket_cap_mb_list is not None:
         for other in ("bucket_cap_mb", "first_bucket_cap_mb"):
             if getattr(d, other) is not None:
@@ -343,7 +422,7 @@ def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
                     f"{other}, so one of them would be silently dropped. Keep one: put the first-bucket cap "
                     "first in the list (ddp.bucket_cap_mb_list=[1,25]), or set ddp.bucket_cap_mb_list=null."
                 )
-    if d.first_bucket_cap_mb is not None:
+    if d.first_bucket_cap_mb is not None and d.bucket_cap_mb != "auto":
         cap = d.bucket_cap_mb if d.bucket_cap_mb is not None else 25.0
         if d.first_bucket_cap_mb > cap:
             raise ConfigError(
@@ -351,6 +430,20 @@ def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
                 f"({cap} MiB): the first bucket exists to start communication early, so it must not be larger. "
                 "Lower ddp.first_bucket_cap_mb or raise ddp.bucket_cap_mb."
             )
+
+
+def _validate_auto_caps(d: DDPConfig, c: CompileConfig) -> None:
+    """ddp.bucket_cap_mb=auto plans where compile_ddp splits the graph, so it needs that split."""
+    if d.bucket_cap_mb != "auto":
+        return
+    off = ("compile.backend=eager" if c.backend == "eager" else "compile.split=false" if not c.split
+           else "compile.regional=true" if c.regional else None)
+    if off is not None:
+        raise ConfigError(
+            f"ddp.bucket_cap_mb=auto with {off}: auto chooses where compile_ddp splits the compiled graph into "
+            "buckets, and with this setting nothing is split at planned buckets. Use a compile backend with "
+            "compile.split=true and compile.regional=false, or a fixed ddp.bucket_cap_mb."
+        )
 
 
 def _validate_fsdp(f: FSDPOptions, p: ParallelConfig) -> None:
@@ -446,6 +539,100 @@ def _validate_resume(t: TrainConfig) -> None:
         )
 
 
+def _validate_step(cfg: JobConfig, world_size: int) -> None:
+    """The training-step techniques: padding, precision, accumulation, compiled optimizer."""
+    d, t, c = cfg.data, cfg.train, cfg.compile
+    if d.lengths not in LENGTHS:
+        raise ConfigError(
+            f"data.lengths={d.lengths!r} is not one of {', '.join(LENGTHS)}: fixed makes every sequence "
+            "train.seq_len long, skewed draws realistic lengths (most short, a few long). "
+            "Use data.lengths=fixed (the default) or data.lengths=skewed."
+        )
+    if d.padding not in PADDINGS:
+        raise ConfigError(
+            f"data.padding={d.padding!r} is not one of {', '.join(PADDINGS)}: it is how a batch of unequal "
+            "sequences becomes one tensor. Use data.padding=max (pad to train.seq_len, the default), "
+            "multiple (to the longest, rounded up to data.pad_multiple) or dynamic (mark_dynamic)."
+        )
+    _positive("data.pad_multiple", d.pad_multiple, "a positive integer",
+              "padding=multiple rounds each batch's longest sequence up to a multiple of it",
+              "Set e.g. data.pad_multiple=8.")
+    if d.padding == "multiple":
+        import math
+
+        import torch
+
+        limit = int(torch._dynamo.config.recompile_limit)
+        shapes = math.ceil(t.seq_len / d.pad_multiple)
+        if shapes > limit:
+            raise ConfigError(
+                f"data.padding=multiple with data.pad_multiple={d.pad_multiple} and train.seq_len={t.seq_len} "
+                f"gives {shapes} padded shapes, more than torch._dynamo.config.recompile_limit={limit}: each "
+                f"shape is one compiled graph, and past the limit dynamo stops compiling the model and runs it "
+                f"eagerly. Raise data.pad_multiple to at least {math.ceil(t.seq_len / limit)}, or use "
+                "data.padding=dynamic (one graph for every length) or data.padding=max."
+            )
+        if c.dynamic:
+            raise ConfigError(
+                "data.padding=multiple with compile.dynamic=true: padding to a few lengths exists to compile "
+                "each of them as a static graph, and dynamic=true makes the length symbolic instead. "
+                "Leave compile.dynamic=null (the job compiles with dynamic=false here), or use data.padding=dynamic."
+            )
+    if t.precision not in PRECISIONS:
+        raise ConfigError(
+            f"train.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}. Use train.precision=fp32 "
+            "(the default), bf16 (autocast to bfloat16) or fp16 (autocast + grad scaler, CUDA only)."
+        )
+    if t.precision == "fp16":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "train.precision=fp16 needs a CUDA GPU, and none is visible: fp16 training needs a GradScaler "
+                "and float16 autocast, which this job runs on CUDA only. Use train.precision=bf16 on CPU, "
+                "or train.precision=fp32."
+            )
+        if c.optimizer:
+            raise ConfigError(
+                "train.precision=fp16 with compile.optimizer=true is not supported: the fp16 GradScaler skips "
+                "steps with inf gradients outside the compiled step. Use train.precision=bf16 (no scaler), "
+                "or compile.optimizer=false."
+            )
+    if t.precision != "fp32" and cfg.parallel.name == "fsdp":
+        raise ConfigError(
+            f"train.precision={t.precision} with parallel=fsdp: FSDP2 has its own mixed precision (parameters "
+            "gathered in bf16), and autocast on top of it is not supported by this job. Use "
+            "fsdp.mixed_precision=bf16 with train.precision=fp32."
+        )
+    _positive("train.grad_accum", t.grad_accum, "a positive integer",
+              "it is the number of micro-batches per optimizer step", "Set e.g. train.grad_accum=1 (no accumulation).")
+    local = t.batch_size // world_size
+    if t.batch_size % world_size == 0 and local % t.grad_accum:
+        raise ConfigError(
+            f"train.grad_accum={t.grad_accum} does not divide the per-rank batch of {local} sequences "
+            f"(train.batch_size={t.batch_size} over {world_size} rank(s)): every micro-batch must have the same "
+            "size, for one compiled shape and equal loss weights. Pick train.grad_accum dividing "
+            f"{local}, or change train.batch_size."
+        )
+    if c.optimizer and c.backend == "eager":
+        raise ConfigError(
+            "compile.optimizer=true with compile.backend=eager: eager means no torch.compile at all, so there is "
+            "no backend to compile the optimizer step with. Use compile=aot_eager or compile=inductor, or "
+            "compile.optimizer=false."
+        )
+    if c.optimizer and cfg.parallel.name == "fsdp":
+        raise ConfigError(
+            "compile.optimizer=true is not supported with parallel=fsdp yet: the optimizer there steps sharded "
+            "DTensor parameters, which this job has not tested compiled. Use compile.optimizer=false with fsdp."
+        )
+    if t.no_recompile_after_warmup and c.backend == "eager":
+        raise ConfigError(
+            "train.no_recompile_after_warmup=true with compile.backend=eager: nothing is compiled, so there is "
+            "no recompile to forbid. Use compile=aot_eager or compile=inductor, or set "
+            "train.no_recompile_after_warmup=false."
+        )
+
+
 def _restarted_by_torchrun() -> bool:
     """torchrun sets TORCHELASTIC_RESTART_COUNT; > 0 means a worker failed and the job restarted."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
@@ -461,10 +648,13 @@ def describe(cfg: JobConfig) -> str:
         f"{m.name} n_layer={m.n_layer} n_head={m.n_head} n_embd={m.n_embd} vocab={m.vocab_size} block={m.block_size}"
     )
     comp = f"{c.backend}" + (f" mode={c.mode}" if c.mode else "") + (f" options={c.options}" if c.options else "")
-    comp += f" dynamic={c.dynamic} fullgraph={c.fullgraph}" + (f" split={c.split}" if cfg.parallel.name == "ddp" else "")
+    comp += f" dynamic={c.dynamic} fullgraph={c.fullgraph}" + (" optimizer" if c.optimizer else "")
+    comp += f" split={c.split}" if cfg.parallel.name == "ddp" else ""
     ddp = " ".join(f"{k}={getattr(d, k)}" for k in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list")
                    if getattr(d, k) is not None) or "defaults (25 MiB, first 1 MiB)"
     data = cfg.data.name + (f" target={cfg.data._target_}" if cfg.data._target_ else "")
+    data += f" lengths={cfg.data.lengths} padding={cfg.data.padding}" + (
+        f" pad_multiple={cfg.data.pad_multiple}" if cfg.data.padding == "multiple" else "")
     ckpt = f"every {t.checkpoint_every} steps -> {t.checkpoint_dir}" if t.checkpoint_every else "off"
     lines = [
         ("model", model),
@@ -474,7 +664,8 @@ def describe(cfg: JobConfig) -> str:
         *([("fsdp", _describe_fsdp(cfg.fsdp))] if cfg.parallel.name == "fsdp" else []),
         ("data", data),
         ("train", f"steps={t.steps} batch={t.batch_size} seq={t.seq_len} lr={t.lr} seed={t.seed} "
-                  f"resume={t.resume}"),
+                  f"resume={t.resume} precision={t.precision} grad_accum={t.grad_accum}"
+                  + (" no_recompile_after_warmup" if t.no_recompile_after_warmup else "")),
         ("checkpoint", ckpt),
     ]
     return "\n".join(f"  {k:<10} {v}" for k, v in lines)

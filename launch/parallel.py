@@ -101,6 +101,8 @@ def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
     if cfg.first_bucket_cap_mb is not None:
         cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else DDP_DEFAULT_CAP_MB
         return {"bucket_cap_mb_list": [cfg.first_bucket_cap_mb, cap]}
+    if cfg.bucket_cap_mb == "auto":  # compile_ddp chooses the buckets; DDP's caps only serve step 1
+        return {"bucket_cap_mb": None}
     return {"bucket_cap_mb": cfg.bucket_cap_mb}
 
 
@@ -172,7 +174,11 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
         )
         if not compile_it:
             return Wrapped(ddp, ddp)
-        compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, wrap_backend=wrap_backend, **_compile_kwargs(c))
+        auto = "auto" if cfg.ddp.bucket_cap_mb == "auto" else None
+        compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, wrap_backend=wrap_backend,
+                               cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks, bucket_cap_mb=auto,
+                               **_compile_kwargs(c))
+        compiled.auto_save_cache = False  # saved by the training loop after its first step
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == "fsdp":
         _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place

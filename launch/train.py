@@ -11,6 +11,7 @@ code 2. Tests call :func:`run` directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +29,11 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, JobConfig, _restarted_by_torchrun, describe, register_configs, validate
 from .data import build_data, stream_seed
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, world_size_from_env
+from .optim import OptimizerStep, build_optimizer
 from .parallel import Wrapped, apply_parallel, build_model
+from .precision import autocast, grad_scaler
+from .recompiles import CompileCounter
+from .step import StepRunner, micro_batches
 from compiler.diagnose import Diagnoser
 
 __all__ = ["run", "main", "to_job_config", "FAULT_ENV"]
@@ -91,9 +96,14 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     model = build_model(cfg.model).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     print0(f"model: {n_params / 1e6:.2f}M parameters")
-    diagnoser = Diagnoser() if cfg.diagnose else None
-    wrapped = apply_parallel(model, cfg, env, wrap_backend=diagnoser.wrap if diagnoser else None)
-    optimizer = torch.optim.AdamW(wrapped.module.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    compiled = cfg.compile.backend != "eager"
+    # The diagnoser also counts graphs and recompiles for the summary (Note [Recompile accounting]).
+    diagnoser = Diagnoser() if cfg.diagnose or (compiled and cfg.parallel.name != "fsdp") else None
+    counter = CompileCounter(diagnoser) if diagnoser is not None else None
+    input_names = _input_names(model)
+    wrapped = apply_parallel(model, _compile_cfg_for_padding(cfg), env,
+                             wrap_backend=diagnoser.wrap if diagnoser else None)
+    optimizer = build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
 
     start = 0
@@ -104,26 +114,61 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
             print0(f"resumed from {info.path} at step {start}")
 
     local_bs = t.batch_size // env.world_size
-    tokens_per_step = t.batch_size * t.seq_len
+    d = cfg.data
+    opt_backend = None
+    if cfg.compile.optimizer:
+        from compiler import resolve_backend
+
+        opt_backend = resolve_backend(cfg.compile.backend, mode=cfg.compile.mode, options=cfg.compile.options or None)
+    runner = StepRunner(wrapped.forward, wrapped.module,
+                        OptimizerStep(optimizer, opt_backend, grad_scaler(t.precision, env.device)),
+                        precision=t.precision, device=env.device, input_names=input_names,
+                        no_recompile_after_warmup=t.no_recompile_after_warmup)
     losses: list[tuple[int, float]] = []
     step_ms: list[float] = []
     checkpoints: list[str] = []
     first_step_s = None
-    if diagnoser is not None:
-        diagnoser.__enter__()
+    totals = torch.zeros(2, dtype=torch.float64)  # real, padded tokens of all steps (all ranks)
+    timed = torch.zeros(2, dtype=torch.float64)  # the same, of the timed steps (after the first)
+    shapes_seen: dict[tuple[int, ...], int] = {}
+    if counter is not None:
+        counter.start()
+    warmup_s, warmup_counts = None, None
+    if compiled and (d.padding != "max" or t.no_recompile_after_warmup):
+        t0 = time.perf_counter()
+        shapes = runner.warm_up(data, rank=env.rank, world_size=env.world_size, micro_batch=local_bs // t.grad_accum,
+                                seq_len=t.seq_len, padding=d.padding, pad_multiple=d.pad_multiple)
+        dist.barrier()
+        warmup_s = time.perf_counter() - t0
+        warmup_counts = counter.snapshot() if counter is not None else None
+        print0(f"warm-up: compiled {len(shapes)} input shape(s) {', '.join(map(str, shapes))} in {warmup_s:.1f}s"
+               + (f" ({warmup_counts.graphs} graphs, {warmup_counts.recompiles} recompiles)" if warmup_counts else ""))
     for step in range(start + 1, t.steps + 1):
         _maybe_inject_fault(step, env.rank)
         torch.manual_seed(stream_seed(t.seed, env.rank, step))  # dropout etc.: a function of the step
-        x, y = (v.to(env.device) for v in data.batch(step, env.rank, env.world_size, local_bs, t.seq_len))
+        batches = micro_batches(data, step=step, rank=env.rank, world_size=env.world_size, local_batch=local_bs,
+                                seq_len=t.seq_len, grad_accum=t.grad_accum, lengths=d.lengths, padding=d.padding,
+                                pad_multiple=d.pad_multiple, seed=t.seed, device=env.device)
+        for b in batches:
+            shapes_seen[tuple(b.inputs.shape)] = shapes_seen.get(tuple(b.inputs.shape), 0) + 1
         t0 = time.perf_counter()
-        loss = _train_step(wrapped, optimizer, x, y)
-        dist.all_reduce(loss)  # the logged loss: mean over ranks (also a sync point for timing)
-        loss_value = loss.item() / env.world_size
+        loss = runner.step(batches, step)
+        # The logged loss: mean over ranks; tokens: summed (also a sync point for timing).
+        stats = torch.stack([loss.float(), loss.new_tensor(float(sum(b.real_tokens for b in batches))),
+                             loss.new_tensor(float(sum(b.padded_tokens for b in batches)))])
+        dist.all_reduce(stats)
+        loss_value = stats[0].item() / env.world_size
         dt = time.perf_counter() - t0
+        tokens_per_step = stats[2].item()
         losses.append((step, loss_value))
+        totals += stats[1:].cpu().double()
+        if step != start + 1:
+            timed += stats[1:].cpu().double()
         if step == start + 1:
             first_step_s = dt
-            print0(f"first step took {dt:.1f}s" + (" (includes compile)" if cfg.compile.backend != "eager" else ""))
+            print0(f"first step took {dt:.1f}s" + (" (includes compile)" if compiled and warmup_s is None else ""))
+            if wrapped.compiled_ddp is not None:  # compile.cache_dir: forward and backward are compiled now
+                wrapped.compiled_ddp.save_compile_cache()
             _print_partitions(wrapped)
         else:
             step_ms.append(dt * 1e3)
@@ -136,19 +181,30 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
             print0(f"checkpoint: {checkpoints[-1]}")
 
     median_ms = statistics.median(step_ms) if step_ms else (first_step_s or 0.0) * 1e3
+    timed_s = sum(step_ms) / 1e3 if step_ms else (first_step_s or 0.0)
+    if not step_ms:
+        timed = totals
+    end_counts = counter.snapshot() if counter is not None else None
+    summary = _step_summary(warmup_s, warmup_counts, end_counts, shapes_seen, totals, timed, timed_s)
     alignment = _alignment(wrapped)
     if alignment is not None:
         print0(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly one "
                f"partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
+    prediction = _prediction(wrapped)
+    if prediction is not None:
+        from ddp_opt.cost import describe as describe_plan  # launch.config's describe is used above
+
+        print0("bucket plan (ddp.bucket_cap_mb=auto; gradient-ready order, times from the start of backward):\n"
+               + describe_plan(prediction, _buckets(wrapped)))
     diagnosis = None
-    if diagnoser is not None:
+    if cfg.diagnose and diagnoser is not None:
         diagnoser.__exit__(None, None, None)
         sizes = [b.size / 2**20 for b in reversed(_buckets(wrapped)) if b.size]
         exposed_ms, compute_ms = _probe_exposed_comm(wrapped, data, cfg, env, local_bs)
         report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3,
                                   alignment=alignment.fraction if alignment is not None else None,
                                   partition_mib=sizes or None, exposed_comm_ms=exposed_ms, compute_ms=compute_ms,
-                                  bucket_cap_mb=cfg.ddp.bucket_cap_mb)
+                                  bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
         diagnosis = json.loads(report.to_json())
         print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     metrics = {
@@ -161,29 +217,78 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
         "final_loss": losses[-1][1] if losses else None,
         "first_step_s": first_step_s,
         "median_step_ms": median_ms,
-        "tokens_per_s": tokens_per_step / (median_ms / 1e3) if median_ms else None,
+        **summary,
         "wall_s": time.perf_counter() - t_start,
         "partitions": _partition_records(wrapped),
         "buckets": [{"size": b.size, "cap": b.cap, "params": list(b.params)} for b in _buckets(wrapped)],
         "checkpoints": checkpoints,
         "diagnosis": diagnosis,
         "alignment": alignment.fraction if alignment is not None else None,
+        "bucket_plan_prediction": prediction.as_dict() if prediction is not None else None,
         "config": asdict(cfg),
     }
+    if summary["graphs"] is not None:
+        after = summary["recompiles_after_warmup"]
+        print0(f"compile: {summary['graphs']} graph(s), {summary['recompiles']} recompile(s)"
+               + (f" ({after} after warm-up)" if after is not None else "")
+               + f"; shapes seen: {_format_shapes(shapes_seen)}")
+    print0(f"tokens: {summary['real_tokens_per_s'] or 0:,.0f} real tokens/s, {summary['tokens_per_s'] or 0:,.0f} "
+           f"tokens/s with padding (padding waste {100 * summary['padding_waste']:.1f}%)")
     print0(
         f"done: steps {start + 1}..{t.steps}, final loss {metrics['final_loss']:.4f}, "
-        f"median step {median_ms:.1f} ms, {metrics['tokens_per_s'] or 0:,.0f} tokens/s, "
+        f"median step {median_ms:.1f} ms, {metrics['real_tokens_per_s'] or 0:,.0f} real tokens/s, "
+        f"recompiles {summary['recompiles'] if summary['recompiles'] is not None else 'n/a'}, "
         f"first step {first_step_s or 0:.1f}s, wall {metrics['wall_s']:.1f}s"
     )
     return metrics
 
 
-def _train_step(wrapped: Wrapped, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    _, loss = wrapped.forward(x, y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach().clone()
+def _step_summary(warmup_s: float | None, warmup: Any, end: Any, shapes_seen: dict[tuple[int, ...], int],
+                  totals: torch.Tensor, timed: torch.Tensor, timed_s: float) -> dict[str, Any]:
+    """The run's compile and token accounting for metrics.json and the summary lines.
+
+    ``graphs``/``recompiles`` count the whole run (warm-up included) and are None
+    when nothing was counted (eager, or fsdp); token rates are over the timed
+    steps (after the first), summed over ranks."""
+    real, padded = float(totals[0]), float(totals[1])
+    return {
+        "warmup_s": warmup_s,
+        "warmup_graphs": warmup.graphs if warmup is not None else None,
+        "graphs": end.graphs if end is not None else None,
+        "recompiles": end.recompiles if end is not None else None,
+        "recompiles_after_warmup": (end.recompiles - warmup.recompiles
+                                    if end is not None and warmup is not None else None),
+        "shapes_seen": [[list(s), n] for s, n in sorted(shapes_seen.items())],
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_waste": 1.0 - real / padded if padded else 0.0,
+        "tokens_per_s": float(timed[1]) / timed_s if timed_s else None,
+        "real_tokens_per_s": float(timed[0]) / timed_s if timed_s else None,
+    }
+
+
+def _format_shapes(shapes_seen: dict[tuple[int, ...], int], most: int = 8) -> str:
+    items = sorted(shapes_seen.items())
+    text = ", ".join(f"{tuple(s)} x{n}" for s, n in items[:most])
+    return text + (f", ... ({len(items)} shapes)" if len(items) > most else "")
+
+
+def _input_names(model: torch.nn.Module) -> tuple[str, str]:
+    """The model's names for (inputs, targets), as dynamo's guards name them."""
+    import inspect
+
+    names = [n for n, p in inspect.signature(model.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (names + ["inputs", "targets"])[0], (names[1:] + ["targets"])[0]
+
+
+def _compile_cfg_for_padding(cfg: JobConfig) -> JobConfig:
+    """``data.padding=multiple`` compiles each padded shape as a static graph:
+    ``dynamic=False`` so dynamo's automatic dynamic shapes do not make the second
+    shape symbolic (Note [Padding strategies] in ``launch.batching``)."""
+    if cfg.data.padding != "multiple" or cfg.compile.dynamic is not None:
+        return cfg
+    return dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, dynamic=False))
 
 
 def _buckets(wrapped: Wrapped) -> list:
@@ -206,11 +311,18 @@ def _probe_exposed_comm(wrapped: Wrapped, data: Any, cfg: JobConfig, env: DistEn
             dist.barrier()
             t0 = time.perf_counter()
             with contextlib.nullcontext() if sync else ddp.no_sync():
-                wrapped.forward(x, y)[1].backward()
+                with autocast(cfg.train.precision, env.device):
+                    loss = wrapped.forward(x, y)[1]
+                loss.backward()
             times.append((time.perf_counter() - t0) * 1e3)
             ddp.zero_grad(set_to_none=True)
     sync_ms, nosync_ms = statistics.median(synced), statistics.median(unsynced)
     return max(sync_ms - nosync_ms, 0.0), nosync_ms
+
+
+def _prediction(wrapped: Wrapped):
+    """The cost model's predicted timeline (ddp.bucket_cap_mb=auto), else None."""
+    return getattr(wrapped.compiled_ddp, "prediction", None) if wrapped.compiled_ddp is not None else None
 
 
 def _alignment(wrapped: Wrapped):

@@ -1,0 +1,48 @@
+"""The training-step switches through run() on one rank: the warm-up pass leaves
+training unchanged, and grad_accum cuts the same data into micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch.config import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from launch.train import run
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_clean_dynamo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+
+
+def _job(tmp_path, backend: str, data: DataConfig, **train) -> JobConfig:
+    return JobConfig(model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=32),
+                     compile=CompileConfig(backend=backend), data=data,
+                     train=TrainConfig(steps=4, batch_size=4, seq_len=32, checkpoint_dir=str(tmp_path / "ckpt"), **train))
+
+
+def test_warmup_does_not_change_training(tmp_path, capsys):
+    data = DataConfig(lengths="skewed", padding="max")
+    plain = run(_job(tmp_path, "aot_eager", data))
+    torch._dynamo.reset()
+    warmed = run(_job(tmp_path, "aot_eager", data, no_recompile_after_warmup=True))
+    assert plain["warmup_s"] is None and warmed["warmup_s"] is not None
+    assert "warm-up: compiled 1 input shape(s) (4, 32)" in capsys.readouterr().out
+    # same weights, data and RNG: the warm-up took no optimizer step and restored the RNG
+    assert warmed["losses"] == plain["losses"]
+    assert (warmed["graphs"], warmed["recompiles"], warmed["recompiles_after_warmup"]) == (1, 0, 0)
+
+
+def test_grad_accum_sees_the_same_data_as_one_batch(tmp_path):
+    data = DataConfig(lengths="fixed")
+    one = run(_job(tmp_path, "eager", data))
+    two = run(_job(tmp_path, "eager", data, grad_accum=2))
+    assert one["shapes_seen"] == [[[4, 32], 4]] and two["shapes_seen"] == [[[2, 32], 8]]
+    assert one["padding_waste"] == 0.0 and one["real_tokens"] == two["real_tokens"] == 4 * 4 * 32
+    for (step, a), (_, b) in zip(one["losses"], two["losses"]):
+        assert abs(a - b) < 1e-5, f"step {step}: loss {b} with grad_accum=2 vs {a} in one batch"
