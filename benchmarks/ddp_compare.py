@@ -4,6 +4,7 @@ benchmark] in ``benchmarks.harness`` and Note [Simulated link] in ``benchmarks.l
 
     python -m benchmarks.ddp_compare --quick --json bench_out/quick.json
     python -m benchmarks.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
+    python -m benchmarks.ddp_compare --sweep --caps 1,4,25,auto --modes eager,builtin,ours --json bench_out/sweep.json
 
 Run outside torchrun, it relaunches itself under ``torch.distributed.run
 --standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
@@ -34,13 +35,15 @@ ROW_KEYS = (
 QUICK = {"backend": "aot_eager", "warmup": 3, "steps": 8, "caps": "4"}
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def _floats(text: str) -> tuple[float | str, ...]:
     try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
+        values = tuple("auto" if v.strip() == "auto" else float(v) for v in text.split(",") if v.strip())
     except ValueError:
         values = ()
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive MiB values, e.g. 1,4,25")
+    if not values or any(v != "auto" and v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of positive MiB values (or auto, with --sweep), e.g. 1,4,25,auto"
+        )
     return values
 
 
@@ -56,7 +59,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="eager,builtin,nosplit,ours", help="comma-separated subset of the modes")
     p.add_argument("--link", default="1ms,100MB/s",
                    help="simulated link: none, 1ms,1GB/s, 1ms,100MB/s or ALPHA,BANDWIDTH (default 1ms,100MB/s)")
-    p.add_argument("--caps", type=_floats, default=None, help="DDP bucket_cap_mb values to sweep (default 1,4,25)")
+    p.add_argument("--caps", type=_floats, default=None,
+                   help="DDP bucket_cap_mb values to sweep (default 1,4,25); auto = compile_ddp's cost-model plan "
+                        "(needs --sweep)")
+    p.add_argument("--sweep", action="store_true",
+                   help="measure every (mode, cap) pair in ONE interleaved phase (benchmarks.sweep), no warm-compile "
+                        "phase; eager/nosplit run once at cap 25")
     p.add_argument("--steps", type=int, default=None, help="measured rounds per cap (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="unmeasured rounds per cap (default 3)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
@@ -87,15 +95,21 @@ def format_table(rows: Sequence[dict]) -> str:
         return "-" if v is None else format(v, spec)
 
     headers = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms",
-               "overlap", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "loss diff"]
+               "pred exp ms", "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp",
+               "loss diff"]
     body = []
     for r in rows:
         ratio = f(r["ratio_vs_builtin"], ".3f")
         if r.get("ratio_q1") is not None:
             ratio += f" [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
+            if r.get("ratio_baseline") and r["ratio_baseline"] != "builtin":
+                ratio += f" vs {r['ratio_baseline']}"
+        cap = r["bucket_cap_mb"]
         body.append([
-            f(r["bucket_cap_mb"], "g"), r["mode"], f(r["step_ms_median"], ".1f"), ratio, f(r["compute_ms"], ".1f"),
-            f(r["comm_ms"], ".1f"), f(r["exposed_comm_ms"], ".1f"), f(r["overlap"], ".2f"), f(r["compile_cold_s"], ".1f"),
+            cap if isinstance(cap, str) else f(cap, "g"), r["mode"], f(r["step_ms_median"], ".1f"), ratio,
+            f(r["compute_ms"], ".1f"), f(r["comm_ms"], ".1f"), f(r["exposed_comm_ms"], ".1f"),
+            f(r.get("predicted_exposed_comm_ms"), ".1f"), f(r["overlap"], ".2f"), f(r.get("alignment"), ".2f"),
+            f(r["compile_cold_s"], ".1f"),
             f(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), f(r["partitions"], "d"), r["ddp_buckets"], r["recompiles"],
             f(r["loss_max_abs_diff"], ".1e"),
         ])
@@ -118,7 +132,7 @@ def _worker(args: argparse.Namespace) -> int:
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
         link=parse_link(args.link), caps=args.caps, warmup=args.warmup, rounds=args.steps, batch=args.batch,
         seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed,
-        cache_root=args.cache_root,
+        cache_root=args.cache_root, sweep=args.sweep,
     )
     dist.init_process_group("gloo")
     try:
@@ -127,13 +141,24 @@ def _worker(args: argparse.Namespace) -> int:
                f"caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}")
         t0 = time.perf_counter()
         rows: list[dict] = []
-        for cap in cfg.caps:
-            rows += run_cap(cfg, cap, link)
+        if cfg.sweep:
+            from .sweep import run_sweep
+
+            rows = run_sweep(cfg, link)
+        else:
+            for cap in cfg.caps:
+                rows += run_cap(cfg, cap, link)
         if dist.get_rank() == 0:
             command = os.environ.get("BENCH_DDP_COMMAND", "python -m benchmarks.ddp_compare " + shlex.join(sys.argv[1:]))
             for row in rows:
                 row["command"] = command
             print(format_table(rows), flush=True)
+            if cfg.sweep:
+                from .sweep import format_summary, sweep_summary
+
+                summary = format_summary(sweep_summary(rows))
+                if summary:
+                    print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
             if args.json:

@@ -77,7 +77,7 @@ from .stats import iqr, median, overlap_efficiency, ratio_summary
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODES", "BenchConfig", "ModeRunner", "run_cap", "print0"]
+__all__ = ["MODES", "BenchConfig", "ModeRunner", "run_cap", "print0", "cap_label"]
 
 MODES = ("eager", "builtin", "nosplit", "ours")
 COMPILED = ("builtin", "nosplit", "ours")
@@ -91,7 +91,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     backend: str = "inductor"
     link: LinkModel = field(default_factory=LinkModel)
-    caps: tuple[float, ...] = (1.0, 4.0, 25.0)
+    caps: tuple[float | str, ...] = (1.0, 4.0, 25.0)  # "auto": ours with compile_ddp(bucket_cap_mb="auto")
     warmup: int = 3
     rounds: int = 10
     batch: int = 8
@@ -103,6 +103,7 @@ class BenchConfig:
     lr: float = 1e-2
     seed: int = 0
     cache_root: str | None = None
+    sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.sweep)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -111,9 +112,15 @@ class BenchConfig:
                 f"--modes {','.join(self.modes)!s} has unknown or no modes {bad}: valid modes are "
                 f"{', '.join(MODES)}. Leave --modes out to run all four."
             )
-        if "builtin" in self.modes and min(self.caps) < 1:
+        if "auto" in self.caps and not self.sweep:
             raise ValueError(
-                f"--caps {','.join(f'{c:g}' for c in self.caps)} has a cap below 1 MiB, which PyTorch's splitter "
+                "--caps auto needs --sweep: the auto plan is compared with fixed caps inside one interleaved phase "
+                "(ours@auto next to ours@1, builtin@1, ...). Add --sweep, or drop auto from --caps."
+            )
+        numeric = [c for c in self.caps if c != "auto"]
+        if "builtin" in self.modes and numeric and min(numeric) < 1:
+            raise ValueError(
+                f"--caps {','.join(cap_label(c) for c in self.caps)} has a cap below 1 MiB, which PyTorch's splitter "
                 "rejects (its first bucket is 1 MiB and must not exceed the cap). Use caps >= 1, or drop "
                 "builtin from --modes to sweep smaller caps."
             )
@@ -122,6 +129,11 @@ class BenchConfig:
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab, block_size=self.seq, n_layer=self.layers, n_head=self.heads, n_embd=self.embd)
+
+
+def cap_label(cap: float | str | None) -> str:
+    """``4`` for 4.0 MiB, ``auto`` for the cost-model plan."""
+    return str(cap) if isinstance(cap, str) or cap is None else f"{cap:g}"
 
 
 def print0(*args, **kwargs) -> None:
@@ -196,6 +208,12 @@ class ModeRunner:
     bucket_bytes: list[int] = field(default_factory=list)  # DDP's buckets in launch order, last sync step
     compiles: list[int] = field(default_factory=list)  # dynamo graphs compiled, per step
     builtin_log: _BuiltinBuckets | None = None
+    cap: float | str | None = None  # set in a sweep, where one mode runs at several caps
+
+    @property
+    def label(self) -> str:
+        """``ours@4``, ``ours@auto`` in a sweep; the mode alone otherwise."""
+        return self.mode if self.cap is None else f"{self.mode}@{cap_label(self.cap)}"
 
     @property
     def partitions(self) -> int | None:
@@ -209,17 +227,26 @@ class ModeRunner:
         return counts[-1] if counts else 1  # PyTorch logs nothing when it does not split
 
 
-def build_mode(mode: str, cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> ModeRunner:
-    """Same seed for every mode, so every mode starts from the same weights."""
+def build_mode(mode: str, cfg: BenchConfig, cap_mb: float | str, link: SimulatedLink,
+               cost_model: object | None = None) -> ModeRunner:
+    """Same seed for every mode, so every mode starts from the same weights. ``cost_model``
+    (a ``ddp_opt.CostModel``): ours plans with it at cap auto and predicts with it at fixed caps."""
+    auto = cap_mb == "auto"
+    if auto and mode != "ours":
+        raise ValueError(f"cap 'auto' is compile_ddp's cost-model plan; mode {mode!r} has no such option")
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
-    ddp = DDP(model, bucket_cap_mb=cap_mb)
+    ddp = DDP(model, bucket_cap_mb=None if auto else cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     runner = ModeRunner(mode, ddp, ddp, opt)
     if mode == "ours":
         # compile_ddp re-creates DDP's reducer to align its buckets with the
-        # partitions; a hook registered through it survives that.
-        runner.fn = compile_ddp(ddp, backend=cfg.backend)
+        # partitions; a hook registered through it survives that. With auto, the
+        # link is measured through the same simulated link the gradients take.
+        more: dict = {}
+        if auto or cost_model is not None:
+            more = dict(bucket_cap_mb="auto" if auto else None, link=cost_model if cost_model is not None else link.probe)
+        runner.fn = compile_ddp(ddp, backend=cfg.backend, **more)
         runner.fn.register_comm_hook(link, SimulatedLink.hook)
         return runner
     ddp.register_comm_hook(link, SimulatedLink.hook)
@@ -318,7 +345,7 @@ def _measure(runners: list[ModeRunner], cfg: BenchConfig, link: SimulatedLink, c
         for r in order:
             step_s, sync_fb, stats = run_step(r, cfg, link, sync=True)
             _, nosync_fb, _ = run_step(r, cfg, link, sync=False)
-            line.append(f"{r.mode} {step_s * 1e3:.0f}ms")
+            line.append(f"{r.label} {step_s * 1e3:.0f}ms")
             if measured:
                 r.step_s.append(step_s)
                 r.sync_fb_s.append(sync_fb)
@@ -326,7 +353,8 @@ def _measure(runners: list[ModeRunner], cfg: BenchConfig, link: SimulatedLink, c
                 r.link_s.append(stats.link_s)
                 r.buckets_per_step.append(stats.buckets)
                 r.bucket_bytes = list(stats.sizes)
-        print0(f"[cap {cap_mb:g} MiB] {label}: " + ", ".join(line))
+        prefix = "[sweep]" if cap_mb == "sweep" else f"[cap {cap_label(cap_mb)} MiB]"
+        print0(f"{prefix} {label}: " + ", ".join(line))
 
 
 def _nan_to_none(x: float | None) -> float | None:
@@ -345,61 +373,84 @@ def _alignment(r: ModeRunner) -> float | None:
 
 def _rows(runners: list[ModeRunner], cfg: BenchConfig, cap_mb: float, all_losses: list[dict]) -> list[dict]:
     by_mode = {r.mode: r for r in runners}
-    base = by_mode.get("builtin")
-    rows = []
-    for order, r in enumerate(runners):
-        step = median(r.step_s)
-        q1, q3 = iqr(r.step_s)
-        ratio = ratio_summary(r.step_s, base.step_s) if base is not None else (None, None, None)
-        compute, sync_fb, comm = median(r.nosync_fb_s), median(r.sync_fb_s), median(r.link_s)
-        exposed = median([s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)])
-        loss_diff = None
-        if "eager" in by_mode:
-            loss_diff = max(
-                abs(a - b) for losses in all_losses for a, b in zip(losses[r.mode], losses["eager"])
-            )
-        compiled = r.mode in COMPILED
-        cold = max(r.first_step_s[0] - step, 0.0) if compiled else 0.0
-        warm = max(r.first_step_s[1] - step, 0.0) if compiled else 0.0
-        rows.append({
-            "mode": r.mode,
-            "backend": cfg.backend if compiled else "eager",
-            "link": cfg.link.label,
-            "bucket_cap_mb": cap_mb,
-            "step_ms_median": step * 1e3,
-            "ratio_vs_builtin": _nan_to_none(ratio[0]),
-            "overlap": _nan_to_none(overlap_efficiency(compute, comm, compute + exposed)) if cfg.link.enabled else None,
-            "compile_s": cold,
-            "partitions": r.partitions,
-            "loss_max_abs_diff": loss_diff,
-            "alignment": _alignment(r),
-            # extras
-            "mode_order": order,
-            "step_ms_q1": q1 * 1e3,
-            "step_ms_q3": q3 * 1e3,
-            "ratio_q1": _nan_to_none(ratio[1]),
-            "ratio_q3": _nan_to_none(ratio[2]),
-            "compile_cold_s": cold,
-            "compile_warm_s": warm,
-            "first_step_cold_s": r.first_step_s[0],
-            "first_step_warm_s": r.first_step_s[1],
-            "compute_ms": compute * 1e3,
-            "sync_fb_ms": sync_fb * 1e3,
-            "comm_ms": comm * 1e3,
-            "exposed_comm_ms": exposed * 1e3,
-            "ddp_buckets": int(median(r.buckets_per_step)),
-            "recompiles": sum(r.compiles[2:]),
-            "cold_cache": r.cache_events[0],
-            "warm_cache": r.cache_events[1],
-            "ddp_bucket_mib": [round(b / 2**20, 3) for b in r.bucket_bytes],
-            "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(r.fn.buckets)] if r.mode == "ours" else None,
-            "world_size": dist.get_world_size(),
-            "rounds": cfg.rounds,
-            "warmup": cfg.warmup,
-            "model": f"GPT(layers={cfg.layers}, embd={cfg.embd}, heads={cfg.heads}, vocab={cfg.vocab}, seq={cfg.seq}), batch {cfg.batch}/rank",
-            "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
-        })
-    return rows
+    eager = "eager" if "eager" in by_mode else None
+    return [row_for(r, cfg, cap_mb, order, by_mode.get("builtin"), all_losses, eager)
+            for order, r in enumerate(runners)]
+
+
+def _prediction(r: ModeRunner) -> dict:
+    """The cost model's prediction (ours with cap auto), flattened for the row."""
+    pred = getattr(r.fn, "prediction", None) if r.mode == "ours" else None
+    if pred is None:
+        return {"predicted_backward_ms": None, "predicted_exposed_comm_ms": None, "predicted_comm_ms": None,
+                "predicted_link": None}
+    return {
+        "predicted_backward_ms": pred.backward_s * 1e3,
+        "predicted_exposed_comm_ms": pred.exposed_s * 1e3,
+        "predicted_comm_ms": sum(pred.link.transfer_s(b.nbytes) for b in pred.buckets) * 1e3,
+        "predicted_link": f"{pred.link.alpha_s * 1e3:.3g}ms,{pred.link.bandwidth / 1e6:.4g}MB/s",
+    }
+
+
+def row_for(r: ModeRunner, cfg: BenchConfig, cap_mb: float | str, order: int, base: ModeRunner | None,
+            all_losses: list[dict], eager_key: str | None) -> dict:
+    """One result row. ``all_losses``: per rank, losses keyed by runner label; ``base``: the runner
+    whose per-round steps the ratio is taken against (None: no ratio)."""
+    step = median(r.step_s)
+    q1, q3 = iqr(r.step_s)
+    ratio = ratio_summary(r.step_s, base.step_s) if base is not None else (None, None, None)
+    compute, sync_fb, comm = median(r.nosync_fb_s), median(r.sync_fb_s), median(r.link_s)
+    exposed = median([s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)])
+    loss_diff = None
+    if eager_key is not None:
+        loss_diff = max(abs(a - b) for losses in all_losses for a, b in zip(losses[r.label], losses[eager_key]))
+    compiled = r.mode in COMPILED
+    first = r.first_step_s + [None] * (2 - len(r.first_step_s))
+    cold = max(first[0] - step, 0.0) if compiled and first[0] is not None else (0.0 if not compiled else None)
+    warm = max(first[1] - step, 0.0) if compiled and first[1] is not None else (0.0 if not compiled else None)
+    events = r.cache_events + [None] * (2 - len(r.cache_events))
+    return {
+        "mode": r.mode,
+        "backend": cfg.backend if compiled else "eager",
+        "link": cfg.link.label,
+        "bucket_cap_mb": cap_mb,
+        "step_ms_median": step * 1e3,
+        "ratio_vs_builtin": _nan_to_none(ratio[0]),
+        "overlap": _nan_to_none(overlap_efficiency(compute, comm, compute + exposed)) if cfg.link.enabled else None,
+        "compile_s": cold,
+        "partitions": r.partitions,
+        "loss_max_abs_diff": loss_diff,
+        "alignment": _alignment(r),
+        # extras
+        "runner": r.label,
+        "ratio_baseline": base.label if base is not None else None,
+        "mode_order": order,
+        "step_ms_q1": q1 * 1e3,
+        "step_ms_q3": q3 * 1e3,
+        "step_ms_rounds": [t * 1e3 for t in r.step_s],
+        "ratio_q1": _nan_to_none(ratio[1]),
+        "ratio_q3": _nan_to_none(ratio[2]),
+        "compile_cold_s": cold,
+        "compile_warm_s": warm,
+        "first_step_cold_s": first[0],
+        "first_step_warm_s": first[1],
+        "compute_ms": compute * 1e3,
+        "sync_fb_ms": sync_fb * 1e3,
+        "comm_ms": comm * 1e3,
+        "exposed_comm_ms": exposed * 1e3,
+        **_prediction(r),
+        "ddp_buckets": int(median(r.buckets_per_step)),
+        "recompiles": sum(r.compiles[len(r.first_step_s):]),  # after the compile step(s)
+        "cold_cache": events[0],
+        "warm_cache": events[1],
+        "ddp_bucket_mib": [round(b / 2**20, 3) for b in r.bucket_bytes],
+        "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(r.fn.buckets)] if r.mode == "ours" else None,
+        "world_size": dist.get_world_size(),
+        "rounds": cfg.rounds,
+        "warmup": cfg.warmup,
+        "model": f"GPT(layers={cfg.layers}, embd={cfg.embd}, heads={cfg.heads}, vocab={cfg.vocab}, seq={cfg.seq}), batch {cfg.batch}/rank",
+        "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
+    }
 
 
 def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
@@ -412,7 +463,7 @@ def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
             _compile_phase(runners, cfg, link, cap_mb, "cold")
             _compile_phase(runners, cfg, link, cap_mb, "warm")
             _measure(runners, cfg, link, cap_mb)
-        losses = {r.mode: r.losses for r in runners}
+        losses = {r.label: r.losses for r in runners}
         gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(gathered, losses)
         return _rows(runners, cfg, cap_mb, gathered) if dist.get_rank() == 0 else []

@@ -130,19 +130,26 @@ class SimulatedLink:
         """DDP comm hook: ``state`` is the SimulatedLink, ``bucket`` a ``dist.GradBucket``."""
         return state._reduce(bucket.buffer())
 
-    def _reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+    def probe(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """All-reduce ``tensor`` (summed) over the same path as the hook's buckets, not counted
+        in the step stats: the link probe for ``compile_ddp(bucket_cap_mb="auto", link=link.probe)``."""
+        return self._reduce(tensor, average=False, count=False)
+
+    def _reduce(self, tensor: torch.Tensor, average: bool = True, count: bool = True) -> torch.futures.Future:
         ready_at = time.perf_counter()
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        tensor.div_(dist.get_world_size(group))
+        if average:
+            tensor.div_(dist.get_world_size(group))
         real = dist.all_reduce(tensor, group=group, async_op=True).get_future()
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
             _, done = self.model.schedule(ready_at, self.link_free_at, nbytes)
             self.link_free_at = done
-            self._stats.buckets += 1
-            self._stats.nbytes += nbytes
-            self._stats.sizes.append(nbytes)
-            self._stats.link_s += self.model.transfer_s(nbytes)
+            if count:
+                self._stats.buckets += 1
+                self._stats.nbytes += nbytes
+                self._stats.sizes.append(nbytes)
+                self._stats.link_s += self.model.transfer_s(nbytes)
         if not self.model.enabled:
             return real.then(lambda fut: tensor)
         result: torch.futures.Future = torch.futures.Future()

@@ -94,3 +94,17 @@ def test_ddp_gradients_are_exact_with_the_hook(single_rank_group):
         stats = link.take_step_stats()
         assert stats.nbytes == sum(p.numel() * 4 for p in model.parameters())
     assert stats.buckets >= 2, stats
+
+
+def test_probe_takes_the_hook_path_but_is_not_counted_and_fits_the_link(single_rank_group):
+    from ddp_opt import measure_link
+
+    link = SimulatedLink(LinkModel(alpha_s=2e-3, bandwidth=2e8))
+    t = torch.full((1000,), 3.0)
+    t0 = time.perf_counter()
+    link.probe(t).wait()
+    assert time.perf_counter() - t0 >= 2e-3 + 4000 / 2e8 - 1e-4
+    assert t[0].item() == 3.0  # summed over one rank, not averaged
+    est = measure_link(link.probe, reps=3, warmup=1)
+    assert link.take_step_stats().buckets == 0
+    assert est.alpha_s == pytest.approx(2e-3, abs=1e-3) and est.bandwidth == pytest.approx(2e8, rel=0.3)

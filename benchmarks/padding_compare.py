@@ -1,0 +1,177 @@
+"""The three padding strategies for variable-length batches, side by side, through
+the real launcher (``launch.train``) on skewed sequence lengths.
+
+    python -m benchmarks.padding_compare --quick                  # aot_eager smoke, ~1-2 min on 2 CPU cores
+    python -m benchmarks.padding_compare --readme README.md       # inductor, the README table
+
+Note [Padding benchmark]
+
+Background
+    Padding every batch to the maximum length compiles once and wastes compute
+    on padding; padding to the batch's longest wastes little and, naively,
+    recompiles all the time. ``data.padding=multiple`` and ``dynamic`` sit in
+    between (Note [Padding strategies] in ``launch.batching``).
+
+Algorithm
+    Each (round, strategy) is one fresh ``python -m launch.train`` process (or
+    ``torchrun`` with ``--nproc > 1``) with its own empty inductor cache, so
+    every strategy pays its full compile, and dynamo's per-code caches of one
+    strategy cannot leak into another's counts. The strategies run in rotating
+    order round after round (``max, multiple, dynamic``, then ``multiple,
+    dynamic, max``, ...) so slow drift of the machine hits them alike. Every run
+    uses the same model, seed, data and skewed lengths and
+    ``train.no_recompile_after_warmup=true``: compile time is the warm-up pass
+    (every graph), and a recompile after it would fail the run. The launcher's
+    ``metrics.json`` gives real tokens/s (non-padding tokens over the steps
+    after the first), tokens/s with padding, the padding waste, graph and
+    recompile counts; the table shows medians over rounds.
+
+Notes
+    - Results: ``benchmarks/results/padding_compare.json`` (``--json``; a
+      ``--quick`` run writes ``bench_out/padding_compare_quick.json``);
+      ``--readme FILE`` rewrites FILE's ``bench:padding`` section
+      (``benchmarks.readme_results.padding_markdown``); ``--render`` re-renders
+      it from an existing JSON without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from .readme_results import padding_markdown, update_padding_section
+
+__all__ = ["main", "parse_args", "run_strategy", "summarize", "STRATEGIES"]
+
+STRATEGIES = ("max", "multiple", "dynamic")
+DEFAULT_JSON = "benchmarks/results/padding_compare.json"
+QUICK_JSON = "bench_out/padding_compare_quick.json"  # a smoke run never overwrites the real results
+FULL = dict(backend="inductor", n_layer=4, n_embd=128, n_head=4, seq_len=128, batch_size=16, pad_multiple=32,
+            steps=30, rounds=2)
+QUICK = dict(backend="aot_eager", n_layer=2, n_embd=64, n_head=2, seq_len=64, batch_size=8, pad_multiple=16,
+             steps=6, rounds=1)
+KEYS = ("real_tokens_per_s", "tokens_per_s", "padding_waste", "warmup_s", "first_step_s", "median_step_ms",
+        "graphs", "recompiles", "recompiles_after_warmup", "final_loss")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.padding_compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"smoke settings {QUICK} (explicit flags still win)")
+    for key, value in FULL.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per run (>1: torchrun --standalone)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of max,multiple,dynamic")
+    p.add_argument("--json", default=None,
+                   help=f"write the result here (default {DEFAULT_JSON}; with --quick {QUICK_JSON})")
+    p.add_argument("--readme", default=None, help="rewrite this file's bench:padding section")
+    p.add_argument("--render", action="store_true", help="only re-render --readme from --json; run nothing")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it counts as hung")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.json is None:
+        args.json = QUICK_JSON if args.quick else DEFAULT_JSON
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    bad = [s for s in args.strategies if s not in STRATEGIES]
+    if bad:
+        p.error(f"--strategies: {bad[0]!r} is not one of {', '.join(STRATEGIES)}")
+    return args
+
+
+def _overrides(args: argparse.Namespace, padding: str, run_dir: Path) -> list[str]:
+    return [
+        f"compile={args.backend if args.backend in ('aot_eager', 'inductor') else 'aot_eager'}",
+        f"compile.backend={args.backend}",
+        f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}", f"model.n_head={args.n_head}",
+        f"model.block_size={args.seq_len}", f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
+        f"train.steps={args.steps}", f"train.log_interval={max(args.steps, 1)}",
+        "data.lengths=skewed", f"data.padding={padding}", f"data.pad_multiple={args.pad_multiple}",
+        "train.no_recompile_after_warmup=true", f"train.checkpoint_dir={run_dir / 'ckpt'}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def run_strategy(args: argparse.Namespace, padding: str, work: Path, tag: str) -> dict[str, Any]:
+    """One fresh launcher process (fresh inductor cache) for ``padding``; its metrics.json."""
+    run_dir = work / f"{tag}_{padding}"
+    cmd = [sys.executable, "-m", "launch.train", *_overrides(args, padding, run_dir)]
+    if args.nproc > 1:
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "-m", "launch.train"]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor_cache"))
+    print(f"[padding_compare] {tag} {padding}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"padding={padding} ({tag}) failed with exit code {proc.returncode}:\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def summarize(padding: str, runs: list[dict[str, Any]], pad_multiple: int) -> dict[str, Any]:
+    """One table row: medians over rounds (counts from the first round, which all rounds must match)."""
+    def med(key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    counts = {k: runs[0].get(k) for k in ("graphs", "recompiles", "recompiles_after_warmup")}
+    for r in runs[1:]:
+        if any(r.get(k) != v for k, v in counts.items()):
+            counts["note"] = "counts differ between rounds: " + str([[r.get(k) for k in counts] for r in runs])
+    return {
+        "padding": padding, "pad_multiple": pad_multiple,
+        **{k: med(k) for k in ("real_tokens_per_s", "tokens_per_s", "padding_waste", "median_step_ms",
+                               "first_step_s", "final_loss")},
+        "compile_s": med("warmup_s"),
+        **counts,
+        "shapes_seen": len(runs[0].get("shapes_seen") or []),
+        "per_round": [{k: r.get(k) for k in KEYS} for r in runs],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.render:
+        if not args.readme:
+            raise SystemExit("--render needs --readme FILE")
+        update_padding_section(json.loads(Path(args.json).read_text()), args.readme)
+        print(f"updated {args.readme}")
+        return 0
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.strategies}
+    with tempfile.TemporaryDirectory(prefix="padding_compare_") as tmp:
+        for rnd in range(args.rounds):
+            k = rnd % len(args.strategies)
+            for padding in args.strategies[k:] + args.strategies[:k]:
+                runs[padding].append(run_strategy(args, padding, Path(tmp), f"round{rnd}"))
+    first = next(iter(runs.values()))[0]
+    result = {
+        "meta": {
+            "backend": args.backend, "device": first.get("device"), "nproc": args.nproc,
+            "model": f"gpt n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head}",
+            "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps, "rounds": args.rounds,
+            "command": shlex.join(["python", "-m", "benchmarks.padding_compare", *(argv if argv is not None else sys.argv[1:])]),
+        },
+        "rows": [summarize(s, runs[s], args.pad_multiple) for s in args.strategies],
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    print(padding_markdown(result))
+    if args.readme:
+        update_padding_section(result, args.readme)
+        print(f"updated {args.readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
