@@ -56,6 +56,7 @@ their gradients are dropped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -69,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from compiler import resolve_backend
 from ddp_opt import compile_ddp, measure_alignment
 from models import GPT, GPTConfig
 
@@ -251,7 +253,12 @@ def build_mode(mode: str, cfg: BenchConfig, cap_mb: float | str, link: Simulated
         return runner
     ddp.register_comm_hook(link, SimulatedLink.hook)
     if mode == "builtin":
-        runner.fn = torch.compile(ddp, backend=cfg.backend)
+        # A backend object of its own: dynamo shares compiled code between model
+        # instances (parameters are graph inputs) whenever the backends compare
+        # equal, and torch's backend wrappers compare by settings. Without this a
+        # second builtin runner at another cap would silently run the first one's
+        # split graph (partitions planned for the first runner's cap).
+        runner.fn = torch.compile(ddp, backend=functools.partial(resolve_backend(cfg.backend)))
         runner.builtin_log = _BuiltinBuckets()
     elif mode == "nosplit":
         runner.fn = compile_ddp(ddp, backend=cfg.backend, split=False)
