@@ -46,7 +46,7 @@ Notes
       kernels, but not the C++ kernels Inductor builds on CPU: those are rebuilt
       from the cached source. ``compile_ddp(cache_dir=...)`` therefore also puts
       Inductor's local cache under ``cache_dir/inductor`` when the process has not
-      chosen one (``TORCHINDUCTOR_CACHE_DIR`` unset), so a restart on the same
+      chosen one (``TORCHINDUCTOR_CACHE_DIR`` unset or at Inductor's default), so a restart on the same
       machine finds the built kernels too.
 """
 

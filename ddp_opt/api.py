@@ -146,14 +146,24 @@ def _local_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def _inductor_dir_is_default() -> bool:
+    """True unless the user chose Inductor's cache directory. Importing torch._dynamo
+    already sets ``TORCHINDUCTOR_CACHE_DIR`` to Inductor's default, so a value equal
+    to that default counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir())
+
+
 def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any]) -> CompileCache:
     """The compile cache entry of this model, config and world size; loaded now.
 
-    When the process has no Inductor cache directory yet (``TORCHINDUCTOR_CACHE_DIR``
-    unset and nothing compiled), Inductor's local caches go to ``cache_dir/inductor``
+    Unless the user chose Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` unset
+    or at Inductor's default), Inductor's local caches go to ``cache_dir/inductor``
     too, so that compiled kernels that the artifact file does not bundle (C++ on CPU)
     survive as well."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    if _inductor_dir_is_default():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.join(cache_dir, "inductor"))
     param = next(ddp_model.module.parameters(), None)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

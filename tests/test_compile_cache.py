@@ -214,3 +214,18 @@ def test_a_restart_in_a_new_process_loads_every_partition_from_the_cache(tmp_pat
     assert warm["aot"].get("autograd_cache_miss", 0) == 0
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-5)
     assert warm["losses"] == pytest.approx(cold["eager_losses"], rel=1e-4)
+
+
+def test_inductor_cache_moves_under_cache_dir_only_when_the_user_did_not_choose_one(monkeypatch):
+    # Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to Inductor's default, so
+    # "unset" and "the default" both count as not chosen; any other value is the user's.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from ddp_opt.api import _inductor_dir_is_default
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert _inductor_dir_is_default()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert _inductor_dir_is_default()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/the/user/chose")
+    assert not _inductor_dir_is_default()
