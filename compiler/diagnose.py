@@ -227,7 +227,8 @@ def advise(
             f"communication that backward did not hide: try ddp.bucket_cap_mb={cap / 2:g} (smaller buckets start "
             f"their all-reduce earlier) and ddp.bucket_cap_mb={cap * 2:g} (fewer all-reduces, when latency "
             "dominates), side by side with python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps "
-            f"{cap / 2:g},{cap:g},{cap * 2:g}."
+            f"{cap / 2:g},{cap:g},{cap * 2:g},auto; or let ddp.bucket_cap_mb=auto choose the buckets from the "
+            "measured link and the model."
         )
     if alignment is not None and alignment < 0.99:
         caps = f"[{', '.join(f'{m:.3g}' for m in partition_mib)}]" if partition_mib else "the partition sizes"
@@ -270,7 +271,7 @@ def advise(
     if step_s and compile_s > 50 * step_s:
         advice.append(
             f"compile took {compile_s:.1f}s, {compile_s / step_s:.0f}x a step: compile the repeated block once "
-            "(regional compile) or reuse a compile cache across restarts."
+            "(compile.regional=true) or reuse compiled partitions across restarts (compile.cache_dir=DIR)."
         )
     return advice
 

@@ -130,6 +130,18 @@ def test_exposed_communication_suggests_caps_to_compare():
     advice = advise([], [], [], [], recompile_limit=8, exposed_comm_ms=60.0, compute_ms=200.0, bucket_cap_mb=4.0)
     (line,) = [a for a in advice if "waits for gradient communication" in a]
     assert line.startswith("60 ms of each 260 ms step waits for gradient communication")
-    assert "ddp.bucket_cap_mb=2" in line and "ddp.bucket_cap_mb=8" in line and "--modes eager,nosplit,ours --caps 2,4,8" in line
+    assert "ddp.bucket_cap_mb=2" in line and "ddp.bucket_cap_mb=8" in line and "--modes eager,nosplit,ours --caps 2,4,8,auto" in line
+    assert "ddp.bucket_cap_mb=auto" in line
     hidden = advise([], [], [], [], recompile_limit=8, exposed_comm_ms=5.0, compute_ms=200.0, bucket_cap_mb=4.0)
     assert not any("waits for gradient communication" in a for a in hidden)
+
+
+def test_compile_time_that_dominates_points_at_regional_compile_and_the_cache():
+    from compiler.diagnose import GraphInfo, advise
+
+    slow = advise([GraphInfo(0, 10, 5, compile_s=60.0)], [], [], [], recompile_limit=8, step_s=0.2)
+    (line,) = [a for a in slow if a.startswith("compile took")]
+    assert line.startswith("compile took 60.0s, 300x a step")
+    assert "compile.regional=true" in line and "compile.cache_dir=DIR" in line
+    quick = advise([GraphInfo(0, 10, 5, compile_s=5.0)], [], [], [], recompile_limit=8, step_s=0.2)
+    assert not any(a.startswith("compile took") for a in quick)
