@@ -15,6 +15,7 @@ from ddp_opt import compile_ddp
 from launch.optim import OptimizerStep, build_optimizer
 from launch.precision import autocast
 from models import GPT, GPTConfig
+from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
 STEPS = 4
@@ -24,16 +25,6 @@ STEPS = 4
 # lr * g / eps, so an ulp of difference in g shows there as ~1e-5 (3e-5 seen after 4 steps).
 PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 QKV_BIAS_TOL = dict(rtol=0.0, atol=1e-4)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_clean_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
 
 
 def _batch(step: int):

@@ -16,21 +16,12 @@ from launch.recompiles import CompileCounter, RecompileAfterWarmupError
 from launch.step import StepRunner
 from launch.train import run
 from models import GPT, GPTConfig
+from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
 
 SEQ = 32
 CFG = GPTConfig(vocab_size=64, block_size=SEQ, n_layer=1, n_head=2, n_embd=32)
 # The fixed sequence of batches the counts are derived on: each batch's longest length.
 LONGEST = [5, 17, 9, 30, 3, 32, 12]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_clean_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
 
 
 def _tokens(batch=2, seq=SEQ, seed=0):

@@ -8,16 +8,7 @@ import torch
 
 from launch.config import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from launch.train import run
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_clean_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
+from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
 
 
 def _job(tmp_path, backend: str, data: DataConfig, **train) -> JobConfig:
