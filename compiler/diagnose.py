@@ -135,7 +135,7 @@ class Diagnoser:
     def __init__(self) -> None:
         self.graphs: list[GraphInfo] = []
         self.breaks: list[GraphBreak] = []
-        self._metrics_start = 0
+        self._metrics_mark: Any = None
         self._metrics: list[Any] = []
 
     def wrap(self, backend: BackendFn) -> BackendFn:
@@ -159,11 +159,21 @@ class Diagnoser:
         return diagnosing_backend
 
     def __enter__(self) -> "Diagnoser":
-        self._metrics_start = len(torch._dynamo.utils.get_compilation_metrics())
+        # Dynamo keeps its compilation metrics in a bounded deque (64 entries), so a
+        # count taken now would point at the wrong entry once old ones are evicted:
+        # remember the newest entry itself and take what follows it.
+        metrics = torch._dynamo.utils.get_compilation_metrics()
+        self._metrics_mark = metrics[-1] if metrics else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._metrics = list(torch._dynamo.utils.get_compilation_metrics())[self._metrics_start:]
+        metrics = torch._dynamo.utils.get_compilation_metrics()
+        start = 0
+        for i in range(len(metrics) - 1, -1, -1):
+            if metrics[i] is self._metrics_mark:
+                start = i + 1
+                break
+        self._metrics = metrics[start:]
 
     def recompiles(self) -> list[Recompile]:
         found = []

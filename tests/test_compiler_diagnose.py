@@ -145,3 +145,21 @@ def test_compile_time_that_dominates_points_at_regional_compile_and_the_cache():
     assert "compile.regional=true" in line and "compile.cache_dir=DIR" in line
     quick = advise([GraphInfo(0, 10, 5, compile_s=5.0)], [], [], [], recompile_limit=8, step_s=0.2)
     assert not any(a.startswith("compile took") for a in quick)
+
+
+def test_recompiles_are_still_counted_once_dynamo_evicts_old_metrics():
+    # Dynamo keeps its compilation metrics in a bounded deque: a window measured by
+    # position would miss every recompile once the deque is full (it did, in the
+    # full test suite). Fill a small deque with older entries, then diagnose.
+    from torch._dynamo import utils as dynamo_utils
+
+    dynamo_utils.set_compilation_metrics_limit(4)
+    try:
+        for _ in range(4):
+            dynamo_utils._compilation_metrics.append(object())
+        torch.manual_seed(0)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            report = _run(Seq(), *[(torch.randint(0, 50, (2, t)),) for t in (8, 12, 16)])
+    finally:
+        dynamo_utils.set_compilation_metrics_limit(dynamo_utils.DEFAULT_COMPILATION_METRICS_LIMIT)
+    assert len(report.recompiles) == 2
