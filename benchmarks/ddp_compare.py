@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from .cli import add_common_args, fill_defaults
 from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
@@ -54,8 +55,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true",
                    help="aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB (flags given explicitly still win)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to launch (default 2)")
-    p.add_argument("--backend", default=None, help="dynamo backend for the compiled modes (default inductor)")
     p.add_argument("--modes", default="eager,builtin,nosplit,ours", help="comma-separated subset of the modes")
     p.add_argument("--link", default="1ms,100MB/s",
                    help="simulated link: none, 1ms,1GB/s, 1ms,100MB/s or ALPHA,BANDWIDTH (default 1ms,100MB/s)")
@@ -67,25 +66,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "phase; eager/nosplit run once at cap 25")
     p.add_argument("--steps", type=int, default=None, help="measured rounds per cap (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="unmeasured rounds per cap (default 3)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (block_size)")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=256,
-                   help="model width (default 256: ~12.6 MiB of gradients, enough link time to overlap)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the rows here (a JSON list)")
-    p.add_argument("--plot", default=None, help="PNG of step time vs cap (default: the --json path with .png)")
+    add_common_args(p, layers=4, embd=256, plot_help="PNG of step time vs cap",
+                    embd_help="model width (default 256: ~12.6 MiB of gradients, enough link time to overlap)")
     p.add_argument("--cache-root", default=None, help="where fresh inductor cache dirs are made (default: tmp)")
     args = p.parse_args(argv)
     defaults = {"backend": "inductor", "warmup": 3, "steps": 10, "caps": "1,4,25"}
-    for key, value in (QUICK if args.quick else defaults).items():
-        if getattr(args, key) is None:
-            setattr(args, key, _floats(value) if key == "caps" else value)
-    if args.plot is None and args.json:
-        args.plot = str(Path(args.json).with_suffix(".png"))
-    return args
+    return fill_defaults(args, QUICK if args.quick else defaults,
+                         lambda key, value: _floats(value) if key == "caps" else value)
 
 
 def format_table(rows: Sequence[dict]) -> str:

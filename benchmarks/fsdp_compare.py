@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import readme_results
+from .cli import add_common_args, fill_defaults
 from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
@@ -47,32 +48,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true",
                    help="aot_eager, 2 warmup + 20 measured rounds (flags given explicitly still win)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to launch (default 2)")
-    p.add_argument("--backend", default=None, help="dynamo backend for the compiled modes (default inductor)")
     p.add_argument("--modes", default="eager,per_block,grouped", help="comma-separated subset of the modes")
     p.add_argument("--shard-unit-mb", type=float, default=2.0, help="grouped: target MiB per shard unit (default 2)")
     p.add_argument("--prefetch", type=int, default=1, help="grouped: shard units all-gathered ahead (default 1)")
     p.add_argument("--steps", type=int, default=None, help="measured rounds (default 30)")
     p.add_argument("--warmup", type=int, default=None, help="unmeasured rounds (default 3)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (block_size)")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--embd", type=int, default=128, help="model width (default 128: ~0.76 MiB per block)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the rows here (a JSON list)")
-    p.add_argument("--plot", default=None, help="PNG of step time per mode (default: the --json path with .png)")
+    add_common_args(p, layers=8, embd=128, embd_help="model width (default 128: ~0.76 MiB per block)",
+                    plot_help="PNG of step time per mode")
     p.add_argument("--readme", default=None,
                    help=f"Markdown file whose {START} ... {END} section is rewritten from the rows")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="with --readme: write the section from these row files (one table each), no run")
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.plot is None and args.json:
-        args.plot = str(Path(args.json).with_suffix(".png"))
+    fill_defaults(args, QUICK if args.quick else DEFAULTS)
     if args.from_json and not args.readme:
         p.error("--from-json only renders rows into --readme; give --readme README.md too")
     return args

@@ -62,6 +62,7 @@ from torch import nn
 import fsdp_opt
 from models import GPT, GPTConfig
 
+from .rounds import interleaved_rounds
 from .stats import iqr, median, ratio_summary
 
 __all__ = ["FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_fsdp_mode", "run_fsdp", "print0"]
@@ -214,12 +215,7 @@ def _compile_phase(runners: list[FSDPRunner], cfg: FSDPBenchConfig) -> None:
 
 
 def _measure(runners: list[FSDPRunner], cfg: FSDPBenchConfig) -> None:
-    total = cfg.warmup + cfg.rounds
-    for rnd in range(total):
-        k = rnd % len(runners)
-        order = runners[k:] + runners[:k]
-        measured = rnd >= cfg.warmup
-        label = f"round {rnd - cfg.warmup + 1}/{cfg.rounds}" if measured else f"warmup {rnd + 1}/{cfg.warmup}"
+    for order, measured, label in interleaved_rounds(runners, cfg.warmup, cfg.rounds):
         line = []
         for r in order:
             peaks = len(r.peak_bytes)

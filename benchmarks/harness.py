@@ -75,6 +75,7 @@ from ddp_opt import compile_ddp, measure_alignment
 from models import GPT, GPTConfig
 
 from .link import LinkModel, SimulatedLink
+from .rounds import interleaved_rounds
 from .stats import iqr, median, overlap_efficiency, ratio_summary
 
 log = logging.getLogger(__name__)
@@ -342,12 +343,7 @@ def _compile_phase(runners: list[ModeRunner], cfg: BenchConfig, link: SimulatedL
 
 
 def _measure(runners: list[ModeRunner], cfg: BenchConfig, link: SimulatedLink, cap_mb: float) -> None:
-    total = cfg.warmup + cfg.rounds
-    for rnd in range(total):
-        k = rnd % len(runners)
-        order = runners[k:] + runners[:k]
-        measured = rnd >= cfg.warmup
-        label = f"round {rnd - cfg.warmup + 1}/{cfg.rounds}" if measured else f"warmup {rnd + 1}/{cfg.warmup}"
+    for order, measured, label in interleaved_rounds(runners, cfg.warmup, cfg.rounds):
         line = []
         for r in order:
             step_s, sync_fb, stats = run_step(r, cfg, link, sync=True)
