@@ -92,7 +92,10 @@ def test_robust_plan_hedges_against_a_wrong_backward_estimate():
     exact = solve(units, link)
     exact_worst = simulate([UnitCost(3.0, 2) for _ in range(8)], [b.units for b in exact.buckets], link).finish_s / \
         solve([UnitCost(3.0, 2) for _ in range(8)], link).finish_s
-    assert robust.extra["regret"] <= exact_worst
+    # The exact optimum merges the last units and loses 23% when backward is 3x slower;
+    # the robust plan keeps them apart and loses nothing at either scale.
+    assert [b.units for b in exact.buckets] != [b.units for b in robust.buckets]
+    assert robust.extra["regret"] == pytest.approx(1.0) and exact_worst > 1.2
     assert robust.finish_s == pytest.approx(exact.finish_s)  # still optimal at the estimate here
     # one scale: the exact optimum
     rng = random.Random(1)
