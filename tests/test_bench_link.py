@@ -107,4 +107,6 @@ def test_probe_takes_the_hook_path_but_is_not_counted_and_fits_the_link(single_r
     assert t[0].item() == 3.0  # summed over one rank, not averaged
     est = measure_link(link.probe, reps=3, warmup=1)
     assert link.take_step_stats().buckets == 0
-    assert est.alpha_s == pytest.approx(2e-3, abs=1e-3) and est.bandwidth == pytest.approx(2e8, rel=0.3)
+    # The link never delivers early; load on the machine only adds time (loose upper bound).
+    modelled = 2e-3 + 4 * 2**20 / 2e8
+    assert 0.9 * modelled <= est.transfer_s(4 * 2**20) <= 3 * modelled, est

@@ -151,8 +151,10 @@ def test_measure_link_goes_through_the_probe_and_fits_it():
     est = measure_link(probe, reps=3, warmup=1)
     assert probe.sizes[0] == 64 * 1024 and len(probe.sizes) == 1 + 3 * 4
     assert est.source == "measured"
-    assert est.alpha_s == pytest.approx(2e-3, abs=1e-3)
-    assert est.bandwidth == pytest.approx(2e9, rel=0.5)
+    # Sleeps never end early; load on the machine only adds time (loose upper bound). The exact
+    # fit is pinned on noise-free numbers by test_fit_link_recovers_alpha_and_bandwidth.
+    modelled = 2e-3 + 4 * 2**20 / 2e9
+    assert 0.9 * modelled <= est.transfer_s(4 * 2**20) <= 3 * modelled, est
 
 
 # --- caps reproduce the DP's plan on a captured graph -------------------------------
@@ -310,7 +312,11 @@ def test_two_ranks_auto_plan_trains_like_eager_ddp_with_identical_plans():
         assert r["runtime"] == len(r["plan"]) >= 2, f"rank {rank}: {r['plan']}"
     # rank 0's measurements on both ranks (timings taken on each rank would never be bit-identical)
     assert r0["link"] == r1["link"] and r0["rates"] == r1["rates"]
-    assert r0["link"][0] == pytest.approx(1e-3, abs=1e-3) and r0["link"][1] == pytest.approx(1e8, rel=0.5)
+    # The probe crosses the modelled link, which never delivers early: the fit must not predict a
+    # 4 MiB transfer faster than the model does. Load on the machine only adds time (loose upper bound).
+    alpha, bandwidth = r0["link"]
+    modelled = 1e-3 + 4 * 2**20 / 1e8
+    assert 0.9 * modelled <= alpha + 4 * 2**20 / bandwidth <= 3 * modelled, r0["link"]
     assert r0["plan"] == r1["plan"] and r0["predicted"] == r1["predicted"]
     assert r0["losses"][0] != r1["losses"][0]  # different data, kept in sync by DDP
 
