@@ -81,6 +81,8 @@ class CompiledDDP:
             log.info("compile_ddp: align_buckets is skipped for DDP(static_graph=True), whose reducer rebuilds "
                      "its buckets another way; DDP keeps its own buckets (see ddp_opt.measure_alignment).")
         self.aligned_caps: tuple[int, ...] | None = None
+        # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
+        self._min_realign_buckets = 1 if ddp_optimizer is not None and ddp_optimizer.auto_plan else 2
         self._comm_hooks: list[tuple[Any, Callable]] = []
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
@@ -89,9 +91,7 @@ class CompiledDDP:
         self.ddp_model.register_comm_hook(state, hook)
 
     def _maybe_realign(self) -> None:
-        # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
-        auto = self.ddp_optimizer is not None and self.ddp_optimizer.auto_plan
-        if (self.align_buckets and self.aligned_caps is None and (len(self.buckets) > 1 or (auto and self.buckets))
+        if (self.align_buckets and self.aligned_caps is None and len(self.buckets) >= self._min_realign_buckets
                 and torch.is_grad_enabled() and reducer_finalized(self.ddp_model)):
             self.aligned_caps = realign_reducer(self.ddp_model, self.buckets, self._comm_hooks)
 
@@ -126,9 +126,10 @@ class CompiledDDP:
         return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._calls += 1
-        if self._calls == 2 and self.auto_save_cache and torch.is_grad_enabled():
-            self.save_compile_cache()
+        if self.auto_save_cache and self.compile_cache is not None and not self.compile_cache.saved:
+            self._calls += 1  # counted only while a save is pending
+            if self._calls >= 2 and torch.is_grad_enabled():
+                self.save_compile_cache()
         self._maybe_realign()
         return self.ddp_model(*args, **kwargs)
 

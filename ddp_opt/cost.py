@@ -304,38 +304,38 @@ def unit_costs(units: list[Bucket], costs: dict[fx.Node, float]) -> list[UnitCos
     return [UnitCost(sum(costs.get(n, 0.0) for n in b.nodes), b.size) for b in reversed(units)]
 
 
-def plan_auto(gm: fx.GraphModule, model: CostModel) -> tuple[BucketCaps, Timeline]:
+def plan_auto(gm: fx.GraphModule, model: CostModel) -> tuple[BucketCaps, list[Bucket], Timeline]:
     """Choose per-bucket caps for ``gm`` by the DP (Note [Cost-model bucket plan]).
 
     Returns:
-        The caps (``plan_buckets(gm, caps)`` gives the DP's buckets) and the
-        predicted timeline of the plan those caps give.
+        The caps, the buckets ``plan_buckets(gm, caps)`` makes with them (the DP's
+        buckets) and the predicted timeline of those buckets.
     """
     units = plan_buckets(gm, BucketCaps(1))  # the finest legal split, forward order
-    costs = node_backward_costs(gm, model.rates)
-    table = unit_costs(units, costs)
+    table = unit_costs(units, node_backward_costs(gm, model.rates))
     best = solve_robust(table, model.link, model.gamma_s)
     caps = BucketCaps(best.caps[0], per_bucket_caps=best.caps)
     # The prediction is for the plan plan_buckets really makes with these caps.
     planned = plan_buckets(gm, caps)
-    counts = _unit_counts(units, planned)
-    if counts is None:
+    timeline = _predict(units, table, planned, model)
+    if timeline is None:
         log.warning("ddp_opt auto plan: the planner did not reproduce the DP's boundaries; the prediction is "
                     "for the DP's plan, the split follows plan_buckets with caps %s", list(caps.per_bucket_caps))
-        return caps, best
-    timeline = simulate(table, counts, model.link, model.gamma_s)
+        return caps, planned, best
     timeline.extra.update(best.extra)
-    return caps, timeline
+    return caps, planned, timeline
 
 
 def predict_plan(gm: fx.GraphModule, buckets: list[Bucket], model: CostModel) -> Timeline | None:
     """The predicted timeline of a plan made otherwise (fixed caps), or None when its
     buckets do not end on unit boundaries (Note [Cost-model bucket plan])."""
     units = plan_buckets(gm, BucketCaps(1))
+    return _predict(units, unit_costs(units, node_backward_costs(gm, model.rates)), buckets, model)
+
+
+def _predict(units: list[Bucket], table: list[UnitCost], buckets: list[Bucket], model: CostModel) -> Timeline | None:
     counts = _unit_counts(units, buckets)
-    if counts is None:
-        return None
-    return simulate(unit_costs(units, node_backward_costs(gm, model.rates)), counts, model.link, model.gamma_s)
+    return None if counts is None else simulate(table, counts, model.link, model.gamma_s)
 
 
 def _unit_counts(units: list[Bucket], planned: list[Bucket]) -> list[int] | None:

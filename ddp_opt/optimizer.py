@@ -82,8 +82,7 @@ class DDPOptimizer:
         records: the last compile's partition outcomes, in execution order.
         compiles: graphs compiled to the end (a compile that dynamo restarted
             or that raised is not counted).
-        prediction: with a cost model, the last plan's predicted timeline
-            (``predictions``: one per plan), else None.
+        prediction: with a cost model, the last plan's predicted timeline, else None.
     """
 
     def __init__(
@@ -121,7 +120,6 @@ class DDPOptimizer:
         self.cost_model = cost_model
         self.auto_plan = auto_plan and cost_model is not None
         self.prediction: Timeline | None = None
-        self.predictions: list[Timeline] = []
 
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
         """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
@@ -134,12 +132,11 @@ class DDPOptimizer:
         #    with caps chosen by the cost model when there is one.
         caps = self.caps
         if self.auto_plan:
-            caps, self.prediction = plan_auto(gm, self.cost_model)
-        self.buckets = plan_buckets(gm, caps)
-        if self.cost_model is not None and not self.auto_plan:
-            self.prediction = predict_plan(gm, self.buckets, self.cost_model)
-        if self.cost_model is not None:
-            self.predictions.append(self.prediction)
+            caps, self.buckets, self.prediction = plan_auto(gm, self.cost_model)
+        else:
+            self.buckets = plan_buckets(gm, caps)
+            if self.cost_model is not None:
+                self.prediction = predict_plan(gm, self.buckets, self.cost_model)
         self.plans.append(self.buckets)
         self._log_plan(caps)
         # For tlparse: the plan in PyTorch's structured trace (TORCH_TRACE=dir).

@@ -422,7 +422,7 @@ def _validate_ddp(d: DDPConfig, p: ParallelConfig) -> None:
                     f"{other}, so one of them would be silently dropped. Keep one: put the first-bucket cap "
                     "first in the list (ddp.bucket_cap_mb_list=[1,25]), or set ddp.bucket_cap_mb_list=null."
                 )
-    if d.first_bucket_cap_mb is not None and d.bucket_cap_mb != "auto":
+    if d.first_bucket_cap_mb is not None:  # never with auto (refused above)
         cap = d.bucket_cap_mb if d.bucket_cap_mb is not None else 25.0
         if d.first_bucket_cap_mb > cap:
             raise ConfigError(
@@ -607,7 +607,7 @@ def _validate_step(cfg: JobConfig, world_size: int) -> None:
     _positive("train.grad_accum", t.grad_accum, "a positive integer",
               "it is the number of micro-batches per optimizer step", "Set e.g. train.grad_accum=1 (no accumulation).")
     local = t.batch_size // world_size
-    if t.batch_size % world_size == 0 and local % t.grad_accum:
+    if local % t.grad_accum:  # the batch divides over the ranks (_validate_train)
         raise ConfigError(
             f"train.grad_accum={t.grad_accum} does not divide the per-rank batch of {local} sequences "
             f"(train.batch_size={t.batch_size} over {world_size} rank(s)): every micro-batch must have the same "

@@ -30,17 +30,15 @@ Notes
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from compiler.diagnose import Diagnoser
+from compiler.diagnose import _SIZE_GUARD, Diagnoser
 
 __all__ = ["CompileCounter", "CompileCounts", "RecompileAfterWarmupError", "no_recompile"]
 
-_SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)")
 
 
 @dataclass

@@ -197,8 +197,7 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
         print0("bucket plan (ddp.bucket_cap_mb=auto; gradient-ready order, times from the start of backward):\n"
                + describe_plan(prediction, _buckets(wrapped)))
     diagnosis = None
-    if cfg.diagnose and diagnoser is not None:
-        diagnoser.__exit__(None, None, None)
+    if cfg.diagnose:  # the diagnoser's window was closed by counter.snapshot() above
         sizes = [b.size / 2**20 for b in reversed(_buckets(wrapped)) if b.size]
         exposed_ms, compute_ms = _probe_exposed_comm(wrapped, data, cfg, env, local_bs)
         report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3,

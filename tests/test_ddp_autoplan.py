@@ -198,7 +198,7 @@ def test_cost_estimate_adds_no_guards_under_dynamic_shapes():
     graphs = []
 
     def backend(gm, example_inputs):
-        graphs.append(plan_auto(gm, CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e10, 1e10, 1e-6)))[1])
+        graphs.append(plan_auto(gm, CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e10, 1e10, 1e-6)))[-1])
         return gm.forward
 
     compiled = torch.compile(GPT(GPTConfig()), backend=backend, dynamic=True)
