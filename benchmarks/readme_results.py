@@ -69,8 +69,10 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
                "takes its turn (one interleaved sweep: absolute times compare across caps). "
                "Ratios are medians of per-round ratios to `builtin` at the same cap, `auto`/eager to `builtin@25` "
                "(IQR in brackets; below 1 is faster). Predicted exposed ms = the cost model's communication tail "
-               "after backward for the plan it chose. Compile seconds: the first step in a shared process "
-               "(indicative only); no warm compile in a sweep. "
+               "after backward for the plan it chose. Compile seconds: the first step in a shared process, with "
+               "Inductor's on-disk caches left from earlier runs, which `ours` partitions can hit and PyTorch's "
+               "splitter bypasses: not a cold-compile comparison (see the compile-time benchmark); no warm "
+               "compile in a sweep. "
                if sweep else
                f"{r0.get('rounds', '?')} measured rounds per cap, modes interleaved round by round "
                "(caps run one after another, so compare modes within a cap, not absolute times across caps). "
