@@ -23,8 +23,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def single_rank_group():
-    """A real gloo group of world size 1 in this process."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    """A real gloo group of world size 1 in this process. Its store is in memory: no
+    TCP rendezvous on a port another test may have just taken."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
