@@ -88,6 +88,7 @@ def run(cfg: JobConfig, output_dir: str | None = None) -> dict[str, Any]:
 
 def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     t_start = time.perf_counter()
+    cfg = _compile_cfg_for_padding(cfg)  # the settings that run are the ones metrics.json records
     t = cfg.train
     print0(f"distcompile main job: {env.world_size} rank(s), {env.device.type} + {env.backend}")
     print0(describe(cfg))
@@ -101,7 +102,7 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     diagnoser = Diagnoser() if cfg.diagnose or (compiled and cfg.parallel.name != "fsdp") else None
     counter = CompileCounter(diagnoser) if diagnoser is not None else None
     input_names = _input_names(model)
-    wrapped = apply_parallel(model, _compile_cfg_for_padding(cfg), env,
+    wrapped = apply_parallel(model, cfg, env,
                              wrap_backend=diagnoser.wrap if diagnoser else None)
     optimizer = build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
@@ -157,13 +158,15 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
         stats = torch.stack([loss.float(), loss.new_tensor(float(sum(b.real_tokens for b in batches))),
                              loss.new_tensor(float(sum(b.padded_tokens for b in batches)))])
         dist.all_reduce(stats)
-        loss_value = stats[0].item() / env.world_size
+        loss_sum, real_tokens, padded_tokens = stats.tolist()  # the step's one device-to-host copy
+        loss_value = loss_sum / env.world_size
         dt = time.perf_counter() - t0
-        tokens_per_step = stats[2].item()
+        tokens_per_step = padded_tokens
         losses.append((step, loss_value))
-        totals += stats[1:].cpu().double()
+        step_tokens = torch.tensor([real_tokens, padded_tokens], dtype=torch.float64)
+        totals += step_tokens
         if step != start + 1:
-            timed += stats[1:].cpu().double()
+            timed += step_tokens
         if step == start + 1:
             first_step_s = dt
             print0(f"first step took {dt:.1f}s" + (" (includes compile)" if compiled and warmup_s is None else ""))
@@ -199,7 +202,8 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
     diagnosis = None
     if cfg.diagnose:  # the diagnoser's window was closed by counter.snapshot() above
         sizes = [b.size / 2**20 for b in reversed(_buckets(wrapped)) if b.size]
-        exposed_ms, compute_ms = _probe_exposed_comm(wrapped, data, cfg, env, local_bs)
+        # micro-batches: the shape training compiled for (a full local batch would recompile under grad_accum)
+        exposed_ms, compute_ms = _probe_exposed_comm(wrapped, data, cfg, env, local_bs // t.grad_accum)
         report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3,
                                   alignment=alignment.fraction if alignment is not None else None,
                                   partition_mib=sizes or None, exposed_comm_ms=exposed_ms, compute_ms=compute_ms,
@@ -294,7 +298,7 @@ def _buckets(wrapped: Wrapped) -> list:
     return list(wrapped.compiled_ddp.buckets) if wrapped.compiled_ddp is not None else []
 
 
-def _probe_exposed_comm(wrapped: Wrapped, data: Any, cfg: JobConfig, env: DistEnv, local_bs: int,
+def _probe_exposed_comm(wrapped: Wrapped, data: Any, cfg: JobConfig, env: DistEnv, micro_bs: int,
                         rounds: int = 3) -> tuple[float | None, float | None]:
     """Median forward+backward with and without DDP's gradient sync, in ms, on
     batches past the end of training; gradients are zeroed and no optimizer step
@@ -305,7 +309,7 @@ def _probe_exposed_comm(wrapped: Wrapped, data: Any, cfg: JobConfig, env: DistEn
     synced, unsynced = [], []
     for i in range(rounds):
         x, y = (v.to(env.device) for v in data.batch(cfg.train.steps + 1 + i, env.rank, env.world_size,
-                                                      local_bs, cfg.train.seq_len))
+                                                      micro_bs, cfg.train.seq_len))
         for sync, times in ((True, synced), (False, unsynced)):
             dist.barrier()
             t0 = time.perf_counter()

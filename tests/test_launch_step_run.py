@@ -37,3 +37,18 @@ def test_grad_accum_sees_the_same_data_as_one_batch(tmp_path):
     assert one["padding_waste"] == 0.0 and one["real_tokens"] == two["real_tokens"] == 4 * 4 * 32
     for (step, a), (_, b) in zip(one["losses"], two["losses"]):
         assert abs(a - b) < 1e-5, f"step {step}: loss {b} with grad_accum=2 vs {a} in one batch"
+
+
+def test_diagnosis_probe_reuses_the_trained_shape_and_metrics_record_what_ran(tmp_path):
+    # The end-of-run probe of exposed communication runs micro-batches of the trained
+    # shape, so it compiles nothing new; metrics.json records dynamic=False, which
+    # padding=multiple compiles with, not the unset value of the config.
+    from torch._dynamo.utils import counters
+
+    job = _job(tmp_path, "aot_eager", DataConfig(lengths="fixed", padding="multiple"), grad_accum=2)
+    before = counters["stats"]["unique_graphs"]
+    metrics = run(JobConfig(**{**job.__dict__, "diagnose": True}))
+    assert metrics["diagnosis"] is not None and metrics["shapes_seen"] == [[[2, 32], 8]]
+    # the warm-up compiled one graph per padded length (8, 16, 24, 32); the probe added none
+    assert metrics["graphs"] == 4 and counters["stats"]["unique_graphs"] - before == metrics["graphs"]
+    assert metrics["config"]["compile"]["dynamic"] is False
