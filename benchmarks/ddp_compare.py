@@ -5,6 +5,7 @@ benchmark] in ``benchmarks.harness`` and Note [Simulated link] in ``benchmarks.l
     python -m benchmarks.ddp_compare --quick --json bench_out/quick.json
     python -m benchmarks.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
     python -m benchmarks.ddp_compare --sweep --caps 1,4,25,auto --modes eager,builtin,ours --json bench_out/sweep.json
+    python -m benchmarks.ddp_compare --modes eager,nosplit,ours,regional --baseline nosplit --layers 8 --caps 25 --link none
 
 Run outside torchrun, it relaunches itself under ``torch.distributed.run
 --standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
@@ -55,7 +56,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true",
                    help="aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB (flags given explicitly still win)")
-    p.add_argument("--modes", default="eager,builtin,nosplit,ours", help="comma-separated subset of the modes")
+    p.add_argument("--modes", default="eager,builtin,nosplit,ours",
+                   help="comma-separated modes: eager, builtin, nosplit, ours, regional (default: all but regional)")
+    p.add_argument("--baseline", default=None,
+                   help="the mode the ratio column divides by, round by round (default builtin)")
     p.add_argument("--link", default="1ms,100MB/s",
                    help="simulated link: none, 1ms,1GB/s, 1ms,100MB/s or ALPHA,BANDWIDTH (default 1ms,100MB/s)")
     p.add_argument("--caps", type=_floats, default=None,
@@ -119,7 +123,7 @@ def _worker(args: argparse.Namespace) -> int:
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
         link=parse_link(args.link), caps=args.caps, warmup=args.warmup, rounds=args.steps, batch=args.batch,
         seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed,
-        cache_root=args.cache_root, sweep=args.sweep,
+        cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline,
     )
     dist.init_process_group("gloo")
     try:

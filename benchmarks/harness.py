@@ -15,6 +15,9 @@ Modes (same seed, so same initial weights; same batches, step by step):
   its default).
 - ``nosplit``: ``compile_ddp(ddp, split=False)``: compiled, no splitting at all.
 - ``ours``: ``compile_ddp(ddp)``: split at DDP's real buckets.
+- ``regional``: ``compile_ddp(ddp, regional=True)``: each transformer block
+  compiled in place (one graph, reused by every block), the rest eager, DDP's
+  buckets made of whole blocks (Note [Regional compile] in ``ddp_opt.regional``).
 
 Every DDP model gets the simulated-link comm hook (Note [Simulated link]).
 
@@ -37,7 +40,7 @@ Algorithm, per bucket cap:
 
 Measured (rank 0's clocks; losses from all ranks):
 
-- step: wall time of the synchronised step; ratio vs builtin is the median of
+- step: wall time of the synchronised step; ratio vs builtin (or ``--baseline``) is the median of
   per-round ratios, with the IQR.
 - compute: forward + backward under ``no_sync``; sync fb: forward + backward
   with all-reduce. exposed comm = median over rounds of (sync fb - compute),
@@ -82,8 +85,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MODES", "BenchConfig", "ModeRunner", "run_cap", "print0", "cap_label"]
 
-MODES = ("eager", "builtin", "nosplit", "ours")
-COMPILED = ("builtin", "nosplit", "ours")
+MODES = ("eager", "builtin", "nosplit", "ours", "regional")
+COMPILED = ("builtin", "nosplit", "ours", "regional")
+PLANNED = ("ours", "regional")  # modes whose CompiledDDP has a bucket plan (.buckets)
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,27 @@ class BenchConfig:
     seed: int = 0
     cache_root: str | None = None
     sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.sweep)
+    # The mode whose per-round steps the ratio column divides by; None: builtin when it runs.
+    baseline: str | None = None
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(
                 f"--modes {','.join(self.modes)!s} has unknown or no modes {bad}: valid modes are "
-                f"{', '.join(MODES)}. Leave --modes out to run all four."
+                f"{', '.join(MODES)}. Leave --modes out to run eager,builtin,nosplit,ours."
+            )
+        if self.baseline is not None and self.baseline not in self.modes:
+            raise ValueError(
+                f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}: the ratio column divides "
+                f"each mode's step time by the baseline's, round by round, so the baseline must run too. Add "
+                f"{self.baseline} to --modes or pick --baseline from them."
+            )
+        if self.sweep and "regional" in self.modes:
+            raise ValueError(
+                "--sweep does not take the regional mode: a sweep varies the bucket cap, and regional compile's "
+                "buckets are whole blocks. Run regional without --sweep (python -m benchmarks.ddp_compare "
+                "--modes nosplit,ours,regional --baseline nosplit --layers 8)."
             )
         if "auto" in self.caps and not self.sweep:
             raise ValueError(
@@ -226,6 +244,8 @@ class ModeRunner:
             return 1
         if self.mode == "ours":
             return len(self.fn.buckets) or 1
+        if self.mode == "regional":
+            return 1  # one block graph, compiled once, run by every block
         counts = self.builtin_log.counts if self.builtin_log else []
         return counts[-1] if counts else 1  # PyTorch logs nothing when it does not split
 
@@ -242,6 +262,10 @@ def build_mode(mode: str, cfg: BenchConfig, cap_mb: float | str, link: Simulated
     ddp = DDP(model, bucket_cap_mb=None if auto else cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     runner = ModeRunner(mode, ddp, ddp, opt)
+    if mode == "regional":
+        runner.fn = compile_ddp(ddp, backend=functools.partial(resolve_backend(cfg.backend)), regional=True)
+        runner.fn.register_comm_hook(link, SimulatedLink.hook)
+        return runner
     if mode == "ours":
         # compile_ddp re-creates DDP's reducer to align its buckets with the
         # partitions; a hook registered through it survives that. With auto, the
@@ -368,16 +392,16 @@ def _alignment(r: ModeRunner) -> float | None:
     """Fraction of gradient bytes whose runtime DDP bucket is exactly one partition
     (ours: its plan; nosplit: the whole graph). None for eager (no partitions) and
     builtin (PyTorch's splitter keeps its plan to itself)."""
-    if r.mode not in ("ours", "nosplit"):
+    if r.mode not in ("ours", "nosplit", "regional"):
         return None
-    measured = measure_alignment(r.ddp, r.fn.buckets if r.mode == "ours" else None)
+    measured = measure_alignment(r.ddp, r.fn.buckets if r.mode in PLANNED else None)
     return measured.fraction if measured is not None else None
 
 
 def _rows(runners: list[ModeRunner], cfg: BenchConfig, cap_mb: float, all_losses: list[dict]) -> list[dict]:
     by_mode = {r.mode: r for r in runners}
     eager = "eager" if "eager" in by_mode else None
-    return [row_for(r, cfg, cap_mb, order, by_mode.get("builtin"), all_losses, eager)
+    return [row_for(r, cfg, cap_mb, order, by_mode.get(cfg.baseline or "builtin"), all_losses, eager)
             for order, r in enumerate(runners)]
 
 
@@ -447,7 +471,7 @@ def row_for(r: ModeRunner, cfg: BenchConfig, cap_mb: float | str, order: int, ba
         "cold_cache": events[0],
         "warm_cache": events[1],
         "ddp_bucket_mib": [round(b / 2**20, 3) for b in r.bucket_bytes],
-        "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(r.fn.buckets)] if r.mode == "ours" else None,
+        "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(r.fn.buckets)] if r.mode in PLANNED else None,
         "world_size": dist.get_world_size(),
         "rounds": cfg.rounds,
         "warmup": cfg.warmup,

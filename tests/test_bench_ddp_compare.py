@@ -41,15 +41,26 @@ def test_bad_mode_and_small_cap_are_named():
     BenchConfig(modes=("eager", "ours"), caps=(0.5,))
 
 
-def test_tiny_run_writes_rows_for_all_four_modes(tmp_path):
+def test_baseline_must_run_and_regional_stays_out_of_sweeps():
+    from benchmarks.harness import BenchConfig
+
+    with pytest.raises(ValueError, match="--baseline nosplit is not among --modes eager,ours.*Add nosplit to --modes"):
+        BenchConfig(modes=("eager", "ours"), baseline="nosplit")
+    with pytest.raises(ValueError, match="--sweep does not take the regional mode.*buckets are whole blocks"):
+        BenchConfig(modes=("ours", "regional"), sweep=True)
+    BenchConfig(modes=("eager", "ours"))  # no builtin, no baseline: no ratio, no error
+
+
+def test_tiny_run_writes_rows_for_every_mode(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ddp_compare", *TINY, "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.ddp_compare", *TINY, "--modes", "eager,builtin,nosplit,ours,regional",
+         "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())
-    assert [r["mode"] for r in rows] == ["eager", "builtin", "nosplit", "ours"]
+    assert [r["mode"] for r in rows] == ["eager", "builtin", "nosplit", "ours", "regional"]
     for r in rows:
         assert set(ROW_KEYS) <= set(r), f"{r['mode']} lacks {set(ROW_KEYS) - set(r)}"
         assert r["backend"] == ("eager" if r["mode"] == "eager" else "aot_eager") and r["link"] == "1ms,100MB/s"
@@ -59,6 +70,10 @@ def test_tiny_run_writes_rows_for_all_four_modes(tmp_path):
     assert by_mode["ours"]["partitions"] > 1 and by_mode["nosplit"]["partitions"] == 1
     assert 0.0 <= by_mode["ours"]["alignment"] <= 1.0 and by_mode["eager"]["alignment"] is None
     assert by_mode["builtin"]["ratio_vs_builtin"] == pytest.approx(1.0)
+    # regional: one block graph; DDP's runtime buckets are its planned buckets of whole blocks
+    regional = by_mode["regional"]
+    assert regional["partitions"] == 1 and regional["alignment"] == 1.0
+    assert regional["ddp_buckets"] == len(regional["plan_bucket_mib"]) >= 2
     assert "| ours" in proc.stdout  # the table
     assert "round 2/2" in proc.stderr and "compile" in proc.stderr  # progress
     try:
@@ -66,3 +81,10 @@ def test_tiny_run_writes_rows_for_all_four_modes(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "rows.png").stat().st_size > 0
+
+
+def test_relaunch_keeps_nproc_away_from_torchrun():
+    # torchrun's parser reads a worker's --nproc as its own --nproc-per-node and exits
+    from benchmarks.torchrun import _without_nproc
+
+    assert _without_nproc(["--nproc", "1", "--modes", "ours", "--nproc=2", "--json", "x"]) == ["--modes", "ours", "--json", "x"]
