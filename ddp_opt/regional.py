@@ -101,11 +101,13 @@ def plan_block_buckets(model: nn.Module, found: list[tuple[str, nn.Module]], cap
     after = [p for i, (_, p) in enumerate(trainable) if id(p) not in in_block and i >= first]
     per_block = [[p for _, p in trainable if in_block.get(id(p)) == i] for i in range(len(found))]
 
-    # In gradient-ready order: after-the-blocks, last block .. first block, before;
-    # the parameters outside the blocks never share a bucket with a block.
-    buckets: list[Bucket] = [_unit(names, after)] if after else []
+    # Gradient-ready order: after-the-blocks, last block .. first block, before. Greedy
+    # over these units, as DDP fills its buckets over parameters: the small outside
+    # groups ride with their neighbouring blocks instead of costing a collective each.
+    units = ([after] if after else []) + list(reversed(per_block)) + ([before] if before else [])
+    buckets: list[Bucket] = []
     current: Bucket | None = None
-    for params in reversed(per_block):
+    for params in units:
         unit = _unit(names, params)
         if current is None:
             current = Bucket(cap=caps.cap_for(len(buckets)))
@@ -117,6 +119,4 @@ def plan_block_buckets(model: nn.Module, found: list[tuple[str, nn.Module]], cap
             current = None
     if current is not None:
         buckets.append(current)
-    if before:
-        buckets.append(_unit(names, before))
     return list(reversed(buckets))
