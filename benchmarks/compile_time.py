@@ -2,7 +2,8 @@
 
 Every run is a new ``torchrun ... -m launch.train`` process (a restart is a new
 process), first with empty cache directories (cold), then again with the same
-directories (warm). Each run's ``metrics.json`` gives ``first_step_s`` (forward,
+directories (warm), ``--warm-runs`` times per mode with the modes in rotating
+order; the warm first step reported is the median. Each run's ``metrics.json`` gives ``first_step_s`` (forward,
 backward and optimizer step of step 1, compile included) and the median step.
 
 Modes (``--modes``):
@@ -17,6 +18,16 @@ Modes (``--modes``):
                    are rebuilt from the cached source).
     whole8         the 8-block model compiled whole (split=False).
     regional8      the 8-block model, compile.regional=true (block compiled once).
+
+Step time is not taken from these runs: each is a separate process, and on a
+shared machine the same job's median step varies by tens of percent from one
+process to the next. When whole8 and regional8 both run, the 8-block model's
+step times come from one more job, ``benchmarks.ddp_compare --modes
+nosplit,ours,regional --baseline nosplit --link none`` on the same model and
+batch, where the three compile the same weights in one process group and step
+in turns (Note [Interleaved DDP benchmark]): the regional/whole ratio is the
+median of per-round ratios, with its IQR. That job also times each mode's cold
+compile in one process.
 
     python -m benchmarks.compile_time                      # inductor, 2 ranks (the real run)
     python -m benchmarks.compile_time --quick              # aot_eager smoke run
@@ -40,8 +51,10 @@ from pathlib import Path
 from typing import Sequence
 
 from .readme_results import replace_section
+from .rounds import interleaved_rounds
+from .stats import median, ratio_summary
 
-__all__ = ["MODES", "START", "END", "run_mode", "summarize", "results_markdown", "main"]
+__all__ = ["MODES", "START", "END", "run_mode", "run_restarts", "interleaved_steps", "summarize", "results_markdown", "main"]
 
 START = "<!-- bench:compile:start -->"
 END = "<!-- bench:compile:end -->"
@@ -77,36 +90,95 @@ def _run(workdir: Path, overrides: Sequence[str], nproc: int, inductor_dir: Path
             "final_loss": m.get("final_loss"), "process_wall_s": wall}
 
 
-def run_mode(mode: str, out: Path, *, backend: str, nproc: int, steps: int, extra: Sequence[str] = (),
-             timeout: float = 1800) -> list[dict]:
-    """Cold then warm run of ``mode`` under ``out/mode``, which is emptied first."""
-    overrides, with_cache, inductor_policy = MODES[mode]
-    base = out / mode
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
+def _mode_args(mode: str, out: Path, backend: str, steps: int, extra: Sequence[str]) -> list[str]:
+    overrides, with_cache, _ = MODES[mode]
     args = [f"compile={backend}", f"train.steps={steps}", *overrides, *extra]
     if with_cache:
-        args.append(f"compile.cache_dir={base / 'cache'}")
-    rows = []
-    for phase in ("cold", "warm"):
-        inductor = None if inductor_policy == "unset" else base / (
-            "inductor_warm" if phase == "warm" and inductor_policy == "fresh" else "inductor")
-        row = _run(Path.cwd(), args, nproc, inductor, base / f"run_{phase}", timeout)
-        rows.append({"mode": mode, "phase": phase, **row})
-        print(f"{mode:>10} {phase}: first step {row['first_step_s']:.1f} s, median step "
-              f"{row['step_ms_median']:.1f} ms, process {row['process_wall_s']:.1f} s", flush=True)
+        args.append(f"compile.cache_dir={out / mode / 'cache'}")
+    return args
+
+
+def run_mode(mode: str, out: Path, *, backend: str, nproc: int, steps: int, extra: Sequence[str] = (),
+             phase: str = "cold", run: int = 0, timeout: float = 1800) -> dict:
+    """One run of ``mode``: ``cold`` empties ``out/mode`` first; ``warm`` (run ``run``)
+    restarts on the directories the cold run filled."""
+    _, _, inductor_policy = MODES[mode]
+    base = out / mode
+    if phase == "cold":
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+    inductor = None
+    if inductor_policy == "shared" or (inductor_policy == "fresh" and phase == "cold"):
+        inductor = base / "inductor"
+    elif inductor_policy == "fresh":  # every warm run on another "machine": an empty Inductor dir of its own
+        inductor = base / f"inductor_warm{run}"
+        shutil.rmtree(inductor, ignore_errors=True)
+    row = _run(Path.cwd(), _mode_args(mode, out, backend, steps, extra), nproc, inductor,
+               base / f"run_{phase}{run if phase == 'warm' else ''}", timeout)
+    row = {"mode": mode, "phase": phase, "run": run, **row}
+    print(f"{mode:>10} {phase}{'' if phase == 'cold' else f' {run + 1}'}: first step {row['first_step_s']:.1f} s, "
+          f"median step {row['step_ms_median']:.1f} ms, process {row['process_wall_s']:.1f} s", flush=True)
+    return row
+
+
+def run_restarts(modes: Sequence[str], out: Path, *, warm_runs: int, **kw) -> list[dict]:
+    """Every mode cold, then ``warm_runs`` rounds of warm restarts, the modes in
+    rotating order (``benchmarks.rounds``), so a slow stretch of the machine does
+    not land on one mode's only warm run."""
+    rows = [run_mode(mode, out, phase="cold", **kw) for mode in modes]
+    for run, (order, _, _) in enumerate(interleaved_rounds(list(modes), 0, warm_runs)):
+        rows += [run_mode(mode, out, phase="warm", run=run, **kw) for mode in order]
     return rows
 
 
-def summarize(rows: Sequence[dict]) -> dict:
-    """The issue's done-when ratios from the rows (None where a mode was not run)."""
-    get = {(r["mode"], r["phase"]): r for r in rows}
+# The launcher's model (configs/model/gpt_tiny.yaml with n_layer=8) and batch, as
+# ddp_compare flags; --quick narrows both as it narrows the restarts.
+STEP_MODEL = ["--layers", "8", "--embd", "128", "--heads", "4", "--vocab", "512", "--seq", "64"]
+QUICK_STEP_MODEL = ["--layers", "8", "--embd", "32", "--heads", "2", "--vocab", "512", "--seq", "16"]
 
-    def ratio(a, b, key="first_step_s"):
-        if a in get and b in get and get[b][key]:
-            return get[a][key] / get[b][key]
+
+def interleaved_steps(out: Path, *, backend: str, nproc: int, global_batch: int, rounds: int,
+                      model: Sequence[str] = STEP_MODEL, timeout: float = 3600) -> list[dict]:
+    """whole8 (nosplit, ours) and regional8 step times, measured in turns in one ddp_compare job."""
+    json_path = out / "interleaved_steps.json"
+    json_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.ddp_compare", "--modes", "nosplit,ours,regional", "--baseline", "nosplit",
+           "--link", "none", "--caps", "25", "--backend", backend, "--nproc", str(nproc),
+           "--batch", str(max(global_batch // nproc, 1)), *model, "--steps", str(rounds), "--warmup", "3",
+           "--json", str(json_path), "--plot", str(out / "interleaved_steps.png")]
+    print(f"interleaved step times: {shlex.join(cmd)}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # ddp_compare gives every mode a fresh one
+    proc = subprocess.run(cmd, cwd=Path.cwd(), env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(proc.stdout, flush=True)
+    return json.loads(json_path.read_text())
+
+
+def _first_steps(rows: Sequence[dict]) -> dict[tuple[str, str], float]:
+    """(mode, phase) -> first-step seconds: the cold run's, the median of the warm runs'."""
+    runs: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        runs.setdefault((r["mode"], r["phase"]), []).append(r["first_step_s"])
+    return {k: median(v) for k, v in runs.items()}
+
+
+def summarize(rows: Sequence[dict], steps: Sequence[dict] = ()) -> dict:
+    """The issue's done-when ratios from the restart rows and the interleaved step rows
+    (None where a mode was not run)."""
+    first = _first_steps(rows)
+
+    def ratio(a, b):
+        if a in first and b in first and first[b]:
+            return first[a] / first[b]
         return None
 
+    by_mode = {r["mode"]: r for r in steps}
+    regional, ours = by_mode.get("regional"), by_mode.get("ours")
+    vs_ours = (None, None, None)
+    if regional and ours:
+        vs_ours = ratio_summary(regional["step_ms_rounds"], ours["step_ms_rounds"])
     return {
         "ours_warm_over_cold": ratio(("ours", "warm"), ("ours", "cold")),
         "ours_warm_over_nosplit_warm": ratio(("ours", "warm"), ("nosplit", "warm")),
@@ -114,7 +186,14 @@ def summarize(rows: Sequence[dict]) -> dict:
         "ours_cache_warm_over_nosplit_warm": ratio(("ours_cache", "warm"), ("nosplit", "warm")),
         "ours_fresh_warm_over_cold": ratio(("ours_fresh", "warm"), ("ours_fresh", "cold")),
         "whole8_cold_over_regional8_cold": ratio(("whole8", "cold"), ("regional8", "cold")),
-        "regional8_step_over_whole8_step": ratio(("regional8", "warm"), ("whole8", "warm"), "step_ms_median"),
+        # interleaved, one job: medians of per-round ratios, with their IQRs
+        "regional8_step_over_whole8_step": regional["ratio_vs_builtin"] if regional else None,
+        "regional8_step_over_whole8_step_iqr": [regional["ratio_q1"], regional["ratio_q3"]] if regional else None,
+        "regional8_step_over_ours8_step": vs_ours[0],
+        "regional8_step_over_ours8_step_iqr": list(vs_ours[1:]) if regional and ours else None,
+        "whole8_cold_over_regional8_cold_one_process": (
+            by_mode["nosplit"]["compile_cold_s"] / regional["compile_cold_s"]
+            if regional and "nosplit" in by_mode and regional["compile_cold_s"] else None),
     }
 
 
@@ -122,29 +201,65 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _steps_markdown(steps: Sequence[dict]) -> str:
+    lines = ["| 8 blocks, one job | cold compile s | median step ms | step / nosplit [IQR] |", "|---|---|---|---|"]
+    for r in steps:
+        lines.append(f"| {r['mode']} | {_fmt(r['compile_cold_s'], '.1f')} | {_fmt(r['step_ms_median'], '.1f')} | "
+                     f"{_fmt(r['ratio_vs_builtin'], '.3f')} [{_fmt(r['ratio_q1'], '.3f')}, {_fmt(r['ratio_q3'], '.3f')}] |")
+    return "\n".join(lines)
+
+
+def _with_iqr(value, bounds) -> str:
+    return _fmt(value, ".3f") + (f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if value is not None and bounds else "")
+
+
 def results_markdown(result: dict) -> str:
-    """The README section: one row per mode and phase, then the done-when ratios."""
-    lines = ["| mode | phase | first step s | median step ms | process wall s |", "|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['mode']} | {r['phase']} | {_fmt(r['first_step_s'], '.1f')} | "
-                     f"{_fmt(r['step_ms_median'], '.1f')} | {_fmt(r['process_wall_s'], '.1f')} |")
+    """The README section: one row per mode and phase, the interleaved 8-block step
+    times, then the done-when ratios."""
+    lines = ["| mode | cold first step s | warm first step s, median [min, max] | warm runs | process wall s, cold / warm |",
+             "|---|---|---|---|---|"]
+    for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
+        cold = [r for r in result["rows"] if r["mode"] == mode and r["phase"] == "cold"]
+        warm = [r for r in result["rows"] if r["mode"] == mode and r["phase"] == "warm"]
+        firsts = [r["first_step_s"] for r in warm]
+        warm_cell = f"{median(firsts):.1f} [{min(firsts):.1f}, {max(firsts):.1f}]" if firsts else "-"
+        walls = [r["process_wall_s"] for r in warm]
+        lines.append(f"| {mode} | {_fmt(cold[0]['first_step_s'] if cold else None, '.1f')} | {warm_cell} | {len(warm)} | "
+                     f"{_fmt(cold[0]['process_wall_s'] if cold else None, '.1f')} / {_fmt(median(walls) if walls else None, '.1f')} |")
     s = result["summary"]
+    steps = result.get("steps_interleaved") or []
     notes = [
         f"Backend `{result['backend']}`, {result['nproc']} rank(s), {result['steps']} steps per run; every run "
-        "is a new process. Cold: empty TORCHINDUCTOR_CACHE_DIR (and cache_dir); warm: the same directories. "
+        "is a new process. Cold: empty TORCHINDUCTOR_CACHE_DIR (and cache_dir), once per mode; warm: the same "
+        f"directories, {result.get('warm_runs', 1)} restart(s) per mode, the modes in rotating order. "
         "`ours_cache` leaves TORCHINDUCTOR_CACHE_DIR unset, so Inductor's cache lives under `compile.cache_dir`; "
         "`ours_fresh`'s warm run gets an empty TORCHINDUCTOR_CACHE_DIR and only the `compile.cache_dir` file "
-        "(another machine). Runs are sequential, not interleaved: step times across modes are noisy.",
+        "(another machine), a new empty one for each warm run. First steps are compared (medians of the warm "
+        "runs); step times of separate processes are not.",
         f"Command: `{result['command']}`",
         "\n".join(lines),
+    ]
+    if steps:
+        notes += [
+            "Step time of the 8-block model, whole (`nosplit`: one graph; `ours`: split at DDP's buckets) against "
+            f"`regional`, measured in turns in one {steps[0].get('world_size', '?')}-rank job, no simulated link "
+            f"(`{steps[0].get('command', 'benchmarks.ddp_compare')}`; {steps[0]['rounds']} measured rounds; "
+            "cold compile here is each mode's first step with a fresh Inductor cache, in one process):",
+            _steps_markdown(steps),
+        ]
+    notes += [
         "| ratio | value | target |\n|---|---|---|\n"
         f"| ours warm / ours cold (first step) | {_fmt(s['ours_warm_over_cold'], '.2f')} | <= 0.25 |\n"
         f"| ours warm / nosplit warm | {_fmt(s['ours_warm_over_nosplit_warm'], '.2f')} | <= 1 |\n"
         f"| ours_cache warm / cold | {_fmt(s['ours_cache_warm_over_cold'], '.2f')} | <= 0.25 |\n"
         f"| ours_cache warm / nosplit warm | {_fmt(s['ours_cache_warm_over_nosplit_warm'], '.2f')} | <= 1 |\n"
         f"| ours_fresh warm / cold | {_fmt(s['ours_fresh_warm_over_cold'], '.2f')} | - |\n"
-        f"| whole8 cold / regional8 cold | {_fmt(s['whole8_cold_over_regional8_cold'], '.2f')} | >= 2 |\n"
-        f"| regional8 / whole8 median step | {_fmt(s['regional8_step_over_whole8_step'], '.3f')} | < 1.05 |",
+        f"| whole8 cold / regional8 cold (restarts) | {_fmt(s['whole8_cold_over_regional8_cold'], '.2f')} | >= 2 |\n"
+        f"| whole8 cold / regional8 cold (one job) | {_fmt(s.get('whole8_cold_over_regional8_cold_one_process'), '.2f')} | >= 2 |\n"
+        f"| regional8 / whole8 (nosplit) step, interleaved [IQR] | "
+        f"{_with_iqr(s['regional8_step_over_whole8_step'], s.get('regional8_step_over_whole8_step_iqr'))} | < 1.05 |\n"
+        f"| regional8 / ours8 step, interleaved [IQR] | "
+        f"{_with_iqr(s.get('regional8_step_over_ours8_step'), s.get('regional8_step_over_ours8_step_iqr'))} | < 1.05 |",
         "Generated by `python -m benchmarks.compile_time --render` from the benchmark's JSON.",
     ]
     return "\n\n".join(notes)
@@ -167,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--readme", default=None, help="regenerate this README's compile section")
     p.add_argument("--render", nargs=2, metavar=("JSON", "README"), help="only regenerate the README section")
     p.add_argument("--quick", action="store_true", help="smoke run: aot_eager, 1 rank, 3 steps, a narrow model")
+    p.add_argument("--warm-runs", type=int, default=None,
+                   help="warm restarts per mode, rotating order, median reported (default 3; --quick: 1)")
+    p.add_argument("--step-rounds", type=int, default=30,
+                   help="measured rounds of the interleaved 8-block step-time job (0: skip it)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args(argv)
     if a.render:
@@ -175,17 +294,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = list(a.overrides)
     if a.quick:
         a.backend, a.nproc, a.steps = "aot_eager", 1, 3
+    if a.warm_runs is None:
+        a.warm_runs = 1 if a.quick else 3
         extra += ["model.n_embd=32", "model.n_head=2", "train.batch_size=2", "train.seq_len=16"]
+    if a.warm_runs < 1 or a.step_rounds < 0:
+        p.error(f"--warm-runs must be >= 1 and --step-rounds >= 0, got {a.warm_runs} and {a.step_rounds}")
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
-    rows = []
-    for mode in modes:
-        rows += run_mode(mode, Path(a.out), backend=a.backend, nproc=a.nproc, steps=a.steps, extra=extra)
+    rows = run_restarts(modes, Path(a.out), warm_runs=a.warm_runs, backend=a.backend, nproc=a.nproc, steps=a.steps,
+                        extra=extra)
+    steps: list[dict] = []
+    if {"whole8", "regional8"} <= set(modes) and a.step_rounds > 0:
+        steps = interleaved_steps(Path(a.out), backend=a.backend, nproc=a.nproc, global_batch=2 if a.quick else 8,
+                                  rounds=a.step_rounds, model=QUICK_STEP_MODEL if a.quick else STEP_MODEL)
     result = {
         "command": shlex.join(["python", "-m", "benchmarks.compile_time", *(argv if argv is not None else sys.argv[1:])]),
-        "backend": a.backend, "nproc": a.nproc, "steps": a.steps, "rows": rows, "summary": summarize(rows),
+        "backend": a.backend, "nproc": a.nproc, "steps": a.steps, "warm_runs": a.warm_runs, "rows": rows,
+        "steps_interleaved": steps,
+        "summary": summarize(rows, steps),
         "torch": __import__("torch").__version__,
     }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
