@@ -86,6 +86,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MODES", "BenchConfig", "ModeRunner", "run_cap", "print0", "cap_label"]
 
 MODES = ("eager", "builtin", "nosplit", "ours", "regional")
+DEFAULT_MODES = ("eager", "builtin", "nosplit", "ours")  # ddp_compare's default --modes
 COMPILED = ("builtin", "nosplit", "ours", "regional")
 PLANNED = ("ours", "regional")  # modes whose CompiledDDP has a bucket plan (.buckets)
 
@@ -95,7 +96,7 @@ class BenchConfig:
     """What one benchmark job measures. The model is the repo's GPT at width 256 (~12.6 MiB of
     gradients) unless told otherwise."""
 
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     backend: str = "inductor"
     link: LinkModel = field(default_factory=LinkModel)
     caps: tuple[float | str, ...] = (1.0, 4.0, 25.0)  # "auto": ours with compile_ddp(bucket_cap_mb="auto")
