@@ -307,6 +307,14 @@ def _validate_model(m: ModelConfig, t: TrainConfig) -> None:
         )
 
 
+def _require_cuda(message: str) -> None:
+    """A ConfigError with ``message`` unless a CUDA GPU is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(message)
+
+
 def _validate_parallel(p: ParallelConfig) -> None:
     if p.name not in PARALLEL_NAMES:
         raise ConfigError(
@@ -319,13 +327,8 @@ def _validate_parallel(p: ParallelConfig) -> None:
             "Leave it at auto (nccl with GPUs, gloo without)."
         )
     if p.dist_backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "parallel.dist_backend=nccl needs CUDA GPUs, and none is visible. "
-                "Use parallel.dist_backend=auto (gloo on CPU)."
-            )
+        _require_cuda("parallel.dist_backend=nccl needs CUDA GPUs, and none is visible. "
+                      "Use parallel.dist_backend=auto (gloo on CPU).")
     if p.name == "fsdp":
         from .parallel import fsdp_entry_point
 
@@ -584,14 +587,9 @@ def _validate_step(cfg: JobConfig, world_size: int) -> None:
             "(the default), bf16 (autocast to bfloat16) or fp16 (autocast + grad scaler, CUDA only)."
         )
     if t.precision == "fp16":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "train.precision=fp16 needs a CUDA GPU, and none is visible: fp16 training needs a GradScaler "
-                "and float16 autocast, which this job runs on CUDA only. Use train.precision=bf16 on CPU, "
-                "or train.precision=fp32."
-            )
+        _require_cuda("train.precision=fp16 needs a CUDA GPU, and none is visible: fp16 training needs a GradScaler "
+                      "and float16 autocast, which this job runs on CUDA only. Use train.precision=bf16 on CPU, "
+                      "or train.precision=fp32.")
         if c.optimizer:
             raise ConfigError(
                 "train.precision=fp16 with compile.optimizer=true is not supported: the fp16 GradScaler skips "
