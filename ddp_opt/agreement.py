@@ -12,9 +12,17 @@ Background
 Algorithm
     Right after planning, each rank publishes a short summary of its plan (bytes
     and parameter names per bucket) in the process group's key-value store under
-    a key made of the optimizer's creation index, the compile index and its rank,
-    then reads every rank's summary. All ranks compare the same summaries, so a
-    mismatch fails on every rank at once, with the first differing bucket named.
+    a key made of the optimizer's creation index, the compile index and its rank
+    (:func:`publish_plan`). It then compiles, and before handing the compiled
+    graph back, so before any collective can run, it reads every rank's summary
+    (:func:`verify_plans`). All ranks compare the same summaries, so a mismatch
+    fails on every rank, with the first differing bucket named.
+
+    Waiting after the compile rather than before keeps the exchange from being a
+    barrier in the middle of it: ranks compile at their own pace and meet once,
+    as they would at the first all-reduce anyway. A rank whose peers have already
+    published compares at once (:func:`peers_plans_if_ready`), so the later rank
+    of a mismatched pair fails before compiling; the earlier one fails after.
 
 Notes
     - The exchange goes through the store, not a collective: if one rank compiles
@@ -38,7 +46,10 @@ from .plan import Bucket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlanMismatchError", "check_plan_agreement", "next_plan_namespace", "plan_summary"]
+__all__ = [
+    "PlanMismatchError", "check_plan_agreement", "next_plan_namespace", "peers_plans_if_ready", "plan_summary",
+    "publish_plan", "verify_plans",
+]
 
 _namespaces = itertools.count()
 
@@ -57,8 +68,48 @@ def plan_summary(buckets: list[Bucket]) -> list[list]:
     return [[b.size, list(b.params)] for b in buckets]
 
 
-def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120.0) -> bool:
-    """Publish this rank's plan under ``key`` and compare it with every rank's.
+def _group() -> tuple[int, int] | None:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def publish_plan(buckets: list[Bucket], key: str) -> bool:
+    """Publish this rank's plan under ``key``; False when there is nothing to
+    agree with (no process group, or one rank)."""
+    group = _group()
+    if group is None:
+        return False
+    dist.distributed_c10d._get_default_store().set(f"{key}/{group[0]}", json.dumps(plan_summary(buckets)))
+    return True
+
+
+def _compare(plans: list[list]) -> None:
+    for r in range(1, len(plans)):
+        if plans[r] != plans[0]:
+            raise PlanMismatchError(_describe_mismatch(plans[0], plans[r], r))
+
+
+def peers_plans_if_ready(key: str) -> bool:
+    """Compare the published plans under ``key`` if every rank has published
+    (no waiting); True when they were compared and agree.
+
+    Raises:
+        PlanMismatchError: when every rank has published and two plans differ.
+    """
+    group = _group()
+    if group is None:
+        return False
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"{key}/{r}" for r in range(group[1])]
+    if not store.check(keys):
+        return False
+    _compare([json.loads(store.get(k)) for k in keys])
+    return True
+
+
+def verify_plans(key: str, timeout_s: float = 120.0) -> bool:
+    """Wait for every rank's plan under ``key`` and compare them.
 
     Returns:
         True when all ranks agree; False when the check could not run (no process
@@ -67,12 +118,11 @@ def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    group = _group()
+    if group is None:
         return False
-    rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"{key}/{rank}", json.dumps(plan_summary(buckets)))
-    keys = [f"{key}/{r}" for r in range(world)]
+    keys = [f"{key}/{r}" for r in range(group[1])]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError) as e:
@@ -82,11 +132,22 @@ def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120
             "see?). Error: %s", key, timeout_s, e,
         )
         return False
-    plans = [json.loads(store.get(k)) for k in keys]
-    for r in range(1, world):
-        if plans[r] != plans[0]:
-            raise PlanMismatchError(_describe_mismatch(plans[0], plans[r], r))
+    _compare([json.loads(store.get(k)) for k in keys])
     return True
+
+
+def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120.0) -> bool:
+    """Publish this rank's plan under ``key`` and compare it with every rank's
+    (:func:`publish_plan` then :func:`verify_plans`).
+
+    Returns:
+        True when all ranks agree; False when the check could not run (no process
+        group, one rank, or a rank that did not publish within ``timeout_s``).
+
+    Raises:
+        PlanMismatchError: on every rank, when any two ranks' plans differ.
+    """
+    return publish_plan(buckets, key) and verify_plans(key, timeout_s)
 
 
 def _describe_mismatch(plan0: list, plan_r: list, r: int) -> str:

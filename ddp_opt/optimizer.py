@@ -29,7 +29,7 @@ from torch._logging import trace_structured
 from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, PartitionRecord, compile_partitions, split_graph
 from compiler.backends import BackendFn
 
-from .agreement import check_plan_agreement, next_plan_namespace
+from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
 from .cost import CostModel, describe, plan_auto, predict_plan
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
@@ -68,7 +68,7 @@ class DDPOptimizer:
         bucket_caps: per-bucket caps in bytes in gradient-ready order (DDP's
             ``bucket_cap_mb_list``); overrides the two caps above.
         fallback: ``"warn"`` (a failing partition runs eagerly) or ``"raise"``.
-        check_plans: compare the plan with every rank's before compiling and
+        check_plans: compare the plan with every rank's before the compiled graph runs and
             fail on all ranks if they differ (see Note [Plan agreement]).
         plan_timeout_s: how long to wait for the other ranks' plans.
         cost_model: when given, each graph's caps come from the cost-model DP
@@ -144,14 +144,20 @@ class DDPOptimizer:
             "ddp_opt_bucket_plan", "json",
             lambda: json.dumps([{"bucket": i, **d} for i, d in enumerate(plan_details(self.buckets))]),
         )
-        if self.check_plans:
-            check_plan_agreement(self.buckets, f"{self._plan_namespace}/{len(self.plans)}", self.plan_timeout_s)
+        # Every rank's plan must be the same; published now, compared once compiled
+        # (before any collective can run; see Note [Plan agreement]).
+        plan_key = f"{self._plan_namespace}/{len(self.plans)}"
+        published = self.check_plans and publish_plan(self.buckets, plan_key)
+        if published:
+            peers_plans_if_ready(plan_key)
 
         # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
         if len(self.buckets) == 1:
             record = PartitionRecord(index=0, name="whole_graph")
             self.records = [record]
             compiled = self._compile_whole(gm, example_inputs, backend, record)
+            if published:
+                verify_plans(plan_key, self.plan_timeout_s)
             self.compiles += 1
             return compiled
 
@@ -165,6 +171,8 @@ class DDPOptimizer:
         self.records = compile_partitions(
             split, backend, example_inputs, fallback=self.fallback, compile_reason=SPLIT_REASON
         )
+        if published:
+            verify_plans(plan_key, self.plan_timeout_s)
         self.compiles += 1
         eager = [r.name for r in self.records if r.status == "eager"]
         log.info(

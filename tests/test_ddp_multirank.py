@@ -129,6 +129,36 @@ def test_ranks_with_different_plans_fail_together_naming_the_bucket():
         assert "check_plans=False" in message
 
 
+def _late_mismatch_rank(rank, world_size):
+    # Rank 1 starts only once rank 0 is compiling (so rank 0 has published): it
+    # must fail before compiling anything; rank 0 fails once its compile is done.
+    store = torch.distributed.distributed_c10d._get_default_store()
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(rank)
+        if rank == 0:
+            store.set("test/rank0_compiling", "1")
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
+    ddp = DDP(model, bucket_cap_mb=64 * 64 * 4 / 2**20 if rank == 0 else 25)  # a collective: both ranks
+    if rank == 1:
+        store.wait(["test/rank0_compiling"])
+    try:
+        compile_ddp(ddp, backend=backend)(torch.randn(2, 64))
+    except Exception as e:  # noqa: BLE001
+        return len(calls), type(e).__name__, "PlanMismatchError" in str(e)
+    return len(calls), "no error", False
+
+
+def test_the_rank_that_plans_last_fails_before_compiling():
+    (compiled0, error0, named0), (compiled1, error1, named1) = run_ranks(_late_mismatch_rank, timeout=180)
+    assert compiled0 == 4 and named0, (compiled0, error0)  # rank 0: four partitions, then the check
+    assert compiled1 == 0 and named1, (compiled1, error1)  # rank 1: no compile at all
+
+
 def _agree_rank(rank, world_size):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
