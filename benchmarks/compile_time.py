@@ -131,21 +131,30 @@ def run_restarts(modes: Sequence[str], out: Path, *, warm_runs: int, **kw) -> li
     return rows
 
 
-# The launcher's model (configs/model/gpt_tiny.yaml with n_layer=8) and batch, as
-# ddp_compare flags; --quick narrows both as it narrows the restarts.
-STEP_MODEL = ["--layers", "8", "--embd", "128", "--heads", "4", "--vocab", "512", "--seq", "64"]
-QUICK_STEP_MODEL = ["--layers", "8", "--embd", "32", "--heads", "2", "--vocab", "512", "--seq", "16"]
+# --quick narrows the launcher's model for every run (a smoke run, not a measurement).
+QUICK_OVERRIDES = ["model.n_embd=32", "model.n_head=2", "train.batch_size=2", "train.seq_len=16"]
+
+
+def step_model(embd: int = 128, heads: int = 4, seq: int = 64) -> list[str]:
+    """The launcher's model (configs/model/gpt_tiny.yaml with n_layer=8) as
+    ddp_compare flags, at width ``embd``."""
+    return ["--layers", "8", "--embd", str(embd), "--heads", str(heads), "--vocab", "512", "--seq", str(seq)]
+
+
+STEP_MODEL = step_model()
+QUICK_STEP_MODEL = step_model(32, 2, 16)
 
 
 def interleaved_steps(out: Path, *, backend: str, nproc: int, global_batch: int, rounds: int,
-                      model: Sequence[str] = STEP_MODEL, timeout: float = 3600) -> list[dict]:
+                      model: Sequence[str] = STEP_MODEL, name: str = "interleaved_steps",
+                      timeout: float = 3600) -> list[dict]:
     """whole8 (nosplit, ours) and regional8 step times, measured in turns in one ddp_compare job."""
-    json_path = out / "interleaved_steps.json"
+    json_path = out / f"{name}.json"
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.ddp_compare", "--modes", "nosplit,ours,regional", "--baseline", "nosplit",
            "--link", "none", "--caps", "25", "--backend", backend, "--nproc", str(nproc),
            "--batch", str(max(global_batch // nproc, 1)), *model, "--steps", str(rounds), "--warmup", "3",
-           "--json", str(json_path), "--plot", str(out / "interleaved_steps.png")]
+           "--json", str(json_path), "--plot", str(out / f"{name}.png")]
     print(f"interleaved step times: {shlex.join(cmd)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # ddp_compare gives every mode a fresh one
@@ -164,9 +173,10 @@ def _first_steps(rows: Sequence[dict]) -> dict[tuple[str, str], float]:
     return {k: median(v) for k, v in runs.items()}
 
 
-def summarize(rows: Sequence[dict], steps: Sequence[dict] = ()) -> dict:
+def summarize(rows: Sequence[dict], steps: Sequence[dict] = (), wide: Sequence[dict] = ()) -> dict:
     """The issue's done-when ratios from the restart rows and the interleaved step rows
-    (None where a mode was not run)."""
+    (``wide``: the same job on a wider model, keys ending ``_wide``; None where a
+    mode or job was not run)."""
     first = _first_steps(rows)
 
     def ratio(a, b):
@@ -174,11 +184,6 @@ def summarize(rows: Sequence[dict], steps: Sequence[dict] = ()) -> dict:
             return first[a] / first[b]
         return None
 
-    by_mode = {r["mode"]: r for r in steps}
-    regional, ours = by_mode.get("regional"), by_mode.get("ours")
-    vs_ours = (None, None, None)
-    if regional and ours:
-        vs_ours = ratio_summary(regional["step_ms_rounds"], ours["step_ms_rounds"])
     return {
         "ours_warm_over_cold": ratio(("ours", "warm"), ("ours", "cold")),
         "ours_warm_over_nosplit_warm": ratio(("ours", "warm"), ("nosplit", "warm")),
@@ -186,12 +191,25 @@ def summarize(rows: Sequence[dict], steps: Sequence[dict] = ()) -> dict:
         "ours_cache_warm_over_nosplit_warm": ratio(("ours_cache", "warm"), ("nosplit", "warm")),
         "ours_fresh_warm_over_cold": ratio(("ours_fresh", "warm"), ("ours_fresh", "cold")),
         "whole8_cold_over_regional8_cold": ratio(("whole8", "cold"), ("regional8", "cold")),
-        # interleaved, one job: medians of per-round ratios, with their IQRs
-        "regional8_step_over_whole8_step": regional["ratio_vs_builtin"] if regional else None,
-        "regional8_step_over_whole8_step_iqr": [regional["ratio_q1"], regional["ratio_q3"]] if regional else None,
-        "regional8_step_over_ours8_step": vs_ours[0],
-        "regional8_step_over_ours8_step_iqr": list(vs_ours[1:]) if regional and ours else None,
-        "whole8_cold_over_regional8_cold_one_process": (
+        **_step_ratios(steps),
+        **_step_ratios(wide, "_wide"),
+    }
+
+
+def _step_ratios(steps: Sequence[dict], suffix: str = "") -> dict:
+    """Regional against whole from one interleaved job: medians of per-round
+    ratios with their IQRs, and the cold compiles in that one process."""
+    by_mode = {r["mode"]: r for r in steps}
+    regional, ours = by_mode.get("regional"), by_mode.get("ours")
+    vs_ours = (None, None, None)
+    if regional and ours:
+        vs_ours = ratio_summary(regional["step_ms_rounds"], ours["step_ms_rounds"])
+    return {
+        f"regional8_step_over_whole8_step{suffix}": regional["ratio_vs_builtin"] if regional else None,
+        f"regional8_step_over_whole8_step{suffix}_iqr": [regional["ratio_q1"], regional["ratio_q3"]] if regional else None,
+        f"regional8_step_over_ours8_step{suffix}": vs_ours[0],
+        f"regional8_step_over_ours8_step{suffix}_iqr": list(vs_ours[1:]) if regional and ours else None,
+        f"whole8_cold_over_regional8_cold_one_process{suffix}": (
             by_mode["nosplit"]["compile_cold_s"] / regional["compile_cold_s"]
             if regional and "nosplit" in by_mode and regional["compile_cold_s"] else None),
     }
@@ -247,6 +265,10 @@ def results_markdown(result: dict) -> str:
             "cold compile here is each mode's first step with a fresh Inductor cache, in one process):",
             _steps_markdown(steps),
         ]
+    wide = result.get("steps_interleaved_wide") or []
+    if wide:
+        notes += [f"The same job on a wider model (`{wide[0].get('model', '?')}`), where each compiled block does "
+                  "more work per call:", _steps_markdown(wide)]
     notes += [
         "| ratio | value | target |\n|---|---|---|\n"
         f"| ours warm / ours cold (first step) | {_fmt(s['ours_warm_over_cold'], '.2f')} | <= 0.25 |\n"
@@ -259,7 +281,13 @@ def results_markdown(result: dict) -> str:
         f"| regional8 / whole8 (nosplit) step, interleaved [IQR] | "
         f"{_with_iqr(s['regional8_step_over_whole8_step'], s.get('regional8_step_over_whole8_step_iqr'))} | < 1.05 |\n"
         f"| regional8 / ours8 step, interleaved [IQR] | "
-        f"{_with_iqr(s.get('regional8_step_over_ours8_step'), s.get('regional8_step_over_ours8_step_iqr'))} | < 1.05 |",
+        f"{_with_iqr(s.get('regional8_step_over_ours8_step'), s.get('regional8_step_over_ours8_step_iqr'))} | < 1.05 |"
+        + "".join(
+            f"\n| regional8 / {label} step, wider model [IQR] | "
+            f"{_with_iqr(s[f'regional8_step_over_{key}_step_wide'], s.get(f'regional8_step_over_{key}_step_wide_iqr'))}"
+            " | < 1.05 |"
+            for label, key in (("whole8 (nosplit)", "whole8"), ("ours8", "ours8"))
+            if s.get(f"regional8_step_over_{key}_step_wide") is not None),
         "Generated by `python -m benchmarks.compile_time --render` from the benchmark's JSON.",
     ]
     return "\n\n".join(notes)
@@ -286,6 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="warm restarts per mode, rotating order, median reported (default 3; --quick: 1)")
     p.add_argument("--step-rounds", type=int, default=30,
                    help="measured rounds of the interleaved 8-block step-time job (0: skip it)")
+    p.add_argument("--wide-embd", type=int, default=256,
+                   help="width of a second interleaved step-time job on a wider 8-block model, where each block "
+                        "does more work per compiled call (0: skip it; --quick skips it)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args(argv)
     if a.render:
@@ -294,11 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = list(a.overrides)
     if a.quick:
         a.backend, a.nproc, a.steps = "aot_eager", 1, 3
+        extra += QUICK_OVERRIDES
     if a.warm_runs is None:
         a.warm_runs = 1 if a.quick else 3
-        extra += ["model.n_embd=32", "model.n_head=2", "train.batch_size=2", "train.seq_len=16"]
-    if a.warm_runs < 1 or a.step_rounds < 0:
-        p.error(f"--warm-runs must be >= 1 and --step-rounds >= 0, got {a.warm_runs} and {a.step_rounds}")
+    if a.warm_runs < 1 or a.step_rounds < 0 or a.wide_embd < 0 or a.wide_embd % 4:
+        p.error(f"--warm-runs must be >= 1, --step-rounds >= 0 and --wide-embd a multiple of the model's 4 heads "
+                f"(or 0), got {a.warm_runs}, {a.step_rounds} and {a.wide_embd}")
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -306,14 +338,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run_restarts(modes, Path(a.out), warm_runs=a.warm_runs, backend=a.backend, nproc=a.nproc, steps=a.steps,
                         extra=extra)
     steps: list[dict] = []
+    wide: list[dict] = []
     if {"whole8", "regional8"} <= set(modes) and a.step_rounds > 0:
-        steps = interleaved_steps(Path(a.out), backend=a.backend, nproc=a.nproc, global_batch=2 if a.quick else 8,
-                                  rounds=a.step_rounds, model=QUICK_STEP_MODEL if a.quick else STEP_MODEL)
+        job = dict(backend=a.backend, nproc=a.nproc, global_batch=2 if a.quick else 8, rounds=a.step_rounds)
+        steps = interleaved_steps(Path(a.out), model=QUICK_STEP_MODEL if a.quick else STEP_MODEL, **job)
+        if a.wide_embd and not a.quick:
+            wide = interleaved_steps(Path(a.out), model=step_model(a.wide_embd), name="interleaved_steps_wide", **job)
     result = {
         "command": shlex.join(["python", "-m", "benchmarks.compile_time", *(argv if argv is not None else sys.argv[1:])]),
         "backend": a.backend, "nproc": a.nproc, "steps": a.steps, "warm_runs": a.warm_runs, "rows": rows,
         "steps_interleaved": steps,
-        "summary": summarize(rows, steps),
+        "steps_interleaved_wide": wide,
+        "summary": summarize(rows, steps, wide),
         "torch": __import__("torch").__version__,
     }
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

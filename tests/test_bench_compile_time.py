@@ -77,3 +77,34 @@ def test_restarts_run_every_mode_cold_then_warm_in_rotating_order(monkeypatch, t
                      ("b", "warm", 1), ("c", "warm", 1), ("a", "warm", 1),
                      ("c", "warm", 2), ("a", "warm", 2), ("b", "warm", 2)]
     assert len(rows) == 12
+
+
+def test_only_quick_narrows_the_model(monkeypatch, tmp_path):
+    # A real run measures the launcher's own model; --quick (a smoke run) narrows it.
+    import benchmarks.compile_time as ct
+
+    calls = []
+    monkeypatch.setattr(ct, "run_restarts", lambda modes, out, **kw: calls.append(kw) or [])
+    json_path = str(tmp_path / "r.json")
+    assert ct.main(["--modes", "ours", "--json", json_path, "data.seed=3"]) == 0
+    assert ct.main(["--modes", "ours", "--json", json_path, "--quick"]) == 0
+    real, quick = calls
+    assert real["extra"] == ["data.seed=3"] and real["warm_runs"] == 3 and real["backend"] == "inductor"
+    assert quick["extra"] == ct.QUICK_OVERRIDES and quick["warm_runs"] == 1 and quick["backend"] == "aot_eager"
+
+
+def test_the_wider_step_job_gets_its_own_ratios_and_table(tmp_path):
+    wide = [dict(r, model="GPT(layers=8, embd=256)") for r in STEPS]
+    wide[2] = dict(_step_row("regional", [101.0, 111.1, 121.2, 131.3], 16.0), model="GPT(layers=8, embd=256)")
+    s = summarize(ROWS, STEPS, wide)
+    assert s["regional8_step_over_whole8_step"] == pytest.approx(1.02)
+    assert s["regional8_step_over_whole8_step_wide"] == pytest.approx(1.01)
+    assert s["regional8_step_over_ours8_step_wide"] == pytest.approx(1.01 / 0.9)
+    assert summarize(ROWS, STEPS)["regional8_step_over_whole8_step_wide"] is None
+    result = {"backend": "inductor", "nproc": 2, "steps": 8, "command": "c", "rows": ROWS, "steps_interleaved": STEPS,
+              "steps_interleaved_wide": wide, "summary": s}
+    text = results_markdown(result)
+    assert "The same job on a wider model (`GPT(layers=8, embd=256)`)" in text
+    assert "| regional | 16.0 | 111.1 | 1.010 [1.010, 1.010] |" in text
+    assert "| regional8 / whole8 (nosplit) step, wider model [IQR] | 1.010 [1.010, 1.010] | < 1.05 |" in text
+    assert "| regional8 / ours8 step, wider model [IQR] | 1.122 [1.122, 1.122] | < 1.05 |" in text
