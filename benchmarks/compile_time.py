@@ -27,7 +27,10 @@ nosplit,ours,regional --baseline nosplit --link none`` on the same model and
 batch, where the three compile the same weights in one process group and step
 in turns (Note [Interleaved DDP benchmark]): the regional/whole ratio is the
 median of per-round ratios, with its IQR. That job also times each mode's cold
-compile in one process.
+compile in one process. A second such job runs on a wider model
+(``--wide-embd``, default 256), where each compiled block does more work per
+call and regional compile's fixed cost per block call weighs less
+(Note [Regional compile]).
 
     python -m benchmarks.compile_time                      # inductor, 2 ranks (the real run)
     python -m benchmarks.compile_time --quick              # aot_eager smoke run
