@@ -263,18 +263,18 @@ def build_mode(mode: str, cfg: BenchConfig, cap_mb: float | str, link: Simulated
     ddp = DDP(model, bucket_cap_mb=None if auto else cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     runner = ModeRunner(mode, ddp, ddp, opt)
-    if mode == "regional":
-        runner.fn = compile_ddp(ddp, backend=functools.partial(resolve_backend(cfg.backend)), regional=True)
-        runner.fn.register_comm_hook(link, SimulatedLink.hook)
-        return runner
-    if mode == "ours":
+    if mode in PLANNED:
         # compile_ddp re-creates DDP's reducer to align its buckets with the
         # partitions; a hook registered through it survives that. With auto, the
         # link is measured through the same simulated link the gradients take.
-        more: dict = {}
-        if auto or cost_model is not None:
+        backend, more = cfg.backend, {}
+        if mode == "regional":
+            # A backend object of its own, as for builtin below: the blocks never run
+            # another runner's compiled code.
+            backend, more = functools.partial(resolve_backend(cfg.backend)), dict(regional=True)
+        elif auto or cost_model is not None:
             more = dict(bucket_cap_mb="auto" if auto else None, link=cost_model if cost_model is not None else link.probe)
-        runner.fn = compile_ddp(ddp, backend=cfg.backend, **more)
+        runner.fn = compile_ddp(ddp, backend=backend, **more)
         runner.fn.register_comm_hook(link, SimulatedLink.hook)
         return runner
     ddp.register_comm_hook(link, SimulatedLink.hook)

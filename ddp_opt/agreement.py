@@ -74,6 +74,14 @@ def _group() -> tuple[int, int] | None:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _all_plan_keys(key: str) -> tuple[dist.Store, list[str]] | None:
+    """The store and every rank's key under ``key``; None without peers."""
+    group = _group()
+    if group is None:
+        return None
+    return dist.distributed_c10d._get_default_store(), [f"{key}/{r}" for r in range(group[1])]
+
+
 def publish_plan(buckets: list[Bucket], key: str) -> bool:
     """Publish this rank's plan under ``key``; False when there is nothing to
     agree with (no process group, or one rank)."""
@@ -97,11 +105,10 @@ def peers_plans_if_ready(key: str) -> bool:
     Raises:
         PlanMismatchError: when every rank has published and two plans differ.
     """
-    group = _group()
-    if group is None:
+    found = _all_plan_keys(key)
+    if found is None:
         return False
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"{key}/{r}" for r in range(group[1])]
+    store, keys = found
     if not store.check(keys):
         return False
     _compare([json.loads(store.get(k)) for k in keys])
@@ -118,11 +125,10 @@ def verify_plans(key: str, timeout_s: float = 120.0) -> bool:
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
-    group = _group()
-    if group is None:
+    found = _all_plan_keys(key)
+    if found is None:
         return False
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"{key}/{r}" for r in range(group[1])]
+    store, keys = found
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError) as e:
