@@ -35,6 +35,15 @@ from .precision import autocast, grad_scaler
 from .recompiles import CompileCounter
 from .step import StepRunner, micro_batches
 from compiler.diagnose import Diagnoser
+from ddp_opt import Spelling, ddp_advice
+
+# How the doctor's advice names a setting: as a launcher override.
+OVERRIDE_SPELLING = Spelling(
+    bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
+    keep_aligned="Keep bucket realignment on (it is skipped for ddp.static_graph=true)",
+    regional="compile.regional=true", cache_dir="compile.cache_dir=DIR",
+    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}",
+)
 
 __all__ = ["run", "main", "to_job_config", "FAULT_ENV"]
 
@@ -204,10 +213,13 @@ def _train(cfg: JobConfig, env: DistEnv) -> dict[str, Any]:
         sizes = [b.size / 2**20 for b in reversed(_buckets(wrapped)) if b.size]
         # micro-batches: the shape training compiled for (a full local batch would recompile under grad_accum)
         exposed_ms, compute_ms = _probe_exposed_comm(wrapped, data, cfg, env, local_bs // t.grad_accum)
-        report = diagnoser.report(partitions=_records(wrapped), step_s=median_ms / 1e3,
-                                  alignment=alignment.fraction if alignment is not None else None,
-                                  partition_mib=sizes or None, exposed_comm_ms=exposed_ms, compute_ms=compute_ms,
-                                  bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
+        fraction = alignment.fraction if alignment is not None else None
+        advice = ddp_advice(alignment=fraction, partition_mib=sizes or None, exposed_comm_ms=exposed_ms,
+                            compute_ms=compute_ms, compile_s=diagnoser.compile_seconds(_records(wrapped)),
+                            step_s=median_ms / 1e3, spelling=OVERRIDE_SPELLING,
+                            bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
+        report = diagnoser.report(partitions=_records(wrapped), alignment=fraction, exposed_comm_ms=exposed_ms,
+                                  compute_ms=compute_ms, extra_advice=advice)
         diagnosis = json.loads(report.to_json())
         print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     metrics = {
