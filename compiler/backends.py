@@ -90,14 +90,12 @@ def resolve_backend(
             backend that cannot use them.
     """
     if callable(backend) and not isinstance(backend, str):
-        if mode not in (None, "default") or options:
-            raise SettingError(
-                "mode" if mode not in (None, "default") else "options",
-                f"mode={mode!r} / options={options!r} were given together with a backend callable "
-                f"({getattr(backend, '__name__', backend)!r}). A callable backend receives only "
-                "(gm, example_inputs), so they would be silently dropped. Bake them into the "
-                "callable yourself, or pass backend='inductor' to use them."
-            )
+        _refuse_inductor_settings(
+            mode, options,
+            f"were given together with a backend callable ({getattr(backend, '__name__', backend)!r}). A callable "
+            "backend receives only (gm, example_inputs), so they would be silently dropped. Bake them into the "
+            "callable yourself, or pass backend='inductor' to use them.",
+        )
         return backend
     if not isinstance(backend, str):
         raise TypeError(
@@ -113,13 +111,11 @@ def resolve_backend(
             "or 'eager' to capture graphs without compiling."
         )
     if backend != "inductor":
-        if mode not in (None, "default") or options:
-            raise SettingError(
-                "mode" if mode not in (None, "default") else "options",
-                f"mode={mode!r} / options={options!r} are inductor settings, but backend={backend!r}: "
-                f"the {backend!r} backend would reject or ignore them. Drop mode/options, or use "
-                "backend='inductor'."
-            )
+        _refuse_inductor_settings(
+            mode, options,
+            f"are inductor settings, but backend={backend!r}: the {backend!r} backend would reject or ignore them. "
+            "Drop mode/options, or use backend='inductor'.",
+        )
         return _ti.named_backend(backend, dynamic)
     if mode is not None and mode not in valid_modes():
         raise SettingError(
@@ -136,3 +132,10 @@ def resolve_backend(
             f"Inductor rejected options {options!r}: {e}. Fix or remove the option "
             "(see torch._inductor.config for the valid names and types)."
         ) from e
+
+
+def _refuse_inductor_settings(mode: str | None, options: dict[str, Any] | None, why: str) -> None:
+    """Raise when an inductor mode or options were given where they cannot apply."""
+    if mode not in (None, "default") or options:
+        raise SettingError("mode" if mode not in (None, "default") else "options",
+                           f"mode={mode!r} / options={options!r} {why}")
