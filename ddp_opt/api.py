@@ -11,8 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler.cache import CacheKey, CompileCache
-from compiler.regional import compile_blocks
+from compiler import CacheKey, CompileCache, compile_blocks
 
 from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, inductor_default_cache_dir, is_compiled,
                                no_builtin_ddp_splitter, realign_unsupported_warning, reducer_finalized,

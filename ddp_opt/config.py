@@ -9,8 +9,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from compiler import FALLBACKS, BackendFn, SettingError, resolve_backend
-from compiler.regional import check_blocks_setting
+from compiler import FALLBACKS, BackendFn, SettingError, check_blocks_setting, resolve_backend
 
 from .autoplan import LinkEstimate
 from .cost import CostModel

@@ -25,8 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, PartitionRecord, compile_partitions, split_graph
-from compiler.backends import BackendFn
+from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions, split_graph
 
 from ._torch_internals import default_first_bucket_bytes, trace_artifact
 from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans

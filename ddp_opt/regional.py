@@ -58,7 +58,7 @@ from typing import Sequence
 
 from torch import nn
 
-from compiler.regional import find_blocks
+from compiler import find_blocks
 
 from .plan import Bucket, BucketCaps
 

@@ -14,8 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from compiler import resolve_backend
-from compiler.regional import compile_blocks
+from compiler import compile_blocks, resolve_backend
 
 from ._torch_internals import checkpoint_wrapper, compiled_autograd_active
 from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from compiler.regional import check_blocks_setting
+from compiler import check_blocks_setting
 
 __all__ = ["CompileConfig", "FSDPConfig"]
 
