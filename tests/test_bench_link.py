@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.link import LINK_PRESETS, LinkModel, SimulatedLink, parse_link
@@ -48,16 +47,7 @@ def test_serial_link_queues_buckets_behind_each_other():
     assert done_times[2] == (0.5, pytest.approx(0.61))
 
 
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_hook_delivers_after_the_modelled_serial_time(single_rank_group):
+def test_hook_delivers_after_the_modelled_serial_time(gloo):
     link = SimulatedLink(LinkModel(alpha_s=0.02, bandwidth=4000 * 1000.0))  # 4000 floats: 0.02 + 0.016 s
     tensors = [torch.full((4000,), float(i)) for i in range(3)]
     t0 = time.perf_counter()
@@ -76,7 +66,7 @@ def test_hook_delivers_after_the_modelled_serial_time(single_rank_group):
     assert link.take_step_stats().buckets == 0
 
 
-def test_ddp_gradients_are_exact_with_the_hook(single_rank_group):
+def test_ddp_gradients_are_exact_with_the_hook(gloo):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -96,7 +86,7 @@ def test_ddp_gradients_are_exact_with_the_hook(single_rank_group):
     assert stats.buckets >= 2, stats
 
 
-def test_probe_takes_the_hook_path_but_is_not_counted_and_fits_the_link(single_rank_group):
+def test_probe_takes_the_hook_path_but_is_not_counted_and_fits_the_link(gloo):
     from ddp_opt import measure_link
 
     link = SimulatedLink(LinkModel(alpha_s=2e-3, bandwidth=2e8))

@@ -152,14 +152,13 @@ def test_a_payload_torch_rejects_is_reported_as_corrupt(tmp_path, monkeypatch, c
     assert "load_cache_artifacts failed (RuntimeError: unpickling failed)" in msg
 
 
-def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_path, caplog, monkeypatch):
+def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_path, caplog, monkeypatch, clean_dynamo):
     # aot_eager records no cache artifacts, so the saved payload is stubbed; the
     # compile and its parity with eager are real.
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"fresh artifacts", None))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "placeholder")  # restored after the test
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     with single_rank_group():
-        torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY))
         ref = DDP(copy.deepcopy(model), bucket_cap_mb=0.01)
@@ -185,7 +184,6 @@ def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_pa
                 torch.testing.assert_close(p.grad, q.grad)
         # Saved automatically at the start of the second call: the corrupt entry is replaced.
         assert CompileCache(tmp_path, compiled.compile_cache.key)._check()[0] == "ok"
-        torch._dynamo.reset()
 
 
 # -- one inductor test: a warm restart in a new process ------------------------------------------

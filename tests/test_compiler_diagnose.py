@@ -11,11 +11,7 @@ from compiler import PartitionRecord, resolve_backend
 from compiler.diagnose import Diagnoser
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("clean_dynamo")
 
 
 def _line_of(fn, needle: str) -> int:

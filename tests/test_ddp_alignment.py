@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import single_rank_group
 from ddp_opt import alignment_fraction, compile_ddp, measure_alignment
 from models import GPT, GPTConfig
 
@@ -22,10 +21,7 @@ def test_alignment_fraction_counts_bytes_of_buckets_equal_to_a_partition():
     assert alignment_fraction(runtime, [{1, 2}, {3}, {4, 5}]).fraction == 1.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    with single_rank_group():
-        yield
+pytestmark = pytest.mark.usefixtures("gloo_module", "clean_dynamo")
 
 
 def _train(compiled, make_input, steps=3):
@@ -35,7 +31,6 @@ def _train(compiled, make_input, steps=3):
 
 
 def test_one_parameter_per_partition_is_fully_aligned():
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
     ddp = DDP(model, bucket_cap_mb=64 * 64 * 4 / 2**20)
@@ -46,7 +41,6 @@ def test_one_parameter_per_partition_is_fully_aligned():
 
 
 def _gpt_pair(**compile_kwargs):
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(GPTConfig())
     ref = DDP(copy.deepcopy(model), bucket_cap_mb=1)
@@ -65,7 +59,6 @@ def test_without_realignment_the_split_gpt_drifts_from_its_partitions():
     assert len(a.runtime_bytes) == len(compiled.buckets) == 4
     assert sum(a.runtime_bytes) == sum(b.size for b in compiled.buckets)
     assert 0.0 < a.fraction < 1.0
-    torch._dynamo.reset()
 
 
 def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
@@ -80,7 +73,6 @@ def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
     a = measure_alignment(ddp, compiled.buckets)
     assert a.fraction == 1.0 and a.aligned == [True] * 4
     assert compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
-    torch._dynamo.reset()
 
 
 def test_comm_hooks_survive_realignment_or_are_refused():
@@ -92,7 +84,6 @@ def test_comm_hooks_survive_realignment_or_are_refused():
         calls.append(len(bucket.parameters()))
         return default_hooks.allreduce_hook(state, bucket)
 
-    torch._dynamo.reset()
     ddp = DDP(nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))), bucket_cap_mb=1)
     ddp.register_comm_hook(None, counting_hook)
     with pytest.raises(ValueError, match=r"comm hook '[^']*counting_hook' already registered on this DDP module would be lost"):
@@ -105,13 +96,10 @@ def test_comm_hooks_survive_realignment_or_are_refused():
     calls.clear()
     _train(compiled, lambda: (x, x), steps=1)
     assert len(calls) == 4  # the hook still runs, once per (realigned) bucket
-    torch._dynamo.reset()
 
 
 def test_static_graph_ddp_is_not_realigned():
-    torch._dynamo.reset()
     ddp = DDP(nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))), bucket_cap_mb=0.01, static_graph=True)
     compiled = compile_ddp(ddp, backend="aot_eager")
     _train(compiled, lambda: (torch.randn(2, 64),))
     assert compiled.align_buckets is False and compiled.aligned_caps is None
-    torch._dynamo.reset()

@@ -13,7 +13,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _capture import capture
-from _dist import run_ranks
 from ddp_opt import (
     BucketCaps, CostModel, DeviceRates, LinkEstimate, UnitCost, compile_ddp, measure_alignment, measure_link,
     plan_buckets, simulate, solve,
@@ -190,11 +189,10 @@ def test_auto_caps_make_plan_buckets_reproduce_the_dp_boundaries():
     assert seen[-1] == 1
 
 
-def test_cost_estimate_adds_no_guards_under_dynamic_shapes():
+def test_cost_estimate_adds_no_guards_under_dynamic_shapes(clean_dynamo):
     # Symbolic sizes are read as their hints: planning must not specialise the graph (a recompile per length).
     from ddp_opt import plan_auto
 
-    torch._dynamo.reset()
     graphs = []
 
     def backend(gm, example_inputs):
@@ -205,18 +203,9 @@ def test_cost_estimate_adds_no_guards_under_dynamic_shapes():
     compiled(torch.randint(0, 64, (2, 16)))
     compiled(torch.randint(0, 64, (2, 12)))
     assert len(graphs) == 1 and graphs[0].backward_s > 0
-    torch._dynamo.reset()
 
 
 # --- compile_ddp arguments ---------------------------------------------------------
-
-
-@pytest.fixture
-def gloo():
-    from _dist import single_rank_group
-
-    with single_rank_group():
-        yield
 
 
 def test_compile_ddp_rejects_bad_auto_arguments(gloo):
@@ -232,8 +221,7 @@ def test_compile_ddp_rejects_bad_auto_arguments(gloo):
         compile_ddp(ddp, backend="eager", bucket_cap_mb="auto", regional=True)
 
 
-def test_a_cost_model_without_auto_predicts_the_plan_at_ddp_caps(gloo):
-    torch._dynamo.reset()
+def test_a_cost_model_without_auto_predicts_the_plan_at_ddp_caps(gloo, clean_dynamo):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
     cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e9, 1e9), gamma_s=0.0)
@@ -243,12 +231,10 @@ def test_a_cost_model_without_auto_predicts_the_plan_at_ddp_caps(gloo):
     pred = compiled.prediction
     assert [b.nbytes for b in pred.buckets] == [2 * 16384, 2 * 16384] and [b.units for b in pred.buckets] == [2, 2]
     assert pred.buckets[1].finish_s == pytest.approx(pred.buckets[1].start_s + 1e-3 + 2 * 16384 / 1e8)
-    torch._dynamo.reset()
 
 
-def test_a_one_bucket_auto_plan_is_realigned_too(gloo):
+def test_a_one_bucket_auto_plan_is_realigned_too(gloo, clean_dynamo):
     # DDP's default caps give 2 runtime buckets here; the DP's single bucket is a choice, so it is enforced.
-    torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_embd=128, n_head=2, vocab_size=1024)
     ddp = DDP(GPT(cfg))
@@ -259,7 +245,6 @@ def test_a_one_bucket_auto_plan_is_realigned_too(gloo):
         compiled(x, x)[1].backward()
     assert len(compiled.buckets) == 1 and compiled.aligned_caps == (compiled.buckets[0].size,)
     assert measure_alignment(ddp, compiled.buckets).fraction == 1.0
-    torch._dynamo.reset()
 
 
 # --- two ranks ---------------------------------------------------------------------
@@ -302,7 +287,7 @@ def _auto_rank(rank, world_size):
                 predicted=compiled.prediction.finish_s, runtime=len(ddp.reducer._get_zeros_like_grad_buckets()))
 
 
-def test_two_ranks_auto_plan_trains_like_eager_ddp_with_identical_plans():
+def test_two_ranks_auto_plan_trains_like_eager_ddp_with_identical_plans(run_ranks):
     r0, r1 = run_ranks(_auto_rank, timeout=300)
     for rank, r in enumerate((r0, r1)):
         for step, (loss, ref_loss) in enumerate(r["losses"]):
@@ -335,7 +320,7 @@ def _forced_mismatch_rank(rank, world_size):
     return "no error"
 
 
-def test_forced_different_cost_numbers_fail_on_both_ranks_with_a_clear_error():
+def test_forced_different_cost_numbers_fail_on_both_ranks_with_a_clear_error(run_ranks):
     results = run_ranks(_forced_mismatch_rank, timeout=180)
     for rank, message in enumerate(results):
         assert "PlanMismatchError" in message, f"rank {rank}: {message}"

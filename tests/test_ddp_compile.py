@@ -11,24 +11,13 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from _dist import single_rank_group
 from ddp_opt import BucketCaps, DDPOptimizer, caps_from_ddp, compile_ddp
 from models import GPT, GPTConfig
 
 MiB = 2**20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    with single_rank_group():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("gloo_module", "clean_dynamo")
 
 
 class Tower(nn.Module):

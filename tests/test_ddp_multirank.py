@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import run_ranks
 from ddp_opt import compile_ddp, measure_alignment
 from models import GPT, GPTConfig
 
@@ -68,13 +67,13 @@ def _check(results, min_partitions):
 
 
 @pytest.mark.slow
-def test_two_rank_gpt_aot_eager_matches_eager_ddp_step_by_step():
+def test_two_rank_gpt_aot_eager_matches_eager_ddp_step_by_step(run_ranks):
     results = run_ranks(_gpt_rank, "aot_eager", 0.25, GPTConfig(n_layer=2, n_embd=96, n_head=2, tie_weights=True))
     _check(results, min_partitions=4)
 
 
 @pytest.mark.slow
-def test_two_rank_small_gpt_inductor_dynamic_seq_matches_eager_ddp():
+def test_two_rank_small_gpt_inductor_dynamic_seq_matches_eager_ddp(run_ranks):
     # Sequence length changes every step: one compile (dynamic=True), every
     # partition compiled (a dynamo restart must not be taken for a failure).
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32)
@@ -102,7 +101,7 @@ def _hf_rank(rank, world_size):
 
 
 @pytest.mark.slow
-def test_two_rank_hf_gpt2_aot_eager_matches_eager_ddp():
+def test_two_rank_hf_gpt2_aot_eager_matches_eager_ddp(run_ranks):
     pytest.importorskip("transformers")
     results = run_ranks(_hf_rank, timeout=600)
     _check(results, min_partitions=2)
@@ -120,7 +119,7 @@ def _mismatch_rank(rank, world_size):
     return "no error"
 
 
-def test_ranks_with_different_plans_fail_together_naming_the_bucket():
+def test_ranks_with_different_plans_fail_together_naming_the_bucket(run_ranks):
     results = run_ranks(_mismatch_rank, timeout=180)
     for rank, message in enumerate(results):
         assert "PlanMismatchError" in message, f"rank {rank}: {message}"
@@ -153,7 +152,7 @@ def _late_mismatch_rank(rank, world_size):
     return len(calls), "no error", False
 
 
-def test_the_rank_that_plans_last_fails_before_compiling():
+def test_the_rank_that_plans_last_fails_before_compiling(run_ranks):
     (compiled0, error0, named0), (compiled1, error1, named1) = run_ranks(_late_mismatch_rank, timeout=180)
     assert compiled0 == 4 and named0, (compiled0, error0)  # rank 0: four partitions, then the check
     assert compiled1 == 0 and named1, (compiled1, error1)  # rank 1: no compile at all
@@ -170,5 +169,5 @@ def _agree_rank(rank, world_size):
     return len(compiled.buckets), check_plan_agreement(compiled.buckets, "test/agree", timeout_s=30)
 
 
-def test_ranks_with_equal_plans_pass_the_check():
+def test_ranks_with_equal_plans_pass_the_check(run_ranks):
     assert run_ranks(_agree_rank, timeout=180) == [(4, True), (4, True)]

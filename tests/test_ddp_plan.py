@@ -7,17 +7,13 @@ from torch._dynamo.backends.distributed import DDPOptimizer as TorchDDPOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _capture import plan_captured
-from _dist import single_rank_group
 from ddp_opt import BucketCaps, caps_from_ddp, format_buckets, plan_buckets
 from models import GPT, GPTConfig
 
 MiB = 2**20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    with single_rank_group():
-        yield
+pytestmark = pytest.mark.usefixtures("gloo_module")
 
 
 def _tokens(b=2, t=16):

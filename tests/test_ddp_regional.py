@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import run_ranks, single_rank_group
+from _dist import single_rank_group
 from ddp_opt import BucketCaps, compile_ddp, measure_alignment
 from ddp_opt.regional import find_ddp_blocks, plan_block_buckets
 from models import GPT, GPTConfig
@@ -46,7 +46,7 @@ def test_a_model_without_repeated_blocks_fails_with_how_to_fix():
     assert "compile.regional=false" in msg
 
 
-def test_eight_blocks_compile_one_graph_match_eager_and_realign_to_blocks():
+def test_eight_blocks_compile_one_graph_match_eager_and_realign_to_blocks(clean_dynamo):
     graphs = []
 
     def count(backend):
@@ -56,7 +56,6 @@ def test_eight_blocks_compile_one_graph_match_eager_and_realign_to_blocks():
         return counted
 
     with single_rank_group():
-        torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(CFG8)
         ref = DDP(copy.deepcopy(model), bucket_cap_mb=2 * _block_bytes(model) / 2**20)
@@ -74,7 +73,6 @@ def test_eight_blocks_compile_one_graph_match_eager_and_realign_to_blocks():
         a = measure_alignment(ddp, compiled.buckets)
         # four buckets of two blocks (ln_f rides in the first, ready first); the embeddings come after a full one
         assert len(compiled.buckets) == 8 // 2 + 1 and a.fraction == 1.0
-        torch._dynamo.reset()
 
 
 def _two_rank_parity(rank, world_size):
@@ -97,7 +95,7 @@ def _two_rank_parity(rank, world_size):
 
 
 @pytest.mark.slow
-def test_two_ranks_match_eager_ddp_step_by_step():
+def test_two_ranks_match_eager_ddp_step_by_step(run_ranks):
     results = run_ranks(_two_rank_parity, world_size=2)
     for losses, alignment in results:
         for ours, eager in losses:

@@ -9,24 +9,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_opt
-from _dist import single_rank_group
 from _fsdp_helpers import batch
 from models import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=4, n_embd=32, n_head=2, vocab_size=128, block_size=16)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def group():
-    with single_rank_group():
-        yield
+pytestmark = pytest.mark.usefixtures("clean_dynamo")
 
 
 def _gpt():
@@ -45,7 +34,7 @@ def test_no_process_group_is_a_clear_error():
     assert _unchanged(model)
 
 
-def test_blocks_not_found_fails_before_anything_changes(group):
+def test_blocks_not_found_fails_before_anything_changes(gloo):
     model = _gpt()
     with pytest.raises(ValueError, match=r"\['layers'\] not found in GPT; candidate ModuleLists: 'blocks' \(4 x Block\)"):
         fsdp_opt.apply(model, blocks="layers")
@@ -54,7 +43,7 @@ def test_blocks_not_found_fails_before_anything_changes(group):
     assert _unchanged(model) and all(b._compiled_call_impl is None for b in model.blocks)
 
 
-def test_compiled_autograd_is_refused_at_apply(group):
+def test_compiled_autograd_is_refused_at_apply(gloo):
     model = _gpt()
     with torch._dynamo.config.patch(compiled_autograd=True):
         with pytest.raises(RuntimeError, match=r"fsdp_opt.apply: compiled autograd is enabled.*wrong losses.*"
@@ -63,7 +52,7 @@ def test_compiled_autograd_is_refused_at_apply(group):
     assert _unchanged(model)
 
 
-def test_compiled_autograd_switched_on_later_is_refused_at_forward(group):
+def test_compiled_autograd_switched_on_later_is_refused_at_forward(gloo):
     model = _gpt()
     fsdp_opt.apply(model)
     x, y = batch(0, 0, CFG.vocab_size, CFG.block_size)
@@ -72,7 +61,7 @@ def test_compiled_autograd_switched_on_later_is_refused_at_forward(group):
             model(x, y)
 
 
-def test_grouped_units_prefetch_and_per_block_compile_are_wired(group):
+def test_grouped_units_prefetch_and_per_block_compile_are_wired(gloo):
     model = _gpt()
     ref = copy.deepcopy(model)
     block_mb = sum(p.numel() for p in model.blocks[0].parameters()) * 4 / 2**20
@@ -98,7 +87,7 @@ def test_grouped_units_prefetch_and_per_block_compile_are_wired(group):
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="pinning works with an accelerator")
-def test_pinned_cpu_offload_without_accelerator_is_refused(group):
+def test_pinned_cpu_offload_without_accelerator_is_refused(gloo):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     model = _gpt()
@@ -107,14 +96,14 @@ def test_pinned_cpu_offload_without_accelerator_is_refused(group):
     assert _unchanged(model)
 
 
-def test_applying_twice_is_refused(group):
+def test_applying_twice_is_refused(gloo):
     model = _gpt()
     fsdp_opt.apply(model, prefetch=0)
     with pytest.raises(ValueError, match=r"GPT is already sharded by fully_shard \(at \['\(root\)', 'blocks.0'"):
         fsdp_opt.apply(model)
 
 
-def test_checkpointing_keeps_parameter_names_in_state_dict(group):
+def test_checkpointing_keeps_parameter_names_in_state_dict(gloo):
     model = _gpt()
     names = list(model.state_dict())
     fsdp_opt.apply(model, checkpointing=True, prefetch=0)
@@ -122,7 +111,7 @@ def test_checkpointing_keeps_parameter_names_in_state_dict(group):
     assert list(model.state_dict()) == names
 
 
-def test_whole_model_compile_without_fullgraph_warns(group, caplog):
+def test_whole_model_compile_without_fullgraph_warns(gloo, caplog):
     model = _gpt()
     ref = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="fsdp_opt.apply"):
@@ -134,7 +123,7 @@ def test_whole_model_compile_without_fullgraph_warns(group, caplog):
 
 
 @pytest.mark.parametrize("policy", ["bf16", "cpu_offload"])
-def test_mixed_precision_and_offload_policies_pass_through(group, policy):
+def test_mixed_precision_and_offload_policies_pass_through(gloo, policy):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     model = _gpt()

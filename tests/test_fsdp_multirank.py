@@ -3,7 +3,6 @@ step by step (the reference sees both ranks' batches; FSDP averages gradients)."
 
 import pytest
 
-from _dist import run_ranks
 from _fsdp_helpers import STEPS, train_fsdp_vs_reference
 from fsdp_opt import CompileConfig
 from models import Block, GPTConfig
@@ -26,13 +25,13 @@ def _check(results, units, tol=1e-5):
 
 
 @pytest.mark.slow
-def test_two_rank_per_block_aot_eager_matches_unsharded_reference():
+def test_two_rank_per_block_aot_eager_matches_unsharded_reference(run_ranks):
     results = run_ranks(train_fsdp_vs_reference, SMALL, dict(compile="aot_eager"))
     _check(results, [(f"blocks.{i}",) for i in range(4)])
 
 
 @pytest.mark.slow
-def test_two_rank_grouped_units_with_checkpointing_match_reference():
+def test_two_rank_grouped_units_with_checkpointing_match_reference(run_ranks):
     kwargs = dict(compile="aot_eager", shard_unit_mb=1.5 * BLOCK_MB, prefetch=2,
                   reshard_after_forward=False, checkpointing=True)
     results = run_ranks(train_fsdp_vs_reference, SMALL, kwargs)
@@ -41,6 +40,6 @@ def test_two_rank_grouped_units_with_checkpointing_match_reference():
 
 
 @pytest.mark.slow
-def test_two_rank_tiny_inductor_matches_reference():
+def test_two_rank_tiny_inductor_matches_reference(run_ranks):
     results = run_ranks(train_fsdp_vs_reference, TINY, dict(compile=CompileConfig(backend="inductor")), timeout=600)
     _check(results, [("blocks.0",), ("blocks.1",)])

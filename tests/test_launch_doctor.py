@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from compiler.doctor import DEFAULT_STEPS, doctor_argv
 from launch.config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -26,13 +25,9 @@ def test_doctor_argv_sets_diagnose_a_short_run_and_the_json_path():
     assert doctor_argv(["train.steps=2", "--json=x.json"]) == ["train.steps=2", "diagnose_json=x.json", "diagnose=true"]
 
 
-def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, capsys):
-    torch.set_num_threads(1)
-    try:
-        cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1), diagnose=True)
-        metrics = run(cfg, output_dir=str(tmp_path))
-    finally:
-        torch._dynamo.reset()
+def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, capsys, one_thread, clean_dynamo):
+    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1), diagnose=True)
+    metrics = run(cfg, output_dir=str(tmp_path))
     out = capsys.readouterr().out
     assert "== compile diagnosis (rank 0) ==" in out
     assert "partitions (intended splits at DDP bucket boundaries)" in out and "graph breaks (accidental)" not in out
@@ -45,15 +40,11 @@ def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, c
     assert any("fullgraph=True" in a for a in saved["advice"])
 
 
-def test_diagnose_reports_poor_alignment_with_a_bucket_cap_suggestion(tmp_path, capsys):
+def test_diagnose_reports_poor_alignment_with_a_bucket_cap_suggestion(tmp_path, capsys, one_thread, clean_dynamo):
     # DDP(static_graph=True) is not realigned, so its buckets straddle partitions.
-    torch.set_num_threads(1)
-    try:
-        cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1, static_graph=True),
-                   diagnose=True, train=TrainConfig(steps=4, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "c")))
-        metrics = run(cfg, output_dir=str(tmp_path))
-    finally:
-        torch._dynamo.reset()
+    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1, static_graph=True),
+               diagnose=True, train=TrainConfig(steps=4, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "c")))
+    metrics = run(cfg, output_dir=str(tmp_path))
     d = metrics["diagnosis"]
     assert d["alignment"] == metrics["alignment"] < 1.0
     assert any("bucket_cap_mb_list=[" in a for a in d["advice"])

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from launch.config import ConfigError, FSDPOptions, JobConfig, describe, register_configs, validate
 from launch.parallel import fsdp_config
 from launch.train import to_job_config
-from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok, torchrun as _torchrun
+from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok
 
 
 def _job(*overrides: str) -> JobConfig:
@@ -81,10 +81,10 @@ STEPS, EVERY, KILL_AT = 6, 2, 5  # checkpoints after steps 2, 4, 6; rank 1 dies 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, torchrun):
     """An uninterrupted 2-rank FSDP run with checkpoints: the yardstick for the resume test."""
     cwd = tmp_path_factory.mktemp("fsdp_reference")
-    proc = _torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run")
+    proc = torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run")
     _ok(proc)
     return cwd, proc
 
@@ -107,14 +107,14 @@ def test_two_rank_fsdp_run_shards_in_units_trains_and_exits(reference):
 
 
 @pytest.mark.slow
-def test_killed_fsdp_run_resumes_from_sharded_checkpoint_to_same_losses_and_parameters(reference, tmp_path):
+def test_killed_fsdp_run_resumes_from_sharded_checkpoint_to_same_losses_and_parameters(reference, tmp_path, torchrun):
     ref_dir, _ = reference
     common = [*SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}"]
-    died = _torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
+    died = torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
     assert died.returncode != 0, "the injected fault did not kill the job"
     assert "killing myself at step 5" in died.stderr
     assert not (tmp_path / "checkpoints" / f"step_{STEPS:06d}").exists()
-    resumed_proc = _torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second")
+    resumed_proc = torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second")
     _ok(resumed_proc)
     assert "resumed from checkpoints/step_000004 at step 4" in resumed_proc.stdout
     ref, got = _metrics(ref_dir / "run"), _metrics(tmp_path / "second")

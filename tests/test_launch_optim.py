@@ -15,7 +15,8 @@ from ddp_opt import compile_ddp
 from launch.optim import OptimizerStep, build_optimizer
 from launch.precision import autocast
 from models import GPT, GPTConfig
-from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
 STEPS = 4

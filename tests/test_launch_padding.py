@@ -16,7 +16,8 @@ from launch.recompiles import CompileCounter, RecompileAfterWarmupError
 from launch.step import StepRunner
 from launch.train import run
 from models import GPT, GPTConfig
-from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 
 SEQ = 32
 CFG = GPTConfig(vocab_size=64, block_size=SEQ, n_layer=1, n_head=2, n_embd=32)

@@ -29,14 +29,8 @@ def _job(tmp_path, **sections) -> JobConfig:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_clean_dynamo():
-    # As torchrun does (OMP_NUM_THREADS=1): on a busy 2-core machine, two intra-op
-    # threads made each tiny step ~50x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _no_process_group_left(one_thread, clean_dynamo):
     yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
     assert not dist.is_initialized(), "run() must tear its process group down"
 
 

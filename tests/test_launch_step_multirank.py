@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _dist import run_ranks
 from ddp_opt import compile_ddp
 from launch.data import SyntheticTokens
 from launch.optim import OptimizerStep
@@ -70,7 +69,7 @@ def _scenario(rank: int, world_size: int, grad_accum: int, precision: str) -> di
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
+def results(run_ranks) -> list[dict]:
     return run_ranks(_rank, world_size=2)
 
 

@@ -8,7 +8,8 @@ import torch
 
 from launch.config import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from launch.train import run
-from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 
 
 def _job(tmp_path, backend: str, data: DataConfig, **train) -> JobConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok, torchrun as _torchrun
+from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok
 
 pytestmark = pytest.mark.slow
 
@@ -33,17 +33,17 @@ def _assert_same_training(ref: dict, got: dict, ref_ckpt: Path, got_ckpt: Path, 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, torchrun):
     """An uninterrupted run, the yardstick for both resume tests."""
     cwd = tmp_path_factory.mktemp("reference")
-    _ok(_torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run"))
+    _ok(torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run"))
     return cwd
 
 
-def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path):
+def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path, torchrun):
     # The issue's "done when" command, verbatim.
-    proc = _torchrun(tmp_path, "compile.backend=aot_eager", "train.steps=5", "ddp.bucket_cap_mb=1",
-                     "hydra.run.dir=run", timeout=240)
+    proc = torchrun(tmp_path, "compile.backend=aot_eager", "train.steps=5", "ddp.bucket_cap_mb=1",
+                    "hydra.run.dir=run", timeout=240)
     _ok(proc)
     out = proc.stdout
     assert "distcompile main job: 2 rank(s), cpu + gloo" in out
@@ -58,21 +58,21 @@ def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path):
     assert not any(p.name != "run" for p in tmp_path.iterdir() if p.is_dir())  # rank 1 wrote no run dir
 
 
-def test_killed_run_resumes_to_the_same_losses_and_parameters(reference, tmp_path):
+def test_killed_run_resumes_to_the_same_losses_and_parameters(reference, tmp_path, torchrun):
     common = [*SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}"]
-    died = _torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
+    died = torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
     assert died.returncode != 0, "the injected fault did not kill the job"
     assert not (tmp_path / "checkpoints" / f"step_{STEPS:06d}").exists()
-    _ok(_torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second"))
+    _ok(torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second"))
     resumed = _metrics(tmp_path / "second")
     assert resumed["start_step"] == 6
     _assert_same_training(_metrics(reference / "run"), resumed, reference / "checkpoints" / f"step_{STEPS:06d}",
                           tmp_path / "checkpoints" / f"step_{STEPS:06d}", from_step=6)
 
 
-def test_rank_killed_under_max_restarts_resumes_by_itself(reference, tmp_path):
-    proc = _torchrun(tmp_path, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
-                     "hydra.run.dir=run", fault=f"{KILL_AT}:0", restarts=1, timeout=400)
+def test_rank_killed_under_max_restarts_resumes_by_itself(reference, tmp_path, torchrun):
+    proc = torchrun(tmp_path, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
+                    "hydra.run.dir=run", fault=f"{KILL_AT}:0", restarts=1, timeout=400)
     _ok(proc)
     assert "killing myself at step 8" in proc.stderr
     assert "resumed from checkpoints/step_000006 at step 6" in proc.stdout

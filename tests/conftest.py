@@ -1,0 +1,65 @@
+"""Fixtures shared by the test modules, one definition each, in the order tests climb
+(STYLE.md principle 9): compiler state, then one gloo rank in this process, then
+real gloo ranks in spawned processes, then the main job under torchrun.
+
+The plain helpers they wrap stay in ``_dist.py`` and ``_torchrun.py`` (the spawned
+ranks and ``_cache_job.py`` import them too). No fixture here is autouse: a module
+that wants one for all its tests says so with ``pytestmark = pytest.mark.usefixtures(...)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _dist
+
+
+@pytest.fixture
+def clean_dynamo():
+    """No compiled code left over from another test: the test starts and ends with an
+    empty dynamo cache."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as torchrun sets (OMP_NUM_THREADS=1): on a busy 2-core
+    machine, two threads made each tiny step ~50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def gloo():
+    """A gloo group of world size 1 in this process for one test (in-memory store)."""
+    with _dist.single_rank_group():
+        yield
+
+
+@pytest.fixture(scope="module")
+def gloo_module():
+    """The same one-rank group, kept for all tests of a module."""
+    with _dist.single_rank_group():
+        yield
+
+
+@pytest.fixture(scope="session")
+def run_ranks():
+    """``run_ranks(fn, *args, world_size=2, timeout=...)``: real gloo ranks in spawned
+    processes; returns each rank's result (see ``_dist.run_ranks``)."""
+    return _dist.run_ranks
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """``torchrun(cwd, *overrides, fault=None, restarts=0, timeout=300)``: the main job
+    under torchrun with 2 ranks (see ``_torchrun.torchrun``; its readers ``ok``,
+    ``metrics`` and ``final_params`` are plain functions imported from there)."""
+    import _torchrun  # imports launch.train: only for the tests that launch
+
+    return _torchrun.torchrun
