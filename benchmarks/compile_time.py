@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .readme_results import replace_section
+from .report import fmt, markdown_table, update_section, with_iqr, write_json
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
 
@@ -218,23 +218,15 @@ def _step_ratios(steps: Sequence[dict], suffix: str = "") -> dict:
     }
 
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def _steps_markdown(steps: Sequence[dict]) -> str:
-    lines = ["| 8 blocks, one job | cold compile s | median step ms | step / nosplit [IQR] |", "|---|---|---|---|"]
-    for r in steps:
-        lines.append(f"| {r['mode']} | {_fmt(r['compile_cold_s'], '.1f')} | {_fmt(r['step_ms_median'], '.1f')} | "
-                     f"{_fmt(r['ratio_vs_builtin'], '.3f')} [{_fmt(r['ratio_q1'], '.3f')}, {_fmt(r['ratio_q3'], '.3f')}] |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["8 blocks, one job", "cold compile s", "median step ms", "step / nosplit [IQR]"],
+        [[r["mode"], fmt(r["compile_cold_s"], ".1f"), fmt(r["step_ms_median"], ".1f"),
+          f"{fmt(r['ratio_vs_builtin'], '.3f')} [{fmt(r['ratio_q1'], '.3f')}, {fmt(r['ratio_q3'], '.3f')}]"]
+         for r in steps])
 
 
-def _with_iqr(value, bounds) -> str:
-    return _fmt(value, ".3f") + (f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if value is not None and bounds else "")
-
-
-def _step_ratio_rows(s: dict) -> list[str]:
+def _step_ratio_rows(s: dict) -> list[list[str]]:
     """Regional against both whole-model modes: the launcher-width job always, the
     wider one when it ran."""
     rows = []
@@ -243,23 +235,24 @@ def _step_ratio_rows(s: dict) -> list[str]:
             key = f"regional8_step_over_{base}_step{suffix}"
             if suffix and s.get(key) is None:
                 continue
-            rows.append(f"\n| regional8 / {label} step, {job} [IQR] | {_with_iqr(s.get(key), s.get(key + '_iqr'))} | < 1.05 |")
+            rows.append([f"regional8 / {label} step, {job} [IQR]", with_iqr(s.get(key), *(s.get(key + "_iqr") or (None, None))),
+                         "< 1.05"])
     return rows
 
 
 def results_markdown(result: dict) -> str:
     """The README section: one row per mode and phase, the interleaved 8-block step
     times, then the done-when ratios."""
-    lines = ["| mode | cold first step s | warm first step s, median [min, max] | warm runs | process wall s, cold / warm |",
-             "|---|---|---|---|---|"]
+    table = []
     for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
         cold = [r for r in result["rows"] if r["mode"] == mode and r["phase"] == "cold"]
         warm = [r for r in result["rows"] if r["mode"] == mode and r["phase"] == "warm"]
         firsts = [r["first_step_s"] for r in warm]
-        warm_cell = f"{median(firsts):.1f} [{min(firsts):.1f}, {max(firsts):.1f}]" if firsts else "-"
         walls = [r["process_wall_s"] for r in warm]
-        lines.append(f"| {mode} | {_fmt(cold[0]['first_step_s'] if cold else None, '.1f')} | {warm_cell} | {len(warm)} | "
-                     f"{_fmt(cold[0]['process_wall_s'] if cold else None, '.1f')} / {_fmt(median(walls) if walls else None, '.1f')} |")
+        table.append([mode, fmt(cold[0]["first_step_s"] if cold else None, ".1f"),
+                      f"{median(firsts):.1f} [{min(firsts):.1f}, {max(firsts):.1f}]" if firsts else "-", len(warm),
+                      f"{fmt(cold[0]['process_wall_s'] if cold else None, '.1f')} / "
+                      f"{fmt(median(walls) if walls else None, '.1f')}"])
     s = result["summary"]
     steps = result.get("steps_interleaved") or []
     notes = [
@@ -271,7 +264,8 @@ def results_markdown(result: dict) -> str:
         "(another machine), a new empty one for each warm run. First steps are compared (medians of the warm "
         "runs); step times of separate processes are not.",
         f"Command: `{result['command']}`",
-        "\n".join(lines),
+        markdown_table(["mode", "cold first step s", "warm first step s, median [min, max]", "warm runs",
+                        "process wall s, cold / warm"], table),
     ]
     if steps:
         notes += [
@@ -286,24 +280,25 @@ def results_markdown(result: dict) -> str:
         notes += [f"The same job on a wider model (`{wide[0].get('model', '?')}`), where each compiled block does "
                   "more work per call:", _steps_markdown(wide)]
     notes += [
-        "| ratio | value | target |\n|---|---|---|\n"
-        f"| ours warm / ours cold (first step) | {_fmt(s['ours_warm_over_cold'], '.2f')} | <= 0.25 |\n"
-        f"| ours warm / nosplit warm | {_fmt(s['ours_warm_over_nosplit_warm'], '.2f')} | <= 1 |\n"
-        f"| ours_cache warm / cold | {_fmt(s['ours_cache_warm_over_cold'], '.2f')} | <= 0.25 |\n"
-        f"| ours_cache warm / nosplit warm | {_fmt(s['ours_cache_warm_over_nosplit_warm'], '.2f')} | <= 1 |\n"
-        f"| ours_fresh warm / cold | {_fmt(s['ours_fresh_warm_over_cold'], '.2f')} | - |\n"
-        f"| whole8 cold / regional8 cold (restarts) | {_fmt(s['whole8_cold_over_regional8_cold'], '.2f')} | >= 2 |\n"
-        f"| whole8 cold / regional8 cold (one job) | {_fmt(s.get('whole8_cold_over_regional8_cold_one_process'), '.2f')} | >= 2 |"
-        + "".join(_step_ratio_rows(s)),
+        markdown_table(["ratio", "value", "target"], [
+            ["ours warm / ours cold (first step)", fmt(s["ours_warm_over_cold"], ".2f"), "<= 0.25"],
+            ["ours warm / nosplit warm", fmt(s["ours_warm_over_nosplit_warm"], ".2f"), "<= 1"],
+            ["ours_cache warm / cold", fmt(s["ours_cache_warm_over_cold"], ".2f"), "<= 0.25"],
+            ["ours_cache warm / nosplit warm", fmt(s["ours_cache_warm_over_nosplit_warm"], ".2f"), "<= 1"],
+            ["ours_fresh warm / cold", fmt(s["ours_fresh_warm_over_cold"], ".2f"), "-"],
+            ["whole8 cold / regional8 cold (restarts)", fmt(s["whole8_cold_over_regional8_cold"], ".2f"), ">= 2"],
+            ["whole8 cold / regional8 cold (one job)", fmt(s.get("whole8_cold_over_regional8_cold_one_process"), ".2f"),
+             ">= 2"],
+            *_step_ratio_rows(s),
+        ]),
         "Generated by `python -m benchmarks.compile_time --render` from the benchmark's JSON.",
     ]
     return "\n\n".join(notes)
 
 
 def render(json_path: str | Path, readme: str | Path) -> None:
-    result = json.loads(Path(json_path).read_text())
-    path = Path(readme)
-    path.write_text(replace_section(path.read_text(), results_markdown(result), START, END))
+    """Rewrite ``readme``'s compile section from the result JSON at ``json_path``."""
+    update_section(readme, results_markdown(json.loads(Path(json_path).read_text())), START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,8 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summarize(rows, steps, wide),
         "torch": __import__("torch").__version__,
     }
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=1))
+    write_json(result, a.json)
     print(json.dumps(result["summary"], indent=1))
     if a.readme:
         render(a.json, a.readme)

@@ -40,8 +40,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .harness import COMPILED, BenchConfig, ModeRunner, build_mode, cap_label, print0, row_for, run_step, _measure
+from .harness import COMPILED, BenchConfig, ModeRunner, build_mode, print0, row_for, run_step, _measure
 from .link import SimulatedLink
+from .report import cap_label, fmt, markdown_table
 from .stats import ratio_summary
 
 __all__ = ["sweep_runners", "run_sweep", "sweep_summary", "format_summary", "DEFAULT_CAP"]
@@ -159,22 +160,15 @@ def format_summary(summary: dict | None) -> str:
     """The summary as Markdown lines (empty without an auto row)."""
     if summary is None:
         return ""
-    lines = [
-        f"**`ours@auto` on link `{summary['link']}`**: median step {summary['auto_step_ms']:.1f} ms, "
-        f"{summary['auto_partitions']} partitions, alignment {_f(summary['auto_alignment'], '.2f')}, overlap "
-        f"{_f(summary['auto_overlap'], '.2f')}; exposed comm measured {_f(summary['auto_exposed_comm_ms'], '.1f')} ms "
-        f"vs predicted {_f(summary['auto_predicted_exposed_comm_ms'], '.1f')} ms.",
-        "",
-        "| auto against | runner | its step ms | auto / it (median of per-round ratios) [IQR] |",
-        "|---|---|---|---|",
-    ]
-    for v in summary["vs"]:
-        lines.append(f"| {v['against']} | {v['runner']} | {v['step_ms']:.1f} | {_f(v['ratio'], '.3f')} "
-                     f"[{_f(v['ratio_q1'], '.3f')}, {_f(v['ratio_q3'], '.3f')}] |")
+    table = markdown_table(
+        ["auto against", "runner", "its step ms", "auto / it (median of per-round ratios) [IQR]"],
+        [[v["against"], v["runner"], f"{v['step_ms']:.1f}",
+          f"{fmt(v['ratio'], '.3f')} [{fmt(v['ratio_q1'], '.3f')}, {fmt(v['ratio_q3'], '.3f')}]"] for v in summary["vs"]])
     checks = ", ".join(f"{k}: {'n/a' if ok is None else 'yes' if ok else 'no'}" for k, ok in summary["checks"].items())
-    lines += ["", f"Done-when checks (this link): {checks}."]
-    return "\n".join(lines)
-
-
-def _f(value, spec: str) -> str:
-    return "-" if value is None or value != value else format(value, spec)
+    return "\n".join([
+        f"**`ours@auto` on link `{summary['link']}`**: median step {summary['auto_step_ms']:.1f} ms, "
+        f"{summary['auto_partitions']} partitions, alignment {fmt(summary['auto_alignment'], '.2f')}, overlap "
+        f"{fmt(summary['auto_overlap'], '.2f')}; exposed comm measured {fmt(summary['auto_exposed_comm_ms'], '.1f')} ms "
+        f"vs predicted {fmt(summary['auto_predicted_exposed_comm_ms'], '.1f')} ms.",
+        "", table, "", f"Done-when checks (this link): {checks}.",
+    ])
