@@ -1,6 +1,6 @@
 """Eager DDP vs PyTorch's splitter vs compiling without splitting vs ours, side by side
 in one torchrun job, over a simulated inter-node link (see Note [Interleaved DDP
-benchmark] in ``benchmarks.harness`` and Note [Simulated link] in ``benchmarks.link``).
+benchmark] in ``benchmarks.ddp_bench`` and Note [Simulated link] in ``benchmarks.link``).
 
     python -m benchmarks.ddp_compare --quick --json bench_out/quick.json
     python -m benchmarks.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .cli import add_common_args, fill_defaults
+from .report import cap_label, fmt, terminal_table, with_iqr
 from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
@@ -79,32 +80,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          lambda key, value: _floats(value) if key == "caps" else value)
 
 
+HEADERS = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms", "pred exp ms",
+           "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "loss diff"]
+
+
+def _cells(r: dict) -> list:
+    ratio = with_iqr(r["ratio_vs_builtin"], r.get("ratio_q1"), r.get("ratio_q3"))
+    if r.get("ratio_q1") is not None and r.get("ratio_baseline") and r["ratio_baseline"] != "builtin":
+        ratio += f" vs {r['ratio_baseline']}"
+    return [
+        cap_label(r["bucket_cap_mb"]), r["mode"], fmt(r["step_ms_median"], ".1f"), ratio, fmt(r["compute_ms"], ".1f"),
+        fmt(r["comm_ms"], ".1f"), fmt(r["exposed_comm_ms"], ".1f"), fmt(r.get("predicted_exposed_comm_ms"), ".1f"),
+        fmt(r["overlap"], ".2f"), fmt(r.get("alignment"), ".2f"), fmt(r["compile_cold_s"], ".1f"),
+        fmt(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), fmt(r["partitions"], "d"), r["ddp_buckets"],
+        r["recompiles"], fmt(r["loss_max_abs_diff"], ".1e"),
+    ]
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    from tabulate import tabulate
-
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    headers = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms",
-               "pred exp ms", "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp",
-               "loss diff"]
-    body = []
-    for r in rows:
-        ratio = f(r["ratio_vs_builtin"], ".3f")
-        if r.get("ratio_q1") is not None:
-            ratio += f" [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
-            if r.get("ratio_baseline") and r["ratio_baseline"] != "builtin":
-                ratio += f" vs {r['ratio_baseline']}"
-        cap = r["bucket_cap_mb"]
-        body.append([
-            cap if isinstance(cap, str) else f(cap, "g"), r["mode"], f(r["step_ms_median"], ".1f"), ratio,
-            f(r["compute_ms"], ".1f"), f(r["comm_ms"], ".1f"), f(r["exposed_comm_ms"], ".1f"),
-            f(r.get("predicted_exposed_comm_ms"), ".1f"), f(r["overlap"], ".2f"), f(r.get("alignment"), ".2f"),
-            f(r["compile_cold_s"], ".1f"),
-            f(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), f(r["partitions"], "d"), r["ddp_buckets"], r["recompiles"],
-            f(r["loss_max_abs_diff"], ".1e"),
-        ])
-    return tabulate(body, headers=headers, tablefmt="github")
+    """The rows as a terminal table (the README's comes from ``benchmarks.readme_results``)."""
+    return terminal_table(HEADERS, [_cells(r) for r in rows])
 
 
 def _cache_cell(events: dict | None) -> str:
@@ -116,8 +111,9 @@ def _cache_cell(events: dict | None) -> str:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .harness import BenchConfig, print0, run_cap
+    from .ddp_bench import BenchConfig, run_cap
     from .link import SimulatedLink, parse_link
+    from .report import print0
 
     cfg = BenchConfig(
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
