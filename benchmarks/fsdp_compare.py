@@ -1,6 +1,6 @@
 """FSDP2 without compile vs per-block compile vs per-block compile with shard-unit
 grouping and explicit prefetch (ours), side by side in one torchrun job (see Note
-[Interleaved FSDP benchmark] in ``benchmarks.fsdp_harness``).
+[Interleaved FSDP benchmark] in ``benchmarks.fsdp_bench``).
 
     python -m benchmarks.fsdp_compare --quick --json bench_out/fsdp_quick.json
     python -m benchmarks.fsdp_compare --json bench_out/fsdp.json --readme README.md
@@ -160,7 +160,8 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from .fsdp_harness import FSDPBenchConfig, print0, run_fsdp
+    from .fsdp_bench import FSDPBenchConfig, run_fsdp
+    from .report import print0
 
     cfg = FSDPBenchConfig(
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         update_readme([json.loads(Path(p).read_text()) for p in args.from_json], args.readme, args.from_json)
         print(f"updated {args.readme}")
         return 0
-    from .fsdp_harness import FSDPBenchConfig
+    from .fsdp_bench import FSDPBenchConfig
 
     FSDPBenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                     shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch,
