@@ -15,16 +15,12 @@ to stdout, and writes the JSON rows and the plot.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
-from .cli import add_common_args, fill_defaults
-from .report import cap_label, fmt, terminal_table, with_iqr
+from .cli import add_common_args, fill_defaults, job_kwargs, process_group, publish
+from .report import cap_label, fmt, print0, terminal_table, with_iqr
 from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
@@ -35,6 +31,7 @@ ROW_KEYS = (
     "overlap", "compile_s", "partitions", "loss_max_abs_diff",
 )
 
+COMMAND_ENV = "BENCH_DDP_COMMAND"  # the user's command line, handed to the workers by relaunch
 QUICK = {"backend": "aot_eager", "warmup": 3, "steps": 8, "caps": "4"}
 
 
@@ -108,76 +105,49 @@ def _cache_cell(events: dict | None) -> str:
     return f"{events['aot_hit']}/{events['aot_miss']}/{events['aot_bypass']}"
 
 
+def _config(args: argparse.Namespace):
+    """The ``ddp_bench.BenchConfig`` of the flags; raises ValueError on a bad link or mode."""
+    from .ddp_bench import BenchConfig
+    from .link import parse_link
+
+    return BenchConfig(**job_kwargs(args), link=parse_link(args.link), caps=args.caps, cache_root=args.cache_root,
+                       sweep=args.sweep, baseline=args.baseline)
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .ddp_bench import BenchConfig, run_cap
-    from .link import SimulatedLink, parse_link
-    from .report import print0
+    from .ddp_bench import run_cap
+    from .link import SimulatedLink
+    from .plot import plot_caps
+    from .sweep import format_summary, run_sweep, sweep_summary
 
-    cfg = BenchConfig(
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
-        link=parse_link(args.link), caps=args.caps, warmup=args.warmup, rounds=args.steps, batch=args.batch,
-        seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed,
-        cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline,
-    )
-    dist.init_process_group("gloo")
-    try:
+    cfg = _config(args)
+    with process_group("gloo"):
         link = SimulatedLink(cfg.link)
         print0(f"ddp_compare: {dist.get_world_size()} ranks, backend {cfg.backend}, link {cfg.link.label}, "
                f"caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}")
         t0 = time.perf_counter()
-        rows: list[dict] = []
-        if cfg.sweep:
-            from .sweep import run_sweep
-
-            rows = run_sweep(cfg, link)
-        else:
-            for cap in cfg.caps:
-                rows += run_cap(cfg, cap, link)
+        rows = run_sweep(cfg, link) if cfg.sweep else [row for cap in cfg.caps for row in run_cap(cfg, cap, link)]
         if dist.get_rank() == 0:
-            command = os.environ.get("BENCH_DDP_COMMAND", "python -m benchmarks.ddp_compare " + shlex.join(sys.argv[1:]))
-            for row in rows:
-                row["command"] = command
             print(format_table(rows), flush=True)
-            if cfg.sweep:
-                from .sweep import format_summary, sweep_summary
-
-                summary = format_summary(sweep_summary(rows))
-                if summary:
-                    print("\n" + summary, flush=True)
+            summary = format_summary(sweep_summary(rows)) if cfg.sweep else ""
+            if summary:
+                print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(rows, indent=1))
-                print0(f"wrote {args.json}")
-            if args.plot:
-                try:
-                    import matplotlib  # noqa: F401
-                except ImportError:
-                    print0(f"not writing {args.plot}: matplotlib is not installed. Install the bench extra "
-                           "(pip install -e .[bench]) or pass no --json/--plot to skip the plot.")
-                else:
-                    from .plot import plot_caps
-
-                    title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks"
-                    plot_caps(rows, args.plot, title=title)
-                    print0(f"wrote {args.plot}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+            title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks"
+            publish(rows, args, module="benchmarks.ddp_compare", command_env=COMMAND_ENV,
+                    plot=lambda path: plot_caps(rows, path, title=title))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from .link import parse_link
-
-    parse_link(args.link)  # fail before launching anything
+    _config(args)  # fail before launching anything
     if not inside_torchrun():
-        return relaunch("benchmarks.ddp_compare", argv, args.nproc, "BENCH_DDP_COMMAND")
+        return relaunch("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV)
     return _worker(args)
 
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 from . import report
-from .cli import add_common_args, fill_defaults
-from .report import fmt, markdown_table, terminal_table, update_section, with_iqr
+from .cli import add_common_args, fill_defaults, job_kwargs, process_group, publish
+from .report import fmt, markdown_table, print0, terminal_table, update_section, with_iqr
 from .torchrun import inside_torchrun, relaunch
 
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
@@ -37,6 +36,7 @@ ROW_KEYS = ("mode", "backend", "step_ms_median", "ratio_vs_per_block", "peak_mem
 START = "<!-- bench:fsdp:start -->"
 END = "<!-- bench:fsdp:end -->"
 
+COMMAND_ENV = "BENCH_FSDP_COMMAND"  # the user's command line, handed to the workers by relaunch
 QUICK = {"backend": "aot_eager", "warmup": 2, "steps": 20}
 DEFAULTS = {"backend": "inductor", "warmup": 3, "steps": 30}
 
@@ -136,73 +136,39 @@ def update_readme(runs: Sequence[Sequence[dict]], target: str | Path, sources: S
     return update_section(target, body, START, END)
 
 
-def _plot(rows: Sequence[dict], path: str, title: str) -> None:
-    import matplotlib
+def _config(args: argparse.Namespace):
+    """The ``fsdp_bench.FSDPBenchConfig`` of the flags; raises ValueError on a bad mode or setting."""
+    from .fsdp_bench import FSDPBenchConfig
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for i, r in enumerate(rows):
-        err = [[r["step_ms_median"] - r["step_ms_q1"]], [r["step_ms_q3"] - r["step_ms_median"]]]
-        ax.bar(i, r["step_ms_median"], yerr=err, capsize=4)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['mode']}\n{r['units']} units" for r in rows])
-    ax.set_ylabel("median step ms (IQR)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return FSDPBenchConfig(**job_kwargs(args), shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch)
 
 
 def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from .fsdp_bench import FSDPBenchConfig, run_fsdp
-    from .report import print0
+    from .fsdp_bench import run_fsdp
+    from .plot import plot_modes
 
-    cfg = FSDPBenchConfig(
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
-        shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch, warmup=args.warmup, rounds=args.steps,
-        batch=args.batch, seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads,
-        seed=args.seed,
-    )
+    cfg = _config(args)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
+    with process_group("nccl" if cuda else "gloo"):
         print0(f"fsdp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
                f"{cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}, "
                f"grouped: shard_unit_mb={cfg.shard_unit_mb:g} prefetch={cfg.prefetch}")
         t0 = time.perf_counter()
         rows = run_fsdp(cfg)
         if dist.get_rank() == 0:
-            command = os.environ.get("BENCH_FSDP_COMMAND", "python -m benchmarks.fsdp_compare " + shlex.join(sys.argv[1:]))
-            for row in rows:
-                row["command"] = command
             print(format_table(rows), flush=True)
             print0(f"fsdp_compare: done in {time.perf_counter() - t0:.0f} s.")
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(rows, indent=1))
-                print0(f"wrote {args.json}")
-            if args.plot:
-                try:
-                    import matplotlib  # noqa: F401
-                except ImportError:
-                    print0(f"not writing {args.plot}: matplotlib is not installed (pip install -e .[bench]).")
-                else:
-                    _plot(rows, args.plot, f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}")
-                    print0(f"wrote {args.plot}")
+            title = f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}"
+            publish(rows, args, module="benchmarks.fsdp_compare", command_env=COMMAND_ENV,
+                    plot=lambda path: plot_modes(rows, path, title))
             if args.readme:
                 update_readme([rows], args.readme, [args.json] if args.json else ())
                 print0(f"updated {args.readme}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
@@ -213,13 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         update_readme([json.loads(Path(p).read_text()) for p in args.from_json], args.readme, args.from_json)
         print(f"updated {args.readme}")
         return 0
-    from .fsdp_bench import FSDPBenchConfig
-
-    FSDPBenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-                    shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch,
-                    rounds=args.steps, warmup=args.warmup)  # fail before launching anything
+    _config(args)  # fail before launching anything
     if not inside_torchrun():
-        return relaunch("benchmarks.fsdp_compare", argv, args.nproc, "BENCH_FSDP_COMMAND")
+        return relaunch("benchmarks.fsdp_compare", argv, args.nproc, COMMAND_ENV)
     return _worker(args)
 
 
