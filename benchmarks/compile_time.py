@@ -47,76 +47,91 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from .report import fmt, markdown_table, update_section, with_iqr, write_json
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
+from .torchrun import run_checked, torchrun_command
 
-__all__ = ["MODES", "START", "END", "run_mode", "run_restarts", "interleaved_steps", "summarize", "results_markdown", "main"]
+__all__ = ["MODES", "RestartMode", "START", "END", "run_mode", "run_restarts", "interleaved_steps", "summarize",
+           "results_markdown", "render", "main"]
 
 START = "<!-- bench:compile:start -->"
 END = "<!-- bench:compile:end -->"
 
-# mode -> (Hydra overrides, uses compile.cache_dir, TORCHINDUCTOR_CACHE_DIR policy:
-# "shared" one dir for cold and warm, "unset" not set at all, "fresh" a new dir for warm)
-MODES: dict[str, tuple[tuple[str, ...], bool, str]] = {
-    "nosplit": (("compile.split=false",), False, "shared"),
-    "ours": ((), False, "shared"),
-    "ours_cache": ((), True, "unset"),
-    "ours_fresh": ((), True, "fresh"),
-    "whole8": (("model.n_layer=8", "compile.split=false"), False, "shared"),
-    "regional8": (("model.n_layer=8", "compile.regional=true"), False, "shared"),
+
+@dataclass(frozen=True)
+class RestartMode:
+    """One compile configuration of the main job, and where its caches live across restarts."""
+
+    overrides: tuple[str, ...] = ()  # Hydra overrides
+    cache_dir: bool = False  # compile.cache_dir in the mode's directory
+    # TORCHINDUCTOR_CACHE_DIR: "shared" one dir for cold and warm, "unset" not set at all,
+    # "fresh" a new empty dir for every warm run (another machine)
+    inductor: str = "shared"
+
+    def args(self, mode_dir: Path, backend: str, steps: int, extra: Sequence[str]) -> list[str]:
+        """The launcher's Hydra overrides of a run."""
+        args = [f"compile={backend}", f"train.steps={steps}", *self.overrides, *extra]
+        if self.cache_dir:
+            args.append(f"compile.cache_dir={mode_dir / 'cache'}")
+        return args
+
+    def inductor_dir(self, mode_dir: Path, phase: str, run: int) -> Path | None:
+        """The run's TORCHINDUCTOR_CACHE_DIR (None: unset)."""
+        if self.inductor == "unset":
+            return None
+        if self.inductor == "shared" or phase == "cold":
+            return mode_dir / "inductor"
+        fresh = mode_dir / f"inductor_warm{run}"  # every warm run on another "machine": an empty dir of its own
+        shutil.rmtree(fresh, ignore_errors=True)
+        return fresh
+
+
+MODES: dict[str, RestartMode] = {
+    "nosplit": RestartMode(("compile.split=false",)),
+    "ours": RestartMode(),
+    "ours_cache": RestartMode(cache_dir=True, inductor="unset"),
+    "ours_fresh": RestartMode(cache_dir=True, inductor="fresh"),
+    "whole8": RestartMode(("model.n_layer=8", "compile.split=false")),
+    "regional8": RestartMode(("model.n_layer=8", "compile.regional=true")),
 }
 
 
-def _run(workdir: Path, overrides: Sequence[str], nproc: int, inductor_dir: Path | None, run_dir: Path,
-         timeout: float) -> dict:
-    """One job in a new process; its metrics.json plus the wall time of the whole process."""
+def _job_env(inductor_dir: Path | None) -> dict[str, str]:
+    """This environment with one thread per rank, and TORCHINDUCTOR_CACHE_DIR only where given."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.setdefault("OMP_NUM_THREADS", "1")
     if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "launch.train", *overrides, f"hydra.run.dir={run_dir}"]
+    return env
+
+
+def _run(overrides: Sequence[str], nproc: int, inductor_dir: Path | None, run_dir: Path, timeout: float) -> dict:
+    """One job in a new process; its metrics.json plus the wall time of the whole process."""
+    cmd = torchrun_command("launch.train", [*overrides, f"hydra.run.dir={run_dir}"], nproc)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    run_checked(cmd, env=_job_env(inductor_dir), timeout=timeout, cwd=Path.cwd())
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     m = json.loads((run_dir / "metrics.json").read_text())
     return {"first_step_s": m["first_step_s"], "step_ms_median": m["median_step_ms"],
             "final_loss": m.get("final_loss"), "process_wall_s": wall}
-
-
-def _mode_args(mode: str, out: Path, backend: str, steps: int, extra: Sequence[str]) -> list[str]:
-    overrides, with_cache, _ = MODES[mode]
-    args = [f"compile={backend}", f"train.steps={steps}", *overrides, *extra]
-    if with_cache:
-        args.append(f"compile.cache_dir={out / mode / 'cache'}")
-    return args
 
 
 def run_mode(mode: str, out: Path, *, backend: str, nproc: int, steps: int, extra: Sequence[str] = (),
              phase: str = "cold", run: int = 0, timeout: float = 1800) -> dict:
     """One run of ``mode``: ``cold`` empties ``out/mode`` first; ``warm`` (run ``run``)
     restarts on the directories the cold run filled."""
-    _, _, inductor_policy = MODES[mode]
-    base = out / mode
+    spec, base = MODES[mode], out / mode
     if phase == "cold":
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
-    inductor = None
-    if inductor_policy == "shared" or (inductor_policy == "fresh" and phase == "cold"):
-        inductor = base / "inductor"
-    elif inductor_policy == "fresh":  # every warm run on another "machine": an empty Inductor dir of its own
-        inductor = base / f"inductor_warm{run}"
-        shutil.rmtree(inductor, ignore_errors=True)
-    row = _run(Path.cwd(), _mode_args(mode, out, backend, steps, extra), nproc, inductor,
+    row = _run(spec.args(base, backend, steps, extra), nproc, spec.inductor_dir(base, phase, run),
                base / f"run_{phase}{run if phase == 'warm' else ''}", timeout)
     row = {"mode": mode, "phase": phase, "run": run, **row}
     print(f"{mode:>10} {phase}{'' if phase == 'cold' else f' {run + 1}'}: first step {row['first_step_s']:.1f} s, "
@@ -159,11 +174,8 @@ def interleaved_steps(out: Path, *, backend: str, nproc: int, global_batch: int,
            "--batch", str(max(global_batch // nproc, 1)), *model, "--steps", str(rounds), "--warmup", "3",
            "--json", str(json_path), "--plot", str(out / f"{name}.png")]
     print(f"interleaved step times: {shlex.join(cmd)}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # ddp_compare gives every mode a fresh one
-    proc = subprocess.run(cmd, cwd=Path.cwd(), env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    # ddp_compare gives every mode a fresh TORCHINDUCTOR_CACHE_DIR of its own
+    proc = run_checked(cmd, env=_job_env(None), timeout=timeout, cwd=Path.cwd())
     print(proc.stdout, flush=True)
     return json.loads(json_path.read_text())
 

@@ -41,13 +41,14 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from .report import fmt, markdown_table, print0, update_section, write_json
+from .rounds import interleaved_rounds
+from .torchrun import run_checked, torchrun_command
 
 __all__ = ["main", "parse_args", "run_strategy", "summarize", "padding_markdown", "update_padding_section",
            "STRATEGIES", "START", "END"]
@@ -109,15 +110,12 @@ def _overrides(args: argparse.Namespace, padding: str, run_dir: Path) -> list[st
 def run_strategy(args: argparse.Namespace, padding: str, work: Path, tag: str) -> dict[str, Any]:
     """One fresh launcher process (fresh inductor cache) for ``padding``; its metrics.json."""
     run_dir = work / f"{tag}_{padding}"
-    cmd = [sys.executable, "-m", "launch.train", *_overrides(args, padding, run_dir)]
-    if args.nproc > 1:
-        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "-m", "launch.train"]
+    overrides = _overrides(args, padding, run_dir)
+    cmd = (torchrun_command("launch.train", overrides, args.nproc) if args.nproc > 1
+           else [sys.executable, "-m", "launch.train", *overrides])
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor_cache"))
     print0(f"[padding_compare] {tag} {padding}: {shlex.join(cmd)}")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"padding={padding} ({tag}) failed with exit code {proc.returncode}:\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_checked(cmd, env=env, timeout=args.timeout, what=f"padding={padding} ({tag})")
     return json.loads((run_dir / "metrics.json").read_text())
 
 
@@ -181,15 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         if not args.readme:
-            raise SystemExit("--render needs --readme FILE")
+            raise SystemExit("--render rewrites the bench:padding section of --readme, and none was given: "
+                             "add --readme README.md (and --json JSON for another result than the default).")
         update_padding_section(json.loads(Path(args.json).read_text()), args.readme)
         print(f"updated {args.readme}")
         return 0
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.strategies}
     with tempfile.TemporaryDirectory(prefix="padding_compare_") as tmp:
-        for rnd in range(args.rounds):
-            k = rnd % len(args.strategies)
-            for padding in args.strategies[k:] + args.strategies[:k]:
+        for rnd, (order, _, _) in enumerate(interleaved_rounds(args.strategies, 0, args.rounds)):
+            for padding in order:
                 runs[padding].append(run_strategy(args, padding, Path(tmp), f"round{rnd}"))
     first = next(iter(runs.values()))[0]
     result = {
