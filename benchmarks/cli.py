@@ -14,7 +14,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .report import print0, write_json
 
-__all__ = ["add_common_args", "fill_defaults", "job_kwargs", "process_group", "publish"]
+__all__ = ["new_parser", "add_common_args", "fill_defaults", "job_kwargs", "process_group", "publish"]
+
+
+def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m module``, its docstring as description, with ``--quick``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"{quick_help} (flags given explicitly still win)")
+    return p
 
 
 def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_help: str, plot_help: str) -> None:

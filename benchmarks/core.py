@@ -106,6 +106,7 @@ class Mode(Protocol):
     """What the core needs of a mode; each family's modes add their own build."""
 
     name: str
+    summary: str  # one line: what the mode runs
     compiled: bool  # compiled modes get the cache policy of ``first_steps`` and a compile time
 
 
@@ -126,6 +127,10 @@ class ModeTable(Generic[M]):
     def __getitem__(self, name: str) -> M:
         self.check((name,))
         return self._modes[name]
+
+    def describe(self, names: Sequence[str]) -> str:
+        """One line per mode: its name and what it runs."""
+        return "\n".join(f"  {name}: {self[name].summary}" for name in names)
 
     def check(self, names: Sequence[str]) -> None:
         """Raises ValueError naming the valid modes when ``names`` is empty or has an unknown one."""

@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Sequence
 
-from .cli import add_common_args, fill_defaults, job_kwargs, process_group, publish
+from .cli import add_common_args, new_parser, fill_defaults, job_kwargs, process_group, publish
 from .report import cap_label, fmt, print0, terminal_table, with_iqr
-from .torchrun import inside_torchrun, relaunch
+from .torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
 
@@ -48,12 +48,7 @@ def _floats(text: str) -> tuple[float | str, ...]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.ddp_compare", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true",
-                   help="aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB (flags given explicitly still win)")
+    p = new_parser("benchmarks.ddp_compare", __doc__, "aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB")
     p.add_argument("--modes", default="eager,builtin,nosplit,ours",
                    help="comma-separated modes: eager, builtin, nosplit, ours, regional (default: all but regional)")
     p.add_argument("--baseline", default=None,
@@ -119,6 +114,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from .ddp_bench import run_cap
     from .link import SimulatedLink
+    from .modes_ddp import DDP_MODES
     from .plot import plot_caps
     from .sweep import format_summary, run_sweep, sweep_summary
 
@@ -127,6 +123,7 @@ def _worker(args: argparse.Namespace) -> int:
         link = SimulatedLink(cfg.link)
         print0(f"ddp_compare: {dist.get_world_size()} ranks, backend {cfg.backend}, link {cfg.link.label}, "
                f"caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}")
+        print0(DDP_MODES.describe(cfg.modes))
         t0 = time.perf_counter()
         rows = run_sweep(cfg, link) if cfg.sweep else [row for cap in cfg.caps for row in run_cap(cfg, cap, link)]
         if dist.get_rank() == 0:
@@ -146,9 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     _config(args)  # fail before launching anything
-    if not inside_torchrun():
-        return relaunch("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV)
-    return _worker(args)
+    return here_or_relaunched("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args))
 
 
 if __name__ == "__main__":

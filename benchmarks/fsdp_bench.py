@@ -56,6 +56,7 @@ from .core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps
 __all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "run_fsdp"]
 
 MiB = 2**20
+BASELINE = "per_block"  # the mode the ratio column (ratio_vs_per_block) divides by, round by round
 
 
 @dataclass(frozen=True)
@@ -214,5 +215,5 @@ def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
     })
     if gathered is None:
         return []
-    base, reference = next((r for r in runners if r.label == "per_block"), None), loss_reference(runners)
+    base, reference = next((r for r in runners if r.label == BASELINE), None), loss_reference(runners)
     return [_row(r, cfg, order, base, gathered, reference) for order, r in enumerate(runners)]

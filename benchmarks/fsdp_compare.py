@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Sequence
 
 from . import report
-from .cli import add_common_args, fill_defaults, job_kwargs, process_group, publish
+from .cli import add_common_args, new_parser, fill_defaults, job_kwargs, process_group, publish
 from .report import fmt, markdown_table, print0, terminal_table, update_section, with_iqr
-from .torchrun import inside_torchrun, relaunch
+from .torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
            "ROW_KEYS", "START", "END"]
@@ -42,12 +42,7 @@ DEFAULTS = {"backend": "inductor", "warmup": 3, "steps": 30}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.fsdp_compare", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true",
-                   help="aot_eager, 2 warmup + 20 measured rounds (flags given explicitly still win)")
+    p = new_parser("benchmarks.fsdp_compare", __doc__, "aot_eager, 2 warmup + 20 measured rounds")
     p.add_argument("--modes", default="eager,per_block,grouped", help="comma-separated subset of the modes")
     p.add_argument("--shard-unit-mb", type=float, default=2.0, help="grouped: target MiB per shard unit (default 2)")
     p.add_argument("--prefetch", type=int, default=1, help="grouped: shard units all-gathered ahead (default 1)")
@@ -147,7 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from .fsdp_bench import run_fsdp
+    from .fsdp_bench import FSDP_MODES, run_fsdp
     from .plot import plot_modes
 
     cfg = _config(args)
@@ -158,6 +153,7 @@ def _worker(args: argparse.Namespace) -> int:
         print0(f"fsdp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
                f"{cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}, "
                f"grouped: shard_unit_mb={cfg.shard_unit_mb:g} prefetch={cfg.prefetch}")
+        print0(FSDP_MODES.describe(cfg.modes))
         t0 = time.perf_counter()
         rows = run_fsdp(cfg)
         if dist.get_rank() == 0:
@@ -180,9 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"updated {args.readme}")
         return 0
     _config(args)  # fail before launching anything
-    if not inside_torchrun():
-        return relaunch("benchmarks.fsdp_compare", argv, args.nproc, COMMAND_ENV)
-    return _worker(args)
+    return here_or_relaunched("benchmarks.fsdp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from .cli import new_parser
 from .report import fmt, markdown_table, print0, update_section, write_json
 from .rounds import interleaved_rounds
 from .torchrun import run_checked, torchrun_command
@@ -68,9 +69,7 @@ KEYS = ("real_tokens_per_s", "tokens_per_s", "padding_waste", "warmup_s", "first
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.padding_compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"smoke settings {QUICK} (explicit flags still win)")
+    p = new_parser("benchmarks.padding_compare", __doc__, f"smoke settings {QUICK}")
     for key, value in FULL.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (>1: torchrun --standalone)")

@@ -9,9 +9,9 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-__all__ = ["inside_torchrun", "relaunch", "torchrun_command", "run_checked"]
+__all__ = ["inside_torchrun", "relaunch", "here_or_relaunched", "torchrun_command", "run_checked"]
 
 
 def inside_torchrun() -> bool:
@@ -48,6 +48,14 @@ def relaunch(module: str, argv: Sequence[str], nproc: int, command_env: str) -> 
     print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     env = dict(os.environ, **{command_env: shlex.join(["python", "-m", module, *argv])})
     return subprocess.call(cmd, env=env)
+
+
+def here_or_relaunched(module: str, argv: Sequence[str], nproc: int, command_env: str,
+                       worker: Callable[[], int]) -> int:
+    """``worker()`` when this process is a torchrun rank; otherwise ``relaunch`` the module."""
+    if inside_torchrun():
+        return worker()
+    return relaunch(module, argv, nproc, command_env)
 
 
 def run_checked(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float, what: str | None = None,
