@@ -247,8 +247,8 @@ def _step_ratio_rows(s: dict) -> list[list[str]]:
             key = f"regional8_step_over_{base}_step{suffix}"
             if suffix and s.get(key) is None:
                 continue
-            rows.append([f"regional8 / {label} step, {job} [IQR]", with_iqr(s.get(key), *(s.get(key + "_iqr") or (None, None))),
-                         "< 1.05"])
+            q1, q3 = s.get(key + "_iqr") or (None, None)
+            rows.append([f"regional8 / {label} step, {job} [IQR]", with_iqr(s.get(key), q1, q3), "< 1.05"])
     return rows
 
 
@@ -344,11 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.warm_runs = 1 if a.quick else 3
     if a.warm_runs < 1 or a.step_rounds < 0 or a.wide_embd < 0 or a.wide_embd % 4:
         p.error(f"--warm-runs must be >= 1, --step-rounds >= 0 and --wide-embd a multiple of the model's 4 heads "
-                f"(or 0), got {a.warm_runs}, {a.step_rounds} and {a.wide_embd}")
+                f"(or 0), got {a.warm_runs}, {a.step_rounds} and {a.wide_embd}: the warm first step needs one "
+                "restart at least, and the wider model splits its width over the heads. Leave the flags out for "
+                "3, 30 and 256, or pass 0 to --step-rounds / --wide-embd to skip those jobs.")
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        p.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        p.error(f"unknown mode(s) {unknown}: compile_time runs only its own modes. Choose a comma-separated "
+                f"subset of {', '.join(MODES)}, or leave --modes out for all of them.")
     rows = run_restarts(modes, Path(a.out), warm_runs=a.warm_runs, backend=a.backend, nproc=a.nproc, steps=a.steps,
                         extra=extra)
     steps: list[dict] = []

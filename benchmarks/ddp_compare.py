@@ -42,7 +42,8 @@ def _floats(text: str) -> tuple[float | str, ...]:
         values = ()
     if not values or any(v != "auto" and v <= 0 for v in values):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of positive MiB values (or auto, with --sweep), e.g. 1,4,25,auto"
+            f"{text!r} is not a comma-separated list of positive MiB values (or auto, with --sweep): each is a "
+            "DDP bucket_cap_mb to measure. Pass e.g. 1,4,25 or, with --sweep, 1,4,25,auto"
         )
     return values
 

@@ -57,7 +57,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     fill_defaults(args, QUICK if args.quick else DEFAULTS)
     if args.from_json and not args.readme:
-        p.error("--from-json only renders rows into --readme; give --readme README.md too")
+        p.error("--from-json only renders rows into --readme, and no --readme was given; give --readme README.md too")
     return args
 
 

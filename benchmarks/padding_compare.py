@@ -89,7 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.strategies = [s for s in args.strategies.split(",") if s]
     bad = [s for s in args.strategies if s not in STRATEGIES]
     if bad:
-        p.error(f"--strategies: {bad[0]!r} is not one of {', '.join(STRATEGIES)}")
+        p.error(f"--strategies: {bad[0]!r} is not one of {', '.join(STRATEGIES)} (the values of data.padding). "
+                "Pass a comma-separated subset, e.g. --strategies max,dynamic, or leave it out for all three.")
     return args
 
 

@@ -20,7 +20,7 @@ Runners (each its own GPT copy, same seed, same batches, own DDP):
 - ``builtin@C`` for every numeric cap;
 - ``eager`` and ``nosplit`` (when in ``--modes``) once, at DDP's default cap 25.
 
-Algorithm: build all runners; compile each with one step (one ``dynamo.reset()``
+Algorithm: build all runners; compile each with one step (one ``torch.compiler.reset()``
 before the first, no fresh cache dirs, so "cold s" is only indicative: later
 runners reuse what earlier ones compiled; the warm-compile phase of ``run_cap``
 is skipped: it would cost a second compile of every runner); then the same
@@ -156,12 +156,14 @@ def format_summary(summary: dict | None) -> str:
     table = markdown_table(
         ["auto against", "runner", "its step ms", "auto / it (median of per-round ratios) [IQR]"],
         [[v["against"], v["runner"], f"{v['step_ms']:.1f}",
-          f"{fmt(v['ratio'], '.3f')} [{fmt(v['ratio_q1'], '.3f')}, {fmt(v['ratio_q3'], '.3f')}]"] for v in summary["vs"]])
+          f"{fmt(v['ratio'], '.3f')} [{fmt(v['ratio_q1'], '.3f')}, {fmt(v['ratio_q3'], '.3f')}]"]
+         for v in summary["vs"]])
     checks = ", ".join(f"{k}: {'n/a' if ok is None else 'yes' if ok else 'no'}" for k, ok in summary["checks"].items())
     return "\n".join([
         f"**`ours@auto` on link `{summary['link']}`**: median step {summary['auto_step_ms']:.1f} ms, "
         f"{summary['auto_partitions']} partitions, alignment {fmt(summary['auto_alignment'], '.2f')}, overlap "
-        f"{fmt(summary['auto_overlap'], '.2f')}; exposed comm measured {fmt(summary['auto_exposed_comm_ms'], '.1f')} ms "
+        f"{fmt(summary['auto_overlap'], '.2f')}; exposed comm measured "
+        f"{fmt(summary['auto_exposed_comm_ms'], '.1f')} ms "
         f"vs predicted {fmt(summary['auto_predicted_exposed_comm_ms'], '.1f')} ms.",
         "", table, "", f"Done-when checks (this link): {checks}.",
     ])
