@@ -1,8 +1,21 @@
-"""Side-by-side measurements: eager DDP vs PyTorch's splitter vs compiling without
-splitting vs ``compile_ddp``, in one job, over a simulated link.
+"""Side-by-side measurements of the toolkit against its peers, each mode in the same
+job and in turns (DESIGN.md, "How performance is measured here").
 
-Modules: ``ddp_compare`` (command line), ``harness`` (what each rank runs),
-``link`` (simulated-link comm hook), ``stats`` (medians, ratios, overlap),
-``plot`` (step time vs cap), ``readme_results`` (README table from the JSON).
-Nothing is imported here, so ``python -m benchmarks.stats`` and friends stay light.
+Command lines (``python -m benchmarks.<name>``, documented in README.md):
+``ddp_compare`` (eager DDP, PyTorch's splitter, nosplit, ours, regional; ``--sweep``),
+``fsdp_compare`` (FSDP2 eager, per-block compile, grouped shard units),
+``compile_time`` (cold and warm first steps across restarts), ``padding_compare``
+(padding strategies through the launcher) and ``readme_results`` (the DDP README
+section from the JSON).
+
+Inside: ``core`` (the measuring core both interleaved benchmarks share), ``modes_ddp``
+and ``ddp_bench`` / ``sweep`` (DDP), ``fsdp_bench`` (FSDP), ``report`` (tables, README
+sections, ``print0``), ``link`` (the simulated-link comm hook), ``stats``, ``rounds``,
+``plot``, ``cli``, ``torchrun``, and ``_torch_internals`` (every private torch name used).
+
+Nothing is imported here, so ``python -m benchmarks.stats`` and friends stay light;
+``__all__`` names the modules used from outside the package (the command lines, and
+``link``, which ``tests/test_ddp_autoplan.py`` drives ``compile_ddp``'s auto plan with).
 """
+
+__all__ = ["compile_time", "ddp_compare", "fsdp_compare", "link", "padding_compare", "readme_results"]

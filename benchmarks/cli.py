@@ -1,13 +1,28 @@
-"""Command-line pieces the interleaved benchmarks share: the model and run flags,
-and filling unset flags from the quick or full defaults."""
+"""Command-line pieces the interleaved benchmarks (``ddp_compare``, ``fsdp_compare``)
+share: the model and run flags, filling unset flags from the quick or full defaults,
+the process group of a worker, and rank 0's outputs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shlex
+import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["add_common_args", "fill_defaults"]
+from .report import print0, write_json
+
+__all__ = ["new_parser", "add_common_args", "fill_defaults", "job_kwargs", "process_group", "publish"]
+
+
+def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m module``, its docstring as description, with ``--quick``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"{quick_help} (flags given explicitly still win)")
+    return p
 
 
 def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_help: str, plot_help: str) -> None:
@@ -34,3 +49,45 @@ def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any],
     if args.plot is None and args.json:
         args.plot = str(Path(args.json).with_suffix(".png"))
     return args
+
+
+def job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``core.GPTJob`` fields of the common flags (and ``--modes``, ``--steps``, ``--warmup``)."""
+    return dict(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
+                warmup=args.warmup, rounds=args.steps, batch=args.batch, seq=args.seq, vocab=args.vocab,
+                layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed)
+
+
+@contextlib.contextmanager
+def process_group(backend: str) -> Iterator[None]:
+    """torchrun's process group for the block; a barrier closes a block that succeeds, so
+    rank 0 has written its outputs before any rank leaves."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def publish(rows: Sequence[dict], args: argparse.Namespace, *, module: str, command_env: str,
+            plot: Callable[[str], object]) -> None:
+    """Rank 0's outputs: every row stamped with the command that reproduces it (from
+    ``command_env``, which ``torchrun.relaunch`` sets), then ``--json`` and ``--plot``."""
+    command = os.environ.get(command_env, f"python -m {module} " + shlex.join(sys.argv[1:]))
+    for row in rows:
+        row["command"] = command
+    if args.json:
+        write_json(rows, args.json)
+        print0(f"wrote {args.json}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print0(f"not writing {args.plot}: matplotlib is not installed. Install the bench extra "
+                   "(pip install -e .[bench]) or pass no --json/--plot to skip the plot.")
+        else:
+            plot(args.plot)
+            print0(f"wrote {args.plot}")

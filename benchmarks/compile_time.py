@@ -47,76 +47,91 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .readme_results import replace_section
+from .report import fmt, markdown_table, update_section, with_iqr, write_json
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
+from .torchrun import run_checked, torchrun_command
 
-__all__ = ["MODES", "START", "END", "run_mode", "run_restarts", "interleaved_steps", "summarize", "results_markdown", "main"]
+__all__ = ["MODES", "RestartMode", "START", "END", "run_mode", "run_restarts", "interleaved_steps", "summarize",
+           "results_markdown", "render", "main"]
 
 START = "<!-- bench:compile:start -->"
 END = "<!-- bench:compile:end -->"
 
-# mode -> (Hydra overrides, uses compile.cache_dir, TORCHINDUCTOR_CACHE_DIR policy:
-# "shared" one dir for cold and warm, "unset" not set at all, "fresh" a new dir for warm)
-MODES: dict[str, tuple[tuple[str, ...], bool, str]] = {
-    "nosplit": (("compile.split=false",), False, "shared"),
-    "ours": ((), False, "shared"),
-    "ours_cache": ((), True, "unset"),
-    "ours_fresh": ((), True, "fresh"),
-    "whole8": (("model.n_layer=8", "compile.split=false"), False, "shared"),
-    "regional8": (("model.n_layer=8", "compile.regional=true"), False, "shared"),
+
+@dataclass(frozen=True)
+class RestartMode:
+    """One compile configuration of the main job, and where its caches live across restarts."""
+
+    overrides: tuple[str, ...] = ()  # Hydra overrides
+    cache_dir: bool = False  # compile.cache_dir in the mode's directory
+    # TORCHINDUCTOR_CACHE_DIR: "shared" one dir for cold and warm, "unset" not set at all,
+    # "fresh" a new empty dir for every warm run (another machine)
+    inductor: str = "shared"
+
+    def args(self, mode_dir: Path, backend: str, steps: int, extra: Sequence[str]) -> list[str]:
+        """The launcher's Hydra overrides of a run."""
+        args = [f"compile={backend}", f"train.steps={steps}", *self.overrides, *extra]
+        if self.cache_dir:
+            args.append(f"compile.cache_dir={mode_dir / 'cache'}")
+        return args
+
+    def inductor_dir(self, mode_dir: Path, phase: str, run: int) -> Path | None:
+        """The run's TORCHINDUCTOR_CACHE_DIR (None: unset)."""
+        if self.inductor == "unset":
+            return None
+        if self.inductor == "shared" or phase == "cold":
+            return mode_dir / "inductor"
+        fresh = mode_dir / f"inductor_warm{run}"  # every warm run on another "machine": an empty dir of its own
+        shutil.rmtree(fresh, ignore_errors=True)
+        return fresh
+
+
+MODES: dict[str, RestartMode] = {
+    "nosplit": RestartMode(("compile.split=false",)),
+    "ours": RestartMode(),
+    "ours_cache": RestartMode(cache_dir=True, inductor="unset"),
+    "ours_fresh": RestartMode(cache_dir=True, inductor="fresh"),
+    "whole8": RestartMode(("model.n_layer=8", "compile.split=false")),
+    "regional8": RestartMode(("model.n_layer=8", "compile.regional=true")),
 }
 
 
-def _run(workdir: Path, overrides: Sequence[str], nproc: int, inductor_dir: Path | None, run_dir: Path,
-         timeout: float) -> dict:
-    """One job in a new process; its metrics.json plus the wall time of the whole process."""
+def _job_env(inductor_dir: Path | None) -> dict[str, str]:
+    """This environment with one thread per rank, and TORCHINDUCTOR_CACHE_DIR only where given."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.setdefault("OMP_NUM_THREADS", "1")
     if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "launch.train", *overrides, f"hydra.run.dir={run_dir}"]
+    return env
+
+
+def _run(overrides: Sequence[str], nproc: int, inductor_dir: Path | None, run_dir: Path, timeout: float) -> dict:
+    """One job in a new process; its metrics.json plus the wall time of the whole process."""
+    cmd = torchrun_command("launch.train", [*overrides, f"hydra.run.dir={run_dir}"], nproc)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    run_checked(cmd, env=_job_env(inductor_dir), timeout=timeout, cwd=Path.cwd())
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     m = json.loads((run_dir / "metrics.json").read_text())
     return {"first_step_s": m["first_step_s"], "step_ms_median": m["median_step_ms"],
             "final_loss": m.get("final_loss"), "process_wall_s": wall}
-
-
-def _mode_args(mode: str, out: Path, backend: str, steps: int, extra: Sequence[str]) -> list[str]:
-    overrides, with_cache, _ = MODES[mode]
-    args = [f"compile={backend}", f"train.steps={steps}", *overrides, *extra]
-    if with_cache:
-        args.append(f"compile.cache_dir={out / mode / 'cache'}")
-    return args
 
 
 def run_mode(mode: str, out: Path, *, backend: str, nproc: int, steps: int, extra: Sequence[str] = (),
              phase: str = "cold", run: int = 0, timeout: float = 1800) -> dict:
     """One run of ``mode``: ``cold`` empties ``out/mode`` first; ``warm`` (run ``run``)
     restarts on the directories the cold run filled."""
-    _, _, inductor_policy = MODES[mode]
-    base = out / mode
+    spec, base = MODES[mode], out / mode
     if phase == "cold":
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
-    inductor = None
-    if inductor_policy == "shared" or (inductor_policy == "fresh" and phase == "cold"):
-        inductor = base / "inductor"
-    elif inductor_policy == "fresh":  # every warm run on another "machine": an empty Inductor dir of its own
-        inductor = base / f"inductor_warm{run}"
-        shutil.rmtree(inductor, ignore_errors=True)
-    row = _run(Path.cwd(), _mode_args(mode, out, backend, steps, extra), nproc, inductor,
+    row = _run(spec.args(base, backend, steps, extra), nproc, spec.inductor_dir(base, phase, run),
                base / f"run_{phase}{run if phase == 'warm' else ''}", timeout)
     row = {"mode": mode, "phase": phase, "run": run, **row}
     print(f"{mode:>10} {phase}{'' if phase == 'cold' else f' {run + 1}'}: first step {row['first_step_s']:.1f} s, "
@@ -159,11 +174,8 @@ def interleaved_steps(out: Path, *, backend: str, nproc: int, global_batch: int,
            "--batch", str(max(global_batch // nproc, 1)), *model, "--steps", str(rounds), "--warmup", "3",
            "--json", str(json_path), "--plot", str(out / f"{name}.png")]
     print(f"interleaved step times: {shlex.join(cmd)}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # ddp_compare gives every mode a fresh one
-    proc = subprocess.run(cmd, cwd=Path.cwd(), env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    # ddp_compare gives every mode a fresh TORCHINDUCTOR_CACHE_DIR of its own
+    proc = run_checked(cmd, env=_job_env(None), timeout=timeout, cwd=Path.cwd())
     print(proc.stdout, flush=True)
     return json.loads(json_path.read_text())
 
@@ -218,23 +230,15 @@ def _step_ratios(steps: Sequence[dict], suffix: str = "") -> dict:
     }
 
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def _steps_markdown(steps: Sequence[dict]) -> str:
-    lines = ["| 8 blocks, one job | cold compile s | median step ms | step / nosplit [IQR] |", "|---|---|---|---|"]
-    for r in steps:
-        lines.append(f"| {r['mode']} | {_fmt(r['compile_cold_s'], '.1f')} | {_fmt(r['step_ms_median'], '.1f')} | "
-                     f"{_fmt(r['ratio_vs_builtin'], '.3f')} [{_fmt(r['ratio_q1'], '.3f')}, {_fmt(r['ratio_q3'], '.3f')}] |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["8 blocks, one job", "cold compile s", "median step ms", "step / nosplit [IQR]"],
+        [[r["mode"], fmt(r["compile_cold_s"], ".1f"), fmt(r["step_ms_median"], ".1f"),
+          f"{fmt(r['ratio_vs_builtin'], '.3f')} [{fmt(r['ratio_q1'], '.3f')}, {fmt(r['ratio_q3'], '.3f')}]"]
+         for r in steps])
 
 
-def _with_iqr(value, bounds) -> str:
-    return _fmt(value, ".3f") + (f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if value is not None and bounds else "")
-
-
-def _step_ratio_rows(s: dict) -> list[str]:
+def _step_ratio_rows(s: dict) -> list[list[str]]:
     """Regional against both whole-model modes: the launcher-width job always, the
     wider one when it ran."""
     rows = []
@@ -243,23 +247,24 @@ def _step_ratio_rows(s: dict) -> list[str]:
             key = f"regional8_step_over_{base}_step{suffix}"
             if suffix and s.get(key) is None:
                 continue
-            rows.append(f"\n| regional8 / {label} step, {job} [IQR] | {_with_iqr(s.get(key), s.get(key + '_iqr'))} | < 1.05 |")
+            q1, q3 = s.get(key + "_iqr") or (None, None)
+            rows.append([f"regional8 / {label} step, {job} [IQR]", with_iqr(s.get(key), q1, q3), "< 1.05"])
     return rows
 
 
 def results_markdown(result: dict) -> str:
     """The README section: one row per mode and phase, the interleaved 8-block step
     times, then the done-when ratios."""
-    lines = ["| mode | cold first step s | warm first step s, median [min, max] | warm runs | process wall s, cold / warm |",
-             "|---|---|---|---|---|"]
+    table = []
     for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
         cold = [r for r in result["rows"] if r["mode"] == mode and r["phase"] == "cold"]
         warm = [r for r in result["rows"] if r["mode"] == mode and r["phase"] == "warm"]
         firsts = [r["first_step_s"] for r in warm]
-        warm_cell = f"{median(firsts):.1f} [{min(firsts):.1f}, {max(firsts):.1f}]" if firsts else "-"
         walls = [r["process_wall_s"] for r in warm]
-        lines.append(f"| {mode} | {_fmt(cold[0]['first_step_s'] if cold else None, '.1f')} | {warm_cell} | {len(warm)} | "
-                     f"{_fmt(cold[0]['process_wall_s'] if cold else None, '.1f')} / {_fmt(median(walls) if walls else None, '.1f')} |")
+        table.append([mode, fmt(cold[0]["first_step_s"] if cold else None, ".1f"),
+                      f"{median(firsts):.1f} [{min(firsts):.1f}, {max(firsts):.1f}]" if firsts else "-", len(warm),
+                      f"{fmt(cold[0]['process_wall_s'] if cold else None, '.1f')} / "
+                      f"{fmt(median(walls) if walls else None, '.1f')}"])
     s = result["summary"]
     steps = result.get("steps_interleaved") or []
     notes = [
@@ -271,7 +276,8 @@ def results_markdown(result: dict) -> str:
         "(another machine), a new empty one for each warm run. First steps are compared (medians of the warm "
         "runs); step times of separate processes are not.",
         f"Command: `{result['command']}`",
-        "\n".join(lines),
+        markdown_table(["mode", "cold first step s", "warm first step s, median [min, max]", "warm runs",
+                        "process wall s, cold / warm"], table),
     ]
     if steps:
         notes += [
@@ -286,24 +292,25 @@ def results_markdown(result: dict) -> str:
         notes += [f"The same job on a wider model (`{wide[0].get('model', '?')}`), where each compiled block does "
                   "more work per call:", _steps_markdown(wide)]
     notes += [
-        "| ratio | value | target |\n|---|---|---|\n"
-        f"| ours warm / ours cold (first step) | {_fmt(s['ours_warm_over_cold'], '.2f')} | <= 0.25 |\n"
-        f"| ours warm / nosplit warm | {_fmt(s['ours_warm_over_nosplit_warm'], '.2f')} | <= 1 |\n"
-        f"| ours_cache warm / cold | {_fmt(s['ours_cache_warm_over_cold'], '.2f')} | <= 0.25 |\n"
-        f"| ours_cache warm / nosplit warm | {_fmt(s['ours_cache_warm_over_nosplit_warm'], '.2f')} | <= 1 |\n"
-        f"| ours_fresh warm / cold | {_fmt(s['ours_fresh_warm_over_cold'], '.2f')} | - |\n"
-        f"| whole8 cold / regional8 cold (restarts) | {_fmt(s['whole8_cold_over_regional8_cold'], '.2f')} | >= 2 |\n"
-        f"| whole8 cold / regional8 cold (one job) | {_fmt(s.get('whole8_cold_over_regional8_cold_one_process'), '.2f')} | >= 2 |"
-        + "".join(_step_ratio_rows(s)),
+        markdown_table(["ratio", "value", "target"], [
+            ["ours warm / ours cold (first step)", fmt(s["ours_warm_over_cold"], ".2f"), "<= 0.25"],
+            ["ours warm / nosplit warm", fmt(s["ours_warm_over_nosplit_warm"], ".2f"), "<= 1"],
+            ["ours_cache warm / cold", fmt(s["ours_cache_warm_over_cold"], ".2f"), "<= 0.25"],
+            ["ours_cache warm / nosplit warm", fmt(s["ours_cache_warm_over_nosplit_warm"], ".2f"), "<= 1"],
+            ["ours_fresh warm / cold", fmt(s["ours_fresh_warm_over_cold"], ".2f"), "-"],
+            ["whole8 cold / regional8 cold (restarts)", fmt(s["whole8_cold_over_regional8_cold"], ".2f"), ">= 2"],
+            ["whole8 cold / regional8 cold (one job)", fmt(s.get("whole8_cold_over_regional8_cold_one_process"), ".2f"),
+             ">= 2"],
+            *_step_ratio_rows(s),
+        ]),
         "Generated by `python -m benchmarks.compile_time --render` from the benchmark's JSON.",
     ]
     return "\n\n".join(notes)
 
 
 def render(json_path: str | Path, readme: str | Path) -> None:
-    result = json.loads(Path(json_path).read_text())
-    path = Path(readme)
-    path.write_text(replace_section(path.read_text(), results_markdown(result), START, END))
+    """Rewrite ``readme``'s compile section from the result JSON at ``json_path``."""
+    update_section(readme, results_markdown(json.loads(Path(json_path).read_text())), START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,11 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.warm_runs = 1 if a.quick else 3
     if a.warm_runs < 1 or a.step_rounds < 0 or a.wide_embd < 0 or a.wide_embd % 4:
         p.error(f"--warm-runs must be >= 1, --step-rounds >= 0 and --wide-embd a multiple of the model's 4 heads "
-                f"(or 0), got {a.warm_runs}, {a.step_rounds} and {a.wide_embd}")
+                f"(or 0), got {a.warm_runs}, {a.step_rounds} and {a.wide_embd}: the warm first step needs one "
+                "restart at least, and the wider model splits its width over the heads. Leave the flags out for "
+                "3, 30 and 256, or pass 0 to --step-rounds / --wide-embd to skip those jobs.")
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        p.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        p.error(f"unknown mode(s) {unknown}: compile_time runs only its own modes. Choose a comma-separated "
+                f"subset of {', '.join(MODES)}, or leave --modes out for all of them.")
     rows = run_restarts(modes, Path(a.out), warm_runs=a.warm_runs, backend=a.backend, nproc=a.nproc, steps=a.steps,
                         extra=extra)
     steps: list[dict] = []
@@ -359,8 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summarize(rows, steps, wide),
         "torch": __import__("torch").__version__,
     }
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=1))
+    write_json(result, a.json)
     print(json.dumps(result["summary"], indent=1))
     if a.readme:
         render(a.json, a.readme)

@@ -1,6 +1,6 @@
 """Eager DDP vs PyTorch's splitter vs compiling without splitting vs ours, side by side
 in one torchrun job, over a simulated inter-node link (see Note [Interleaved DDP
-benchmark] in ``benchmarks.harness`` and Note [Simulated link] in ``benchmarks.link``).
+benchmark] in ``benchmarks.ddp_bench`` and Note [Simulated link] in ``benchmarks.link``).
 
     python -m benchmarks.ddp_compare --quick --json bench_out/quick.json
     python -m benchmarks.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
@@ -15,16 +15,13 @@ to stdout, and writes the JSON rows and the plot.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
-from .cli import add_common_args, fill_defaults
-from .torchrun import inside_torchrun, relaunch
+from .cli import add_common_args, new_parser, fill_defaults, job_kwargs, process_group, publish
+from .report import cap_label, fmt, print0, terminal_table, with_iqr
+from .torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
 
@@ -34,6 +31,7 @@ ROW_KEYS = (
     "overlap", "compile_s", "partitions", "loss_max_abs_diff",
 )
 
+COMMAND_ENV = "BENCH_DDP_COMMAND"  # the user's command line, handed to the workers by relaunch
 QUICK = {"backend": "aot_eager", "warmup": 3, "steps": 8, "caps": "4"}
 
 
@@ -44,18 +42,14 @@ def _floats(text: str) -> tuple[float | str, ...]:
         values = ()
     if not values or any(v != "auto" and v <= 0 for v in values):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of positive MiB values (or auto, with --sweep), e.g. 1,4,25,auto"
+            f"{text!r} is not a comma-separated list of positive MiB values (or auto, with --sweep): each is a "
+            "DDP bucket_cap_mb to measure. Pass e.g. 1,4,25 or, with --sweep, 1,4,25,auto"
         )
     return values
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.ddp_compare", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true",
-                   help="aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB (flags given explicitly still win)")
+    p = new_parser("benchmarks.ddp_compare", __doc__, "aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB")
     p.add_argument("--modes", default="eager,builtin,nosplit,ours",
                    help="comma-separated modes: eager, builtin, nosplit, ours, regional (default: all but regional)")
     p.add_argument("--baseline", default=None,
@@ -79,32 +73,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          lambda key, value: _floats(value) if key == "caps" else value)
 
 
+HEADERS = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms", "pred exp ms",
+           "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "loss diff"]
+
+
+def _cells(r: dict) -> list:
+    ratio = with_iqr(r["ratio_vs_builtin"], r.get("ratio_q1"), r.get("ratio_q3"))
+    if r.get("ratio_q1") is not None and r.get("ratio_baseline") and r["ratio_baseline"] != "builtin":
+        ratio += f" vs {r['ratio_baseline']}"
+    return [
+        cap_label(r["bucket_cap_mb"]), r["mode"], fmt(r["step_ms_median"], ".1f"), ratio, fmt(r["compute_ms"], ".1f"),
+        fmt(r["comm_ms"], ".1f"), fmt(r["exposed_comm_ms"], ".1f"), fmt(r.get("predicted_exposed_comm_ms"), ".1f"),
+        fmt(r["overlap"], ".2f"), fmt(r.get("alignment"), ".2f"), fmt(r["compile_cold_s"], ".1f"),
+        fmt(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), fmt(r["partitions"], "d"), r["ddp_buckets"],
+        r["recompiles"], fmt(r["loss_max_abs_diff"], ".1e"),
+    ]
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    from tabulate import tabulate
-
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    headers = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms",
-               "pred exp ms", "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp",
-               "loss diff"]
-    body = []
-    for r in rows:
-        ratio = f(r["ratio_vs_builtin"], ".3f")
-        if r.get("ratio_q1") is not None:
-            ratio += f" [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
-            if r.get("ratio_baseline") and r["ratio_baseline"] != "builtin":
-                ratio += f" vs {r['ratio_baseline']}"
-        cap = r["bucket_cap_mb"]
-        body.append([
-            cap if isinstance(cap, str) else f(cap, "g"), r["mode"], f(r["step_ms_median"], ".1f"), ratio,
-            f(r["compute_ms"], ".1f"), f(r["comm_ms"], ".1f"), f(r["exposed_comm_ms"], ".1f"),
-            f(r.get("predicted_exposed_comm_ms"), ".1f"), f(r["overlap"], ".2f"), f(r.get("alignment"), ".2f"),
-            f(r["compile_cold_s"], ".1f"),
-            f(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), f(r["partitions"], "d"), r["ddp_buckets"], r["recompiles"],
-            f(r["loss_max_abs_diff"], ".1e"),
-        ])
-    return tabulate(body, headers=headers, tablefmt="github")
+    """The rows as a terminal table (the README's comes from ``benchmarks.readme_results``)."""
+    return terminal_table(HEADERS, [_cells(r) for r in rows])
 
 
 def _cache_cell(events: dict | None) -> str:
@@ -113,76 +101,50 @@ def _cache_cell(events: dict | None) -> str:
     return f"{events['aot_hit']}/{events['aot_miss']}/{events['aot_bypass']}"
 
 
+def _config(args: argparse.Namespace):
+    """The ``ddp_bench.BenchConfig`` of the flags; raises ValueError on a bad link or mode."""
+    from .ddp_bench import BenchConfig
+    from .link import parse_link
+
+    return BenchConfig(**job_kwargs(args), link=parse_link(args.link), caps=args.caps, cache_root=args.cache_root,
+                       sweep=args.sweep, baseline=args.baseline)
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .harness import BenchConfig, print0, run_cap
-    from .link import SimulatedLink, parse_link
+    from .ddp_bench import run_cap
+    from .link import SimulatedLink
+    from .modes_ddp import DDP_MODES
+    from .plot import plot_caps
+    from .sweep import format_summary, run_sweep, sweep_summary
 
-    cfg = BenchConfig(
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
-        link=parse_link(args.link), caps=args.caps, warmup=args.warmup, rounds=args.steps, batch=args.batch,
-        seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed,
-        cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline,
-    )
-    dist.init_process_group("gloo")
-    try:
+    cfg = _config(args)
+    with process_group("gloo"):
         link = SimulatedLink(cfg.link)
         print0(f"ddp_compare: {dist.get_world_size()} ranks, backend {cfg.backend}, link {cfg.link.label}, "
                f"caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}")
+        print0(DDP_MODES.describe(cfg.modes))
         t0 = time.perf_counter()
-        rows: list[dict] = []
-        if cfg.sweep:
-            from .sweep import run_sweep
-
-            rows = run_sweep(cfg, link)
-        else:
-            for cap in cfg.caps:
-                rows += run_cap(cfg, cap, link)
+        rows = run_sweep(cfg, link) if cfg.sweep else [row for cap in cfg.caps for row in run_cap(cfg, cap, link)]
         if dist.get_rank() == 0:
-            command = os.environ.get("BENCH_DDP_COMMAND", "python -m benchmarks.ddp_compare " + shlex.join(sys.argv[1:]))
-            for row in rows:
-                row["command"] = command
             print(format_table(rows), flush=True)
-            if cfg.sweep:
-                from .sweep import format_summary, sweep_summary
-
-                summary = format_summary(sweep_summary(rows))
-                if summary:
-                    print("\n" + summary, flush=True)
+            summary = format_summary(sweep_summary(rows)) if cfg.sweep else ""
+            if summary:
+                print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(rows, indent=1))
-                print0(f"wrote {args.json}")
-            if args.plot:
-                try:
-                    import matplotlib  # noqa: F401
-                except ImportError:
-                    print0(f"not writing {args.plot}: matplotlib is not installed. Install the bench extra "
-                           "(pip install -e .[bench]) or pass no --json/--plot to skip the plot.")
-                else:
-                    from .plot import plot_caps
-
-                    title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks"
-                    plot_caps(rows, args.plot, title=title)
-                    print0(f"wrote {args.plot}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+            title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks"
+            publish(rows, args, module="benchmarks.ddp_compare", command_env=COMMAND_ENV,
+                    plot=lambda path: plot_caps(rows, path, title=title))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from .link import parse_link
-
-    parse_link(args.link)  # fail before launching anything
-    if not inside_torchrun():
-        return relaunch("benchmarks.ddp_compare", argv, args.nproc, "BENCH_DDP_COMMAND")
-    return _worker(args)
+    _config(args)  # fail before launching anything
+    return here_or_relaunched("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """FSDP2 without compile vs per-block compile vs per-block compile with shard-unit
 grouping and explicit prefetch (ours), side by side in one torchrun job (see Note
-[Interleaved FSDP benchmark] in ``benchmarks.fsdp_harness``).
+[Interleaved FSDP benchmark] in ``benchmarks.fsdp_bench``).
 
     python -m benchmarks.fsdp_compare --quick --json bench_out/fsdp_quick.json
     python -m benchmarks.fsdp_compare --json bench_out/fsdp.json --readme README.md
@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
-from . import readme_results
-from .cli import add_common_args, fill_defaults
-from .torchrun import inside_torchrun, relaunch
+from . import report
+from .cli import add_common_args, new_parser, fill_defaults, job_kwargs, process_group, publish
+from .report import fmt, markdown_table, print0, terminal_table, update_section, with_iqr
+from .torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
            "ROW_KEYS", "START", "END"]
@@ -37,17 +36,13 @@ ROW_KEYS = ("mode", "backend", "step_ms_median", "ratio_vs_per_block", "peak_mem
 START = "<!-- bench:fsdp:start -->"
 END = "<!-- bench:fsdp:end -->"
 
+COMMAND_ENV = "BENCH_FSDP_COMMAND"  # the user's command line, handed to the workers by relaunch
 QUICK = {"backend": "aot_eager", "warmup": 2, "steps": 20}
 DEFAULTS = {"backend": "inductor", "warmup": 3, "steps": 30}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.fsdp_compare", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true",
-                   help="aot_eager, 2 warmup + 20 measured rounds (flags given explicitly still win)")
+    p = new_parser("benchmarks.fsdp_compare", __doc__, "aot_eager, 2 warmup + 20 measured rounds")
     p.add_argument("--modes", default="eager,per_block,grouped", help="comma-separated subset of the modes")
     p.add_argument("--shard-unit-mb", type=float, default=2.0, help="grouped: target MiB per shard unit (default 2)")
     p.add_argument("--prefetch", type=int, default=1, help="grouped: shard units all-gathered ahead (default 1)")
@@ -62,28 +57,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     fill_defaults(args, QUICK if args.quick else DEFAULTS)
     if args.from_json and not args.readme:
-        p.error("--from-json only renders rows into --readme; give --readme README.md too")
+        p.error("--from-json only renders rows into --readme, and no --readme was given; give --readme README.md too")
     return args
-
-
-def _fmt(value, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
-def _ratio(r: dict) -> str:
-    text = _fmt(r.get("ratio_vs_per_block"), ".3f")
-    if r.get("ratio_q1") is not None and r.get("ratio_q3") is not None:
-        text += f" [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
-    return text
 
 
 def _cells(r: dict) -> list[str]:
     peak = "/".join(f"{m:.0f}" for m in r["peak_mem_mib_per_rank"]) if r.get("peak_mem_mib_per_rank") else "-"
     units = f"{r['units']} ({_unit_sizes(r.get('unit_mib') or [])})"
-    return [r["mode"], r["backend"], _fmt(r["step_ms_median"], ".1f"), _ratio(r), _fmt(r.get("compile_s"), ".1f"),
-            peak, _fmt(r.get("loss_max_abs_diff"), ".1e"), units, _fmt(r.get("prefetch"), "d")]
+    ratio = with_iqr(r.get("ratio_vs_per_block"), r.get("ratio_q1"), r.get("ratio_q3"))
+    return [r["mode"], r["backend"], fmt(r["step_ms_median"], ".1f"), ratio, fmt(r.get("compile_s"), ".1f"),
+            peak, fmt(r.get("loss_max_abs_diff"), ".1e"), units, fmt(r.get("prefetch"), "d")]
 
 
 def _unit_sizes(mib: Sequence[float]) -> str:
@@ -97,9 +80,7 @@ HEADERS = ["mode", "backend", "step ms", "vs per_block [IQR]", "compile s", "pea
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    from tabulate import tabulate
-
-    return tabulate([_cells(r) for r in rows], headers=HEADERS, tablefmt="github")
+    return terminal_table(HEADERS, [_cells(r) for r in rows])
 
 
 def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
@@ -127,15 +108,13 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
     parts = [text] if describe else []
     run = f"{r0.get('rounds', '?')} measured rounds after {r0.get('warmup', '?')} warmup"
     parts.append(f"Command ({run}): `{r0['command']}`" if r0.get("command") else f"{run}:")
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in sorted(rows, key=lambda r: r.get("mode_order", 0))]
-    parts.append("\n".join(lines))
+    parts.append(markdown_table(HEADERS, [_cells(r) for r in sorted(rows, key=lambda r: r.get("mode_order", 0))]))
     return "\n\n".join(parts)
 
 
 def replace_section(text: str, body: str) -> str:
     """``text`` with everything between the FSDP markers replaced by ``body``."""
-    return readme_results.replace_section(text, body, START, END)
+    return report.replace_section(text, body, START, END)
 
 
 def update_readme(runs: Sequence[Sequence[dict]], target: str | Path, sources: Sequence[str] = ()) -> str:
@@ -149,77 +128,43 @@ def update_readme(runs: Sequence[Sequence[dict]], target: str | Path, sources: S
     body = "\n\n".join(results_markdown(rows, describe=i == 0) for i, rows in enumerate(runs))
     src = " ".join(sources) if sources else "ROWS.json"
     body += f"\n\nGenerated by `python -m benchmarks.fsdp_compare --from-json {src} --readme {Path(target).name}`."
-    target = Path(target)
-    target.write_text(replace_section(target.read_text(), body))
-    return body
+    return update_section(target, body, START, END)
 
 
-def _plot(rows: Sequence[dict], path: str, title: str) -> None:
-    import matplotlib
+def _config(args: argparse.Namespace):
+    """The ``fsdp_bench.FSDPBenchConfig`` of the flags; raises ValueError on a bad mode or setting."""
+    from .fsdp_bench import FSDPBenchConfig
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for i, r in enumerate(rows):
-        err = [[r["step_ms_median"] - r["step_ms_q1"]], [r["step_ms_q3"] - r["step_ms_median"]]]
-        ax.bar(i, r["step_ms_median"], yerr=err, capsize=4)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{r['mode']}\n{r['units']} units" for r in rows])
-    ax.set_ylabel("median step ms (IQR)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return FSDPBenchConfig(**job_kwargs(args), shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch)
 
 
 def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from .fsdp_harness import FSDPBenchConfig, print0, run_fsdp
+    from .fsdp_bench import FSDP_MODES, run_fsdp
+    from .plot import plot_modes
 
-    cfg = FSDPBenchConfig(
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
-        shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch, warmup=args.warmup, rounds=args.steps,
-        batch=args.batch, seq=args.seq, vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads,
-        seed=args.seed,
-    )
+    cfg = _config(args)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
+    with process_group("nccl" if cuda else "gloo"):
         print0(f"fsdp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
                f"{cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}, "
                f"grouped: shard_unit_mb={cfg.shard_unit_mb:g} prefetch={cfg.prefetch}")
+        print0(FSDP_MODES.describe(cfg.modes))
         t0 = time.perf_counter()
         rows = run_fsdp(cfg)
         if dist.get_rank() == 0:
-            command = os.environ.get("BENCH_FSDP_COMMAND", "python -m benchmarks.fsdp_compare " + shlex.join(sys.argv[1:]))
-            for row in rows:
-                row["command"] = command
             print(format_table(rows), flush=True)
             print0(f"fsdp_compare: done in {time.perf_counter() - t0:.0f} s.")
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(rows, indent=1))
-                print0(f"wrote {args.json}")
-            if args.plot:
-                try:
-                    import matplotlib  # noqa: F401
-                except ImportError:
-                    print0(f"not writing {args.plot}: matplotlib is not installed (pip install -e .[bench]).")
-                else:
-                    _plot(rows, args.plot, f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}")
-                    print0(f"wrote {args.plot}")
+            title = f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}"
+            publish(rows, args, module="benchmarks.fsdp_compare", command_env=COMMAND_ENV,
+                    plot=lambda path: plot_modes(rows, path, title))
             if args.readme:
                 update_readme([rows], args.readme, [args.json] if args.json else ())
                 print0(f"updated {args.readme}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
@@ -230,14 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         update_readme([json.loads(Path(p).read_text()) for p in args.from_json], args.readme, args.from_json)
         print(f"updated {args.readme}")
         return 0
-    from .fsdp_harness import FSDPBenchConfig
-
-    FSDPBenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-                    shard_unit_mb=args.shard_unit_mb, prefetch=args.prefetch,
-                    rounds=args.steps, warmup=args.warmup)  # fail before launching anything
-    if not inside_torchrun():
-        return relaunch("benchmarks.fsdp_compare", argv, args.nproc, "BENCH_FSDP_COMMAND")
-    return _worker(args)
+    _config(args)  # fail before launching anything
+    return here_or_relaunched("benchmarks.fsdp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args))
 
 
 if __name__ == "__main__":

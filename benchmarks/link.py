@@ -89,7 +89,8 @@ def parse_link(spec: str) -> LinkModel:
     alpha = float(m.group(1)) * _TIME_UNITS[m.group(2)]
     bandwidth = float(m.group(3)) * _RATE_UNITS[m.group(4)]
     if bandwidth <= 0:
-        raise ValueError(f"--link {spec!r} has zero bandwidth; give a positive rate or use --link none.")
+        raise ValueError(f"--link {spec!r} has zero bandwidth, so no bucket would ever be delivered; give a "
+                         "positive rate (e.g. 1ms,100MB/s) or use --link none.")
     return LinkModel(alpha, bandwidth, label=text.replace(" ", ""))
 
 

@@ -30,8 +30,8 @@ Notes
     - Results: ``benchmarks/results/padding_compare.json`` (``--json``; a
       ``--quick`` run writes ``bench_out/padding_compare_quick.json``);
       ``--readme FILE`` rewrites FILE's ``bench:padding`` section
-      (``benchmarks.readme_results.padding_markdown``); ``--render`` re-renders
-      it from an existing JSON without running anything.
+      (``padding_markdown``); ``--render`` re-renders it from an existing JSON
+      without running anything.
 """
 
 from __future__ import annotations
@@ -41,15 +41,21 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from .readme_results import padding_markdown, update_padding_section
+from .cli import new_parser
+from .report import fmt, markdown_table, print0, update_section, write_json
+from .rounds import interleaved_rounds
+from .torchrun import run_checked, torchrun_command
 
-__all__ = ["main", "parse_args", "run_strategy", "summarize", "STRATEGIES"]
+__all__ = ["main", "parse_args", "run_strategy", "summarize", "padding_markdown", "update_padding_section",
+           "STRATEGIES", "START", "END"]
+
+START = "<!-- bench:padding:start -->"
+END = "<!-- bench:padding:end -->"
 
 STRATEGIES = ("max", "multiple", "dynamic")
 DEFAULT_JSON = "benchmarks/results/padding_compare.json"
@@ -63,9 +69,7 @@ KEYS = ("real_tokens_per_s", "tokens_per_s", "padding_waste", "warmup_s", "first
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.padding_compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"smoke settings {QUICK} (explicit flags still win)")
+    p = new_parser("benchmarks.padding_compare", __doc__, f"smoke settings {QUICK}")
     for key, value in FULL.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (>1: torchrun --standalone)")
@@ -85,7 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.strategies = [s for s in args.strategies.split(",") if s]
     bad = [s for s in args.strategies if s not in STRATEGIES]
     if bad:
-        p.error(f"--strategies: {bad[0]!r} is not one of {', '.join(STRATEGIES)}")
+        p.error(f"--strategies: {bad[0]!r} is not one of {', '.join(STRATEGIES)} (the values of data.padding). "
+                "Pass a comma-separated subset, e.g. --strategies max,dynamic, or leave it out for all three.")
     return args
 
 
@@ -105,15 +110,12 @@ def _overrides(args: argparse.Namespace, padding: str, run_dir: Path) -> list[st
 def run_strategy(args: argparse.Namespace, padding: str, work: Path, tag: str) -> dict[str, Any]:
     """One fresh launcher process (fresh inductor cache) for ``padding``; its metrics.json."""
     run_dir = work / f"{tag}_{padding}"
-    cmd = [sys.executable, "-m", "launch.train", *_overrides(args, padding, run_dir)]
-    if args.nproc > 1:
-        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "-m", "launch.train"]
+    overrides = _overrides(args, padding, run_dir)
+    cmd = (torchrun_command("launch.train", overrides, args.nproc) if args.nproc > 1
+           else [sys.executable, "-m", "launch.train", *overrides])
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor_cache"))
-    print(f"[padding_compare] {tag} {padding}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"padding={padding} ({tag}) failed with exit code {proc.returncode}:\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print0(f"[padding_compare] {tag} {padding}: {shlex.join(cmd)}")
+    run_checked(cmd, env=env, timeout=args.timeout, what=f"padding={padding} ({tag})")
     return json.loads((run_dir / "metrics.json").read_text())
 
 
@@ -138,19 +140,54 @@ def summarize(padding: str, runs: list[dict[str, Any]], pad_multiple: int) -> di
     }
 
 
+def padding_markdown(result: dict) -> str:
+    """The ``bench:padding`` section: one table line per padding strategy."""
+    headers = ["padding", "real tokens/s", "tokens/s incl. padding", "padding waste", "compile s (warm-up)", "graphs",
+               "recompiles", "after warm-up", "shapes seen", "median step ms", "final loss"]
+    table = markdown_table(headers, [[
+        r["padding"] + (f" ({r['pad_multiple']})" if r["padding"] == "multiple" else ""),
+        fmt(r.get("real_tokens_per_s"), ",.0f"), fmt(r.get("tokens_per_s"), ",.0f"),
+        fmt(100 * r["padding_waste"] if r.get("padding_waste") is not None else None, ".1f") + "%",
+        fmt(r.get("compile_s"), ".1f"), fmt(r.get("graphs"), "d"), fmt(r.get("recompiles"), "d"),
+        fmt(r.get("recompiles_after_warmup"), "d"), fmt(r.get("shapes_seen"), "d"),
+        fmt(r.get("median_step_ms"), ".1f"), fmt(r.get("final_loss"), ".4f"),
+    ] for r in result["rows"]])
+    meta = result.get("meta", {})
+    text = (
+        f"Backend `{meta.get('backend', '?')}` on {meta.get('device', '?')}, {meta.get('nproc', '?')} rank(s), "
+        f"`{meta.get('model', '?')}`, global batch {meta.get('batch_size', '?')} x seq_len {meta.get('seq_len', '?')}, "
+        f"skewed lengths (log-normal around seq_len/8), {meta.get('steps', '?')} steps per run, "
+        f"{meta.get('rounds', '?')} round(s) with the strategies in rotating order, each run a fresh process "
+        "and a fresh inductor cache; medians over rounds. Every run warms up first "
+        "(`train.no_recompile_after_warmup=true`): compile s = the warm-up pass (all graphs); real tokens/s "
+        "counts only non-padding tokens, over the steps after the first. "
+        "Generated by `python -m benchmarks.padding_compare` (`--render` re-renders from the JSON)."
+    )
+    parts = [text]
+    if meta.get("command"):
+        parts.append(f"Command: `{meta['command']}`")
+    parts.append(table)
+    return "\n\n".join(parts)
+
+
+def update_padding_section(result: dict, target: str | Path) -> str:
+    """Rewrite ``target``'s ``bench:padding`` section from a padding_compare result."""
+    return update_section(target, padding_markdown(result), START, END)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         if not args.readme:
-            raise SystemExit("--render needs --readme FILE")
+            raise SystemExit("--render rewrites the bench:padding section of --readme, and none was given: "
+                             "add --readme README.md (and --json JSON for another result than the default).")
         update_padding_section(json.loads(Path(args.json).read_text()), args.readme)
         print(f"updated {args.readme}")
         return 0
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.strategies}
     with tempfile.TemporaryDirectory(prefix="padding_compare_") as tmp:
-        for rnd in range(args.rounds):
-            k = rnd % len(args.strategies)
-            for padding in args.strategies[k:] + args.strategies[:k]:
+        for rnd, (order, _, _) in enumerate(interleaved_rounds(args.strategies, 0, args.rounds)):
+            for padding in order:
                 runs[padding].append(run_strategy(args, padding, Path(tmp), f"round{rnd}"))
     first = next(iter(runs.values()))[0]
     result = {
@@ -163,13 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": [summarize(s, runs[s], args.pad_multiple) for s in args.strategies],
     }
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+        write_json(result, args.json)
+        print0(f"wrote {args.json}")
     print(padding_markdown(result))
     if args.readme:
         update_padding_section(result, args.readme)
-        print(f"updated {args.readme}", file=sys.stderr)
+        print0(f"updated {args.readme}")
     return 0
 
 

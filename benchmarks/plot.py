@@ -1,12 +1,31 @@
-"""Step time against bucket cap, one line per mode (matplotlib, Agg backend); a
-second panel shows each mode's per-round ratio to ``builtin`` with its IQR."""
+"""The benchmarks' plots (matplotlib, Agg backend): for DDP, step time against
+bucket cap, one line per mode, and a second panel with each mode's per-round ratio
+to ``builtin`` and its IQR (``plot_caps``); for FSDP, one bar per mode (``plot_modes``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["plot_caps"]
+__all__ = ["plot_caps", "plot_modes"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path, **layout) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout(**layout)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
 
 
 def _series(ax, rows: Sequence[dict], key: str, lo: str, hi: str) -> None:
@@ -44,14 +63,7 @@ def plot_caps(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
     Returns:
         The path written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
     # ours@auto (a sweep) has no cap to put on the x axis: a dashed line at its value.
     auto = [r for r in rows if isinstance(r["bucket_cap_mb"], str)]
     rows = [r for r in rows if not isinstance(r["bucket_cap_mb"], str)]
@@ -73,7 +85,18 @@ def plot_caps(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
         # Modes are interleaved within a cap; caps run one after another.
         fig.text(0.01, 0.01, "caps are measured one after another: compare modes within a cap, not "
                  "absolute times across caps (the machine's load drifts)", fontsize=8, color="grey")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, rect=(0, 0.03, 1, 1))
+
+
+def plot_modes(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """One bar per row (``step_ms_median`` with ``step_ms_q1``/``q3`` error bars), labelled
+    with its ``mode`` and ``units``, as ``fsdp_compare --json`` writes them; returns the path."""
+    fig, ax = _pyplot().subplots(figsize=(6, 3.6))
+    for i, r in enumerate(rows):
+        err = [[r["step_ms_median"] - r["step_ms_q1"]], [r["step_ms_q3"] - r["step_ms_median"]]]
+        ax.bar(i, r["step_ms_median"], yerr=err, capsize=4)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['mode']}\n{r['units']} units" for r in rows])
+    ax.set_ylabel("median step ms (IQR)")
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)

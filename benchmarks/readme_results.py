@@ -12,52 +12,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["START", "END", "results_markdown", "replace_section", "update_file", "main",
-           "PADDING_START", "PADDING_END", "padding_markdown", "update_padding_section"]
+from . import report
+from .report import cap_label, fmt, markdown_table, update_section, with_iqr
+
+__all__ = ["START", "END", "results_markdown", "replace_section", "update_file", "main"]
 
 START = "<!-- bench:ddp:start -->"
 END = "<!-- bench:ddp:end -->"
 
 
-def _fmt(value, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
+def _cells(r: dict, predicted: bool) -> list[str]:
+    """One table line of a row; the ratio names its baseline when that ran at another cap."""
+    ratio = with_iqr(r.get("ratio_vs_builtin"), r.get("ratio_q1"), r.get("ratio_q3"))
+    if r.get("ratio_baseline") and r.get("runner") and r["mode"] != "builtin" and "@" in r["ratio_baseline"] \
+            and r["ratio_baseline"].split("@")[1] != str(r["runner"]).split("@")[1]:
+        ratio += f" vs {r['ratio_baseline']}"
+    return [
+        cap_label(r["bucket_cap_mb"]), r["mode"], r["backend"], fmt(r["step_ms_median"], ".1f"), ratio,
+        fmt(r.get("exposed_comm_ms"), ".1f"), *([fmt(r.get("predicted_exposed_comm_ms"), ".1f")] if predicted else []),
+        fmt(r.get("overlap"), ".2f"), fmt(r.get("compile_cold_s", r.get("compile_s")), ".1f"),
+        fmt(r.get("compile_warm_s"), ".1f"), fmt(r.get("partitions"), "d"), fmt(r.get("alignment"), ".2f"),
+        fmt(r.get("loss_max_abs_diff"), ".2e"),
+    ]
 
 
 def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
     """A Markdown table (one line per mode and cap) and, if given, the plot link."""
     predicted = any(r.get("predicted_exposed_comm_ms") is not None for r in rows)
-    header = (
-        "| cap MiB | mode | backend | step ms (median) | ratio vs builtin [IQR] | exposed comm ms "
-        + ("| predicted exposed ms " if predicted else "")
-        + "| overlap | cold compile s | warm compile s | partitions | alignment | max loss diff |"
-    )
-    lines = [header, "|" + "---|" * (13 if predicted else 12)]
+    headers = ["cap MiB", "mode", "backend", "step ms (median)", "ratio vs builtin [IQR]", "exposed comm ms",
+               *(["predicted exposed ms"] if predicted else []), "overlap", "cold compile s", "warm compile s",
+               "partitions", "alignment", "max loss diff"]
     # numeric caps in order, then auto (a sweep's cost-model plan)
-    for r in sorted(rows, key=lambda r: (isinstance(r["bucket_cap_mb"], str), str(r["bucket_cap_mb"])
-                                         if isinstance(r["bucket_cap_mb"], str) else r["bucket_cap_mb"],
-                                         r.get("mode_order", 0))):
-        ratio = _fmt(r.get("ratio_vs_builtin"), ".3f")
-        if r.get("ratio_q1") is not None and r.get("ratio_q3") is not None:
-            ratio += f" [{_fmt(r['ratio_q1'], '.3f')}, {_fmt(r['ratio_q3'], '.3f')}]"
-        if r.get("ratio_baseline") and r.get("runner") and r["mode"] != "builtin" and "@" in r["ratio_baseline"] \
-                and r["ratio_baseline"].split("@")[1] != str(r["runner"]).split("@")[1]:
-            ratio += f" vs {r['ratio_baseline']}"
-        cap = r["bucket_cap_mb"]
-        lines.append(
-            "| " + " | ".join([
-                cap if isinstance(cap, str) else _fmt(cap, "g"), r["mode"], r["backend"],
-                _fmt(r["step_ms_median"], ".1f"), ratio, _fmt(r.get("exposed_comm_ms"), ".1f"),
-                *([_fmt(r.get("predicted_exposed_comm_ms"), ".1f")] if predicted else []), _fmt(r.get("overlap"), ".2f"),
-                _fmt(r.get("compile_cold_s", r.get("compile_s")), ".1f"), _fmt(r.get("compile_warm_s"), ".1f"),
-                _fmt(r.get("partitions"), "d"), _fmt(r.get("alignment"), ".2f"), _fmt(r.get("loss_max_abs_diff"), ".2e"),
-            ]) + " |"
-        )
+    ordered = sorted(rows, key=lambda r: (isinstance(r["bucket_cap_mb"], str), str(r["bucket_cap_mb"])
+                                          if isinstance(r["bucket_cap_mb"], str) else r["bucket_cap_mb"],
+                                          r.get("mode_order", 0)))
+    table = markdown_table(headers, [_cells(r, predicted) for r in ordered])
     parts = []
     sweep = any(r.get("runner") and r["runner"] != r["mode"] for r in rows)
     if rows:
@@ -88,7 +80,7 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
         )
     if rows and rows[0].get("command"):
         parts.append(f"Command: `{rows[0]['command']}`")
-    parts.append("\n".join(lines))
+    parts.append(table)
     if sweep:
         from .sweep import format_summary, sweep_summary
 
@@ -100,67 +92,9 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
     return "\n\n".join(parts)
 
 
-def replace_section(text: str, body: str, start: str = START, end: str = END) -> str:
-    """``text`` with everything between the ``start`` and ``end`` markers replaced by ``body``.
-
-    Raises:
-        ValueError: a marker is missing, repeated or out of order.
-    """
-    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
-        raise ValueError(
-            f"Expected exactly one {start!r} followed by one {end!r} in the file, found "
-            f"{text.count(start)} start and {text.count(end)} end marker(s). Add the two markers "
-            "where the results belong; nothing outside them is touched."
-        )
-    head, rest = text.split(start)
-    _, tail = rest.split(end)
-    return f"{head}{start}\n{body}\n{end}{tail}"
-
-
-PADDING_START = "<!-- bench:padding:start -->"
-PADDING_END = "<!-- bench:padding:end -->"
-
-
-def padding_markdown(result: dict) -> str:
-    """The ``bench:padding`` section: one table line per padding strategy
-    (``python -m benchmarks.padding_compare`` JSON)."""
-    rows = result["rows"]
-    lines = ["| padding | real tokens/s | tokens/s incl. padding | padding waste | compile s (warm-up) "
-             "| graphs | recompiles | after warm-up | shapes seen | median step ms | final loss |",
-             "|" + "---|" * 11]
-    for r in rows:
-        name = r["padding"] + (f" ({r['pad_multiple']})" if r["padding"] == "multiple" else "")
-        lines.append("| " + " | ".join([
-            name, _fmt(r.get("real_tokens_per_s"), ",.0f"), _fmt(r.get("tokens_per_s"), ",.0f"),
-            _fmt(100 * r["padding_waste"] if r.get("padding_waste") is not None else None, ".1f") + "%",
-            _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("graphs"), "d"), _fmt(r.get("recompiles"), "d"),
-            _fmt(r.get("recompiles_after_warmup"), "d"), _fmt(r.get("shapes_seen"), "d"),
-            _fmt(r.get("median_step_ms"), ".1f"), _fmt(r.get("final_loss"), ".4f"),
-        ]) + " |")
-    meta = result.get("meta", {})
-    text = (
-        f"Backend `{meta.get('backend', '?')}` on {meta.get('device', '?')}, {meta.get('nproc', '?')} rank(s), "
-        f"`{meta.get('model', '?')}`, global batch {meta.get('batch_size', '?')} x seq_len {meta.get('seq_len', '?')}, "
-        f"skewed lengths (log-normal around seq_len/8), {meta.get('steps', '?')} steps per run, "
-        f"{meta.get('rounds', '?')} round(s) with the strategies in rotating order, each run a fresh process "
-        "and a fresh inductor cache; medians over rounds. Every run warms up first "
-        "(`train.no_recompile_after_warmup=true`): compile s = the warm-up pass (all graphs); real tokens/s "
-        "counts only non-padding tokens, over the steps after the first. "
-        "Generated by `python -m benchmarks.padding_compare` (`--render` re-renders from the JSON)."
-    )
-    parts = [text]
-    if meta.get("command"):
-        parts.append(f"Command: `{meta['command']}`")
-    parts.append("\n".join(lines))
-    return "\n\n".join(parts)
-
-
-def update_padding_section(result: dict, target: str | Path) -> str:
-    """Rewrite ``target``'s ``bench:padding`` section from a padding_compare result."""
-    body = padding_markdown(result)
-    target = Path(target)
-    target.write_text(replace_section(target.read_text(), body, PADDING_START, PADDING_END))
-    return body
+def replace_section(text: str, body: str) -> str:
+    """``text`` with everything between the DDP markers replaced by ``body``."""
+    return report.replace_section(text, body, START, END)
 
 
 def update_file(json_path: str | Path | Sequence[str | Path], target: str | Path,
@@ -174,9 +108,7 @@ def update_file(json_path: str | Path | Sequence[str | Path], target: str | Path
     plots = [plot] if plot is None or isinstance(plot, str) else list(plot)
     plots += [None] * (len(paths) - len(plots))
     body = "\n\n".join(results_markdown(json.loads(Path(p).read_text()), plot=pl) for p, pl in zip(paths, plots))
-    target = Path(target)
-    target.write_text(replace_section(target.read_text(), body))
-    return body
+    return update_section(target, body, START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,8 @@ __all__ = ["median", "quantile", "iqr", "per_round_ratios", "ratio_summary", "ov
 def quantile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (numpy's default method); NaN for no values."""
     if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile q={q} must lie in [0, 1].")
+        raise ValueError(f"quantile q={q} must lie in [0, 1]: it is the fraction of values below the result; "
+                         "pass 0.25 for the first quartile.")
     xs = sorted(float(v) for v in values)
     if not xs:
         return math.nan

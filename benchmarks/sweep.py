@@ -20,7 +20,7 @@ Runners (each its own GPT copy, same seed, same batches, own DDP):
 - ``builtin@C`` for every numeric cap;
 - ``eager`` and ``nosplit`` (when in ``--modes``) once, at DDP's default cap 25.
 
-Algorithm: build all runners; compile each with one step (one ``dynamo.reset()``
+Algorithm: build all runners; compile each with one step (one ``torch.compiler.reset()``
 before the first, no fresh cache dirs, so "cold s" is only indicative: later
 runners reuse what earlier ones compiled; the warm-compile phase of ``run_cap``
 is skipped: it would cost a second compile of every runner); then the same
@@ -38,73 +38,67 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from .harness import COMPILED, BenchConfig, ModeRunner, build_mode, cap_label, print0, row_for, run_step, _measure
+from .core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring
+from .ddp_bench import BenchConfig, row_for, run_round, run_step
 from .link import SimulatedLink
+from .modes_ddp import DDP_MODES, DEFAULT_CAP, DDPRunner, build_runner
+from .report import cap_label, fmt, markdown_table, print0
 from .stats import ratio_summary
 
 __all__ = ["sweep_runners", "run_sweep", "sweep_summary", "format_summary", "DEFAULT_CAP"]
 
-DEFAULT_CAP = 25.0  # DDP's and PyTorch's splitter's default bucket_cap_mb
-
 
 def sweep_runners(modes: Sequence[str], caps: Sequence[float | str]) -> list[tuple[str, float | str]]:
-    """The (mode, cap) pairs a sweep measures, in build order."""
-    numeric = [c for c in caps if c != "auto"]
-    pairs: list[tuple[str, float | str]] = []
-    for mode in modes:
-        if mode in ("eager", "nosplit"):
-            pairs.append((mode, DEFAULT_CAP))
-        elif mode == "builtin":
-            pairs += [(mode, c) for c in numeric]
-        elif mode == "ours":
-            pairs += [(mode, c) for c in caps]
-    return pairs
+    """The (mode, cap) pairs a sweep measures, in build order (each mode's ``sweep_caps``)."""
+    return [(mode, cap) for mode in modes for cap in DDP_MODES[mode].sweep_caps(caps)]
+
+
+def _cost_model(link: SimulatedLink):
+    """One cost model for every runner that plans with one (``ddp_opt.CostModel``)."""
+    from ddp_opt import CostModel, measure_link, measure_rates
+
+    cost = CostModel(measure_link(link.probe), measure_rates())
+    print0(f"[sweep] cost model: link {cost.link.alpha_s * 1e3:.3g} ms + {cost.link.bandwidth / 1e6:.4g} MB/s "
+           f"(measured through the simulated link), matmul {cost.rates.flops / 1e9:.3g} GFLOP/s, copy "
+           f"{cost.rates.bytes / 1e9:.3g} GB/s, {cost.rates.op_s * 1e6:.2g} us/op")
+    return cost
+
+
+def _print_auto_plans(runners: Sequence[DDPRunner]) -> None:
+    """The plans made at cap auto (known once compiled), with their predicted times."""
+    from ddp_opt.cost import describe
+
+    for r in runners:
+        pred = r.mode.prediction(r)
+        if pred is not None and r.cap == "auto":
+            print0(f"[sweep] {r.label} plan:\n{describe(pred, r.mode.plan(r))}")
 
 
 def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
     """Build, compile and measure every (mode, cap) pair in one phase; rank 0 gets the rows."""
-    from ddp_opt import CostModel, measure_link, measure_rates
-
-    torch._dynamo.reset()
+    torch.compiler.reset()
     # One cost model for every ours runner: auto plans with it, fixed caps are predicted with it.
-    cost = None
-    if "ours" in cfg.modes:
-        cost = CostModel(measure_link(link.probe), measure_rates())
-        print0(f"[sweep] cost model: link {cost.link.alpha_s * 1e3:.3g} ms + {cost.link.bandwidth / 1e6:.4g} MB/s "
-               f"(measured through the simulated link), matmul {cost.rates.flops / 1e9:.3g} GFLOP/s, copy "
-               f"{cost.rates.bytes / 1e9:.3g} GB/s, {cost.rates.op_s * 1e6:.2g} us/op")
-    runners: list[ModeRunner] = []
+    cost = _cost_model(link) if any(DDP_MODES[m].plans_auto for m in cfg.modes) else None
+    runners: list[DDPRunner] = []
     for mode, cap in sweep_runners(cfg.modes, cfg.caps):
-        r = build_mode(mode, cfg, cap, link, cost_model=cost if mode == "ours" else None)
-        r.cap = cap
-        runners.append(r)
-    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
-        for r in runners:
-            compiled = r.mode in COMPILED
-            print0(f"[sweep] compile step: {r.label}{' (compiling...)' if compiled else ''}", end=" ")
-            r.first_step_s.append(run_step(r, cfg, link)[0])
-            print0(f"{r.first_step_s[-1]:.1f} s")
-            pred = getattr(r.fn, "prediction", None) if r.mode == "ours" else None
-            if pred is not None and r.cap == "auto":
-                from ddp_opt.cost import describe
-
-                print0(f"[sweep] {r.label} plan:\n{describe(pred, r.fn.buckets)}")
-        _measure(runners, cfg, link, "sweep")
-    losses = {r.label: r.losses for r in runners}
-    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, losses)
-    if dist.get_rank() != 0:
+        runners.append(build_runner(mode, cfg, cap, link, cost_model=cost))
+        runners[-1].cap = cap
+    with measuring(runners):
+        first_steps(runners, lambda r: run_step(r, cfg, link)[0], phase="compile step", prefix="[sweep] ")
+        _print_auto_plans(runners)
+        measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured),
+                       "[sweep] ")
+    gathered = gather_rank0({"losses": {r.label: r.losses for r in runners}})
+    if gathered is None:
         return []
     by_label = {r.label: r for r in runners}
-    eager = next((r.label for r in runners if r.mode == "eager"), None)
+    reference = loss_reference(runners)
     rows = []
     for order, r in enumerate(runners):
-        same_cap = f"builtin@{cap_label(r.cap)}" if r.cap != "auto" else None
-        base = by_label.get(same_cap) if r.mode not in ("eager", "nosplit") else None
-        base = base or by_label.get(f"builtin@{cap_label(DEFAULT_CAP)}")
-        rows.append(row_for(r, cfg, r.cap, order, base, gathered, eager))
+        # builtin at the runner's cap; builtin's default cap for auto (and when builtin@C did not run)
+        base = by_label.get(f"builtin@{cap_label(r.cap)}") or by_label.get(f"builtin@{cap_label(DEFAULT_CAP)}")
+        rows.append(row_for(r, cfg, r.cap, order, base, gathered, reference))
     return rows
 
 
@@ -159,22 +153,17 @@ def format_summary(summary: dict | None) -> str:
     """The summary as Markdown lines (empty without an auto row)."""
     if summary is None:
         return ""
-    lines = [
-        f"**`ours@auto` on link `{summary['link']}`**: median step {summary['auto_step_ms']:.1f} ms, "
-        f"{summary['auto_partitions']} partitions, alignment {_f(summary['auto_alignment'], '.2f')}, overlap "
-        f"{_f(summary['auto_overlap'], '.2f')}; exposed comm measured {_f(summary['auto_exposed_comm_ms'], '.1f')} ms "
-        f"vs predicted {_f(summary['auto_predicted_exposed_comm_ms'], '.1f')} ms.",
-        "",
-        "| auto against | runner | its step ms | auto / it (median of per-round ratios) [IQR] |",
-        "|---|---|---|---|",
-    ]
-    for v in summary["vs"]:
-        lines.append(f"| {v['against']} | {v['runner']} | {v['step_ms']:.1f} | {_f(v['ratio'], '.3f')} "
-                     f"[{_f(v['ratio_q1'], '.3f')}, {_f(v['ratio_q3'], '.3f')}] |")
+    table = markdown_table(
+        ["auto against", "runner", "its step ms", "auto / it (median of per-round ratios) [IQR]"],
+        [[v["against"], v["runner"], f"{v['step_ms']:.1f}",
+          f"{fmt(v['ratio'], '.3f')} [{fmt(v['ratio_q1'], '.3f')}, {fmt(v['ratio_q3'], '.3f')}]"]
+         for v in summary["vs"]])
     checks = ", ".join(f"{k}: {'n/a' if ok is None else 'yes' if ok else 'no'}" for k, ok in summary["checks"].items())
-    lines += ["", f"Done-when checks (this link): {checks}."]
-    return "\n".join(lines)
-
-
-def _f(value, spec: str) -> str:
-    return "-" if value is None or value != value else format(value, spec)
+    return "\n".join([
+        f"**`ours@auto` on link `{summary['link']}`**: median step {summary['auto_step_ms']:.1f} ms, "
+        f"{summary['auto_partitions']} partitions, alignment {fmt(summary['auto_alignment'], '.2f')}, overlap "
+        f"{fmt(summary['auto_overlap'], '.2f')}; exposed comm measured "
+        f"{fmt(summary['auto_exposed_comm_ms'], '.1f')} ms "
+        f"vs predicted {fmt(summary['auto_predicted_exposed_comm_ms'], '.1f')} ms.",
+        "", table, "", f"Done-when checks (this link): {checks}.",
+    ])

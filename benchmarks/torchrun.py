@@ -1,4 +1,6 @@
-"""Run a benchmark module under torchrun when it was started as a plain script."""
+"""Starting benchmark processes: a benchmark module under torchrun when it was started
+as a plain script (``relaunch``), and the checked child runs of the benchmarks that
+time whole jobs (``torchrun_command``, ``run_checked``)."""
 
 from __future__ import annotations
 
@@ -6,13 +8,20 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
-__all__ = ["inside_torchrun", "relaunch"]
+__all__ = ["inside_torchrun", "relaunch", "here_or_relaunched", "torchrun_command", "run_checked"]
 
 
 def inside_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ
+
+
+def torchrun_command(module: str, args: Sequence[str], nproc: int) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N -m module args``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", module, *args]
 
 
 def _without_nproc(argv: Sequence[str]) -> list[str]:
@@ -35,8 +44,32 @@ def relaunch(module: str, argv: Sequence[str], nproc: int, command_env: str) -> 
     the results can record how to reproduce them. ``--nproc`` is the launcher's, not the
     workers': torchrun's parser takes it for an abbreviation of its own ``--nproc-per-node``
     and stops, so it is left out of the workers' arguments."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *_without_nproc(argv)]
+    cmd = torchrun_command(module, _without_nproc(argv), nproc)
     print(f"launching: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     env = dict(os.environ, **{command_env: shlex.join(["python", "-m", module, *argv])})
     return subprocess.call(cmd, env=env)
+
+
+def here_or_relaunched(module: str, argv: Sequence[str], nproc: int, command_env: str,
+                       worker: Callable[[], int]) -> int:
+    """``worker()`` when this process is a torchrun rank; otherwise ``relaunch`` the module."""
+    if inside_torchrun():
+        return worker()
+    return relaunch(module, argv, nproc, command_env)
+
+
+def run_checked(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float, what: str | None = None,
+                cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to the end with its output captured.
+
+    Raises:
+        RuntimeError: it exited non-zero; the message carries the tail of its output.
+    """
+    proc = subprocess.run(list(cmd), cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{what or shlex.join(cmd)} failed with exit code {proc.returncode}, so this benchmark has no "
+            f"result for it. The tail of its output follows; run `{shlex.join(cmd)}` alone to see all of it."
+            f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return proc

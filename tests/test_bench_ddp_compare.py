@@ -32,7 +32,7 @@ def test_bad_link_fails_before_launching():
 
 
 def test_bad_mode_and_small_cap_are_named():
-    from benchmarks.harness import BenchConfig
+    from benchmarks.ddp_bench import BenchConfig
 
     with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours"):
         BenchConfig(modes=("eager", "fast"))
@@ -42,7 +42,7 @@ def test_bad_mode_and_small_cap_are_named():
 
 
 def test_baseline_must_run_and_regional_stays_out_of_sweeps():
-    from benchmarks.harness import BenchConfig
+    from benchmarks.ddp_bench import BenchConfig
 
     with pytest.raises(ValueError, match="--baseline nosplit is not among --modes eager,ours.*Add nosplit to --modes"):
         BenchConfig(modes=("eager", "ours"), baseline="nosplit")

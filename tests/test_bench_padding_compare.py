@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.padding_compare import _overrides, parse_args, summarize
-from benchmarks.readme_results import PADDING_END, PADDING_START, padding_markdown, update_padding_section
+from benchmarks.padding_compare import END as PADDING_END
+from benchmarks.padding_compare import START as PADDING_START
+from benchmarks.padding_compare import _overrides, padding_markdown, parse_args, summarize, update_padding_section
 
 
 def _metrics(real_tps, waste, warmup_s, graphs=4, recompiles=3):

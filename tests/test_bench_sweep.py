@@ -24,7 +24,7 @@ def test_sweep_pairs_every_cap_with_ours_and_builtin_and_auto_with_ours_only():
 
 
 def test_caps_parse_auto_and_auto_needs_sweep():
-    from benchmarks.harness import BenchConfig
+    from benchmarks.ddp_bench import BenchConfig
 
     args = parse_args(["--sweep", "--caps", "1,4,25,auto"])
     assert args.sweep and args.caps == (1.0, 4.0, 25.0, "auto")

@@ -1,0 +1,236 @@
+"""The interleaved DDP benchmark, run inside each torchrun rank (see Note [Interleaved
+DDP benchmark]). ``run_cap`` measures every mode at one bucket cap and returns
+rank 0's rows; ``benchmarks.sweep`` measures every (mode, cap) pair at once;
+``ddp_compare`` is the command line around both.
+
+Note [Interleaved DDP benchmark]
+--------------------------------
+Background and the shared schedule: Note [Interleaved benchmark core] in
+``benchmarks.core``.
+
+Modes (``benchmarks.modes_ddp``): ``eager`` (DDP, no compile), ``builtin``
+(``torch.compile(ddp)`` with PyTorch's splitter), ``nosplit``
+(``compile_ddp(ddp, split=False)``), ``ours`` (``compile_ddp(ddp)``: split at DDP's
+real buckets) and ``regional`` (``compile_ddp(ddp, regional=True)``: each
+transformer block compiled in place, one graph reused by every block, DDP's
+buckets made of whole blocks; Note [Regional compile] in ``ddp_opt.regional``).
+Every DDP model gets the simulated-link comm hook (Note [Simulated link]).
+
+Algorithm, per bucket cap:
+
+1. Cold compile: ``first_steps`` with a fresh Inductor cache directory per
+   compiled mode.
+2. Warm compile: ``first_steps`` again after one reset, each mode in the *same*
+   cache directory as its cold compile: what a restarted job with a warm on-disk
+   cache pays (FX graph / AOTAutograd cache hits; partitions that skip those
+   caches recompile). The cache hits and misses of both compiles are recorded.
+3. Rounds: each round runs, for every mode in turn (the order rotates), one
+   synchronised step (forward, backward with all-reduce, SGD step) and one
+   ``no_sync`` step (forward, backward, no all-reduce, no SGD step). A barrier
+   precedes every timed step so one rank never waits on the other's previous step.
+
+Measured (rank 0's clocks; losses from all ranks):
+
+- step: wall time of the synchronised step; ratio vs builtin (or ``--baseline``)
+  is the median of per-round ratios, with the IQR.
+- compute: forward + backward under ``no_sync``; sync fb: forward + backward
+  with all-reduce. exposed comm = median over rounds of (sync fb - compute),
+  the two steps of a pair run back to back, so slow drifts of the machine cancel.
+- comm: the link's modelled seconds for the buckets actually reduced (from the
+  hook). overlap = (compute + comm - step) / min(compute, comm) with
+  step = compute + exposed, i.e. (comm - exposed) / min(compute, comm).
+- loss_max_abs_diff: max over ranks and synchronised steps of |loss - eager's
+  loss at the same step|.
+- recompiles: dynamo graphs compiled after the warm step.
+
+Notes: ``no_sync`` steps leave the weights alone, so all modes stay in lockstep;
+their gradients are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ._torch_internals import graphs_compiled
+from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
+    max_loss_diff, measure_rounds, measuring, step_stats
+from .link import LinkModel, SimulatedLink
+from .modes_ddp import DDP_MODES, DDPRunner, build_runner
+from .report import cap_label, nan_to_none
+from .stats import median, overlap_efficiency
+
+__all__ = ["BenchConfig", "run_cap", "run_step", "run_round", "row_for"]
+
+
+@dataclass(frozen=True)
+class BenchConfig(GPTJob):
+    """What one DDP benchmark job measures. The model is the repo's GPT at width 256 (~12.6 MiB of
+    gradients) unless told otherwise."""
+
+    modes: tuple[str, ...] = DDP_MODES.default
+    link: LinkModel = field(default_factory=LinkModel)
+    caps: tuple[float | str, ...] = (1.0, 4.0, 25.0)  # "auto": ours with compile_ddp(bucket_cap_mb="auto")
+    cache_root: str | None = None
+    sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.sweep)
+    # The mode whose per-round steps the ratio column divides by; None: builtin when it runs.
+    baseline: str | None = None
+
+    def __post_init__(self) -> None:
+        DDP_MODES.check(self.modes)
+        if self.baseline is not None and self.baseline not in self.modes:
+            raise ValueError(
+                f"--baseline {self.baseline} is not among --modes {','.join(self.modes)}: the ratio column divides "
+                f"each mode's step time by the baseline's, round by round, so the baseline must run too. Add "
+                f"{self.baseline} to --modes or pick --baseline from them."
+            )
+        if self.sweep and "regional" in self.modes:
+            raise ValueError(
+                "--sweep does not take the regional mode: a sweep varies the bucket cap, and regional compile's "
+                "buckets are whole blocks. Run regional without --sweep (python -m benchmarks.ddp_compare "
+                "--modes nosplit,ours,regional --baseline nosplit --layers 8)."
+            )
+        if "auto" in self.caps and not self.sweep:
+            raise ValueError(
+                "--caps auto needs --sweep: the auto plan is compared with fixed caps inside one interleaved phase "
+                "(ours@auto next to ours@1, builtin@1, ...). Add --sweep, or drop auto from --caps."
+            )
+        numeric = [c for c in self.caps if c != "auto"]
+        if "builtin" in self.modes and numeric and min(numeric) < 1:
+            raise ValueError(
+                f"--caps {','.join(cap_label(c) for c in self.caps)} has a cap below 1 MiB, which PyTorch's splitter "
+                "rejects (its first bucket is 1 MiB and must not exceed the cap). Use caps >= 1, or drop "
+                "builtin from --modes to sweep smaller caps."
+            )
+        super().__post_init__()
+
+
+def run_step(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, *, sync: bool = True) -> tuple[float, float, object]:
+    """One timed step: (step seconds, forward+backward seconds, link stats).
+
+    ``sync=False`` is the ``no_sync`` compute step: no all-reduce, no SGD step.
+    """
+    x, y = cfg.batch_at(r.step)
+    dist.barrier()
+    link.take_step_stats()
+    graphs0 = graphs_compiled()
+    with r.mode.during_step(r):
+        t0 = time.perf_counter()
+        with contextlib.nullcontext() if sync else r.ddp.no_sync():
+            _, loss = r.fn(x, y)
+            loss.backward()
+        t1 = time.perf_counter()
+        if sync:
+            r.opt.step()
+        t2 = time.perf_counter()
+    r.opt.zero_grad(set_to_none=True)
+    stats = link.take_step_stats()
+    r.compiles.append(graphs_compiled() - graphs0)
+    if sync:
+        r.losses.append(float(loss.detach()))
+        r.step += 1
+    return t2 - t0, t1 - t0, stats
+
+
+def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: bool) -> float:
+    """A synchronised step and a ``no_sync`` step, recorded when ``measured``; the step's seconds."""
+    step_s, sync_fb, stats = run_step(r, cfg, link, sync=True)
+    _, nosync_fb, _ = run_step(r, cfg, link, sync=False)
+    if measured:
+        r.step_s.append(step_s)
+        r.sync_fb_s.append(sync_fb)
+        r.nosync_fb_s.append(nosync_fb)
+        r.link_s.append(stats.link_s)
+        r.buckets_per_step.append(stats.buckets)
+        r.bucket_bytes = list(stats.sizes)
+    return step_s
+
+
+def _prediction(r: DDPRunner) -> dict:
+    """The cost model's prediction (ours with a cost model), flattened for the row."""
+    pred = r.mode.prediction(r)
+    if pred is None:
+        return {"predicted_backward_ms": None, "predicted_exposed_comm_ms": None, "predicted_comm_ms": None,
+                "predicted_link": None}
+    return {
+        "predicted_backward_ms": pred.backward_s * 1e3,
+        "predicted_exposed_comm_ms": pred.exposed_s * 1e3,
+        "predicted_comm_ms": sum(pred.link.transfer_s(b.nbytes) for b in pred.buckets) * 1e3,
+        "predicted_link": f"{pred.link.alpha_s * 1e3:.3g}ms,{pred.link.bandwidth / 1e6:.4g}MB/s",
+    }
+
+
+def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, base: DDPRunner | None,
+            gathered: list[dict], reference: str | None) -> dict:
+    """One result row. ``gathered``: per rank, ``{"losses": {runner label: losses}}``; ``base``: the
+    runner whose per-round steps the ratio is taken against (None: no ratio); ``reference``: the label
+    whose losses the others are compared with (None: no comparison)."""
+    steps = step_stats(r.step_s, base.step_s if base is not None else None)
+    compute, sync_fb, comm = median(r.nosync_fb_s), median(r.sync_fb_s), median(r.link_s)
+    exposed = median([s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)])
+    compiled = r.mode.compiled
+    first = r.first_step_s + [None] * (2 - len(r.first_step_s))
+    cold = compile_seconds(first[0], steps.median_s, compiled)
+    events = r.cache_events + [None] * (2 - len(r.cache_events))
+    plan = r.mode.plan(r)
+    return {
+        "mode": r.mode.name,
+        "backend": cfg.backend if compiled else "eager",
+        "link": cfg.link.label,
+        "bucket_cap_mb": cap_mb,
+        "step_ms_median": steps.median_s * 1e3,
+        "ratio_vs_builtin": steps.ratio,
+        "overlap": nan_to_none(overlap_efficiency(compute, comm, compute + exposed)) if cfg.link.enabled else None,
+        "compile_s": cold,
+        "partitions": r.mode.partitions(r),
+        "loss_max_abs_diff": max_loss_diff(gathered, r.label, reference),
+        "alignment": r.mode.alignment(r),
+        # extras
+        "runner": r.label,
+        "ratio_baseline": base.label if base is not None else None,
+        "mode_order": order,
+        "step_ms_q1": steps.q1_s * 1e3,
+        "step_ms_q3": steps.q3_s * 1e3,
+        "step_ms_rounds": [t * 1e3 for t in r.step_s],
+        "ratio_q1": steps.ratio_q1,
+        "ratio_q3": steps.ratio_q3,
+        "compile_cold_s": cold,
+        "compile_warm_s": compile_seconds(first[1], steps.median_s, compiled),
+        "first_step_cold_s": first[0],
+        "first_step_warm_s": first[1],
+        "compute_ms": compute * 1e3,
+        "sync_fb_ms": sync_fb * 1e3,
+        "comm_ms": comm * 1e3,
+        "exposed_comm_ms": exposed * 1e3,
+        **_prediction(r),
+        "ddp_buckets": int(median(r.buckets_per_step)),
+        "recompiles": sum(r.compiles[len(r.first_step_s):]),  # after the compile step(s)
+        "cold_cache": events[0],
+        "warm_cache": events[1],
+        "ddp_bucket_mib": [round(b / 2**20, 3) for b in r.bucket_bytes],
+        "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(plan)] if plan is not None else None,
+        **job_columns(cfg),
+        "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
+    }
+
+
+def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
+    """Build, compile and measure every mode at one bucket cap; rank 0 gets the rows."""
+    torch.compiler.reset()
+    runners = [build_runner(m, cfg, cap_mb, link) for m in cfg.modes]
+    prefix = f"[cap {cap_label(cap_mb)} MiB] "
+    with measuring(runners):
+        for phase, cache in (("cold compile", FRESH), ("warm compile", SAME)):
+            first_steps(runners, lambda r: run_step(r, cfg, link)[0], phase=phase, prefix=prefix, cache=cache,
+                        tag=f"ddpbench-cap{cap_label(cap_mb)}", cache_root=cfg.cache_root)
+        measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured), prefix)
+    gathered = gather_rank0({"losses": {r.label: r.losses for r in runners}})
+    if gathered is None:
+        return []
+    by_label = {r.label: r for r in runners}
+    base, reference = by_label.get(cfg.baseline or "builtin"), loss_reference(runners)
+    return [row_for(r, cfg, cap_mb, order, base, gathered, reference) for order, r in enumerate(runners)]

@@ -1,0 +1,219 @@
+"""The interleaved FSDP2 benchmark, run inside each torchrun rank (see Note
+[Interleaved FSDP benchmark]). ``run_fsdp`` builds and measures every mode and
+returns rank 0's rows; ``fsdp_compare`` is the command line around it.
+
+Note [Interleaved FSDP benchmark]
+---------------------------------
+Background and the shared schedule: Note [Interleaved benchmark core] in
+``benchmarks.core``.
+
+Modes (``FSDP_MODES``), all ``fsdp_opt.apply`` on the repo's GPT:
+
+- ``eager``: FSDP2, one shard unit per block, no compile, FSDP2's implicit prefetch.
+- ``per_block``: each block compiled before sharding, one unit per block, FSDP2's
+  implicit prefetch (``prefetch=0``): the usual torchtitan recipe.
+- ``grouped`` (ours): per-block compile, consecutive blocks grouped into shard
+  units of ``shard_unit_mb`` (Note [Shard unit grouping]) and explicit prefetch.
+
+Algorithm:
+
+1. First steps: ``first_steps`` with a fresh Inductor cache directory per compiled
+   mode. The blocks of all models share code objects, so a reset also drops the
+   other modes' graphs; they recompile during the warmup rounds.
+2. Rounds: each round runs one training step (forward, backward with FSDP's
+   all-gathers and reduce-scatters, SGD step) per mode, a barrier before each.
+
+Measured (rank 0's clocks; losses and memory from all ranks):
+
+- step: wall time of the step; ratio vs per_block is the median of per-round
+  ratios, with the IQR.
+- peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the mode's
+  measured steps (reset before each). On CPU there is no allocator counter per
+  mode; the rows carry each rank's process RSS high-water mark
+  (``ru_maxrss``) at the end, the same for every mode of the job.
+- loss_max_abs_diff: max over ranks and steps of |loss - eager's loss|.
+
+Notes: the simulated link of ``benchmarks.link`` is a DDP comm hook and does not
+apply here: FSDP's collectives run over plain gloo (loopback on one machine) or
+NCCL.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_opt
+
+from .core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps, gather_rank0, job_columns, \
+    loss_reference, max_loss_diff, measure_rounds, measuring, step_stats
+
+__all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "run_fsdp"]
+
+MiB = 2**20
+BASELINE = "per_block"  # the mode the ratio column (ratio_vs_per_block) divides by, round by round
+
+
+@dataclass(frozen=True)
+class FSDPMode:
+    """One way to shard (and compile) the GPT with ``fsdp_opt.apply``."""
+
+    name: str
+    summary: str
+    compiled: bool
+    grouped: bool = False  # blocks grouped into shard units of shard_unit_mb, explicit prefetch
+
+    def apply_kwargs(self, cfg: FSDPBenchConfig) -> dict:
+        """``fsdp_opt.apply`` keywords of this mode."""
+        kwargs = dict(compile=cfg.backend if self.compiled else None, prefetch=cfg.prefetch if self.grouped else 0)
+        if self.grouped:
+            kwargs["shard_unit_mb"] = cfg.shard_unit_mb
+        return kwargs
+
+
+FSDP_MODES: ModeTable[FSDPMode] = ModeTable([
+    FSDPMode("eager", "FSDP2 without compile, one shard unit per block", compiled=False),
+    FSDPMode("per_block", "each block compiled, one shard unit per block, FSDP2's implicit prefetch", compiled=True),
+    FSDPMode("grouped", "per-block compile, blocks grouped into shard units, explicit prefetch", compiled=True,
+             grouped=True),
+], default=("eager", "per_block", "grouped"))
+
+
+@dataclass(frozen=True)
+class FSDPBenchConfig(GPTJob):
+    """What one FSDP benchmark job measures: the repo's GPT, 8 blocks of width 128
+    (~0.76 MiB of float32 parameters each), grouped into ~2 MiB units, unless told otherwise."""
+
+    warmup: int = 2
+    layers: int = 8
+    embd: int = 128
+    modes: tuple[str, ...] = FSDP_MODES.default
+    shard_unit_mb: float = 2.0
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        FSDP_MODES.check(self.modes)
+        super().__post_init__()
+        if not self.shard_unit_mb > 0 or self.prefetch < 0:
+            raise ValueError(
+                f"--shard-unit-mb must be > 0 and --prefetch >= 0, got {self.shard_unit_mb} and {self.prefetch}: "
+                "a shard unit needs a positive size and prefetch counts units ahead. Pass --shard-unit-mb 2 "
+                "--prefetch 1 (the defaults), or --prefetch 0 for FSDP2's implicit prefetch."
+            )
+
+
+@dataclass(kw_only=True)
+class FSDPRunner(Runner):
+    """One mode's sharded model, optimizer, plan and measurements."""
+
+    mode: FSDPMode
+    model: nn.Module
+    plan: fsdp_opt.FSDPPlan
+    peak_bytes: list[int] = field(default_factory=list)  # CUDA only, one per measured step
+
+
+def _on_cuda() -> bool:
+    return torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower()
+
+
+def build_runner(name: str, cfg: FSDPBenchConfig) -> FSDPRunner:
+    """Mode ``name`` on a new GPT (same seed for every mode, so the same weights)."""
+    mode = FSDP_MODES[name]
+    device = torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
+    model = cfg.new_model().to(device)
+    plan = fsdp_opt.apply(model, **mode.apply_kwargs(cfg))
+    return FSDPRunner(mode=mode, model=model, plan=plan, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
+
+
+def run_step(r: FSDPRunner, cfg: FSDPBenchConfig) -> float:
+    """One timed training step (forward, backward, SGD step); returns its seconds."""
+    cuda = _on_cuda()
+    x, y = cfg.batch_at(r.step, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    _, loss = r.model(x, y)
+    loss.backward()
+    r.opt.step()
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    r.opt.zero_grad(set_to_none=True)
+    if cuda:
+        r.peak_bytes.append(torch.cuda.max_memory_allocated())
+    r.losses.append(float(loss.detach()))
+    r.step += 1
+    return dt
+
+
+def run_round(r: FSDPRunner, cfg: FSDPBenchConfig, measured: bool) -> float:
+    """One step, its time (and peak memory) kept when ``measured``; the step's seconds."""
+    peaks = len(r.peak_bytes)
+    step_s = run_step(r, cfg)
+    if measured:
+        r.step_s.append(step_s)
+    else:
+        del r.peak_bytes[peaks:]
+    return step_s
+
+
+def _rss_hwm_mib() -> float:
+    """This process's resident-set high-water mark (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | None, gathered: list[dict],
+         reference: str | None) -> dict:
+    steps = step_stats(r.step_s, base.step_s if base is not None else None)
+    cuda = _on_cuda()
+    peak = [g["peak_mib"][r.label] for g in gathered] if cuda else [g["rss_hwm_mib"] for g in gathered]
+    return {
+        "mode": r.mode.name,
+        "backend": cfg.backend if r.mode.compiled else "eager",
+        "transport": str(dist.get_backend()),  # no simulated link: FSDP's collectives as they are
+        "step_ms_median": steps.median_s * 1e3,
+        "ratio_vs_per_block": steps.ratio,
+        "peak_mem_mib_per_rank": peak,
+        "peak_mem_kind": "cuda max_memory_allocated" if cuda else "process RSS high-water mark (all modes)",
+        "loss_max_abs_diff": max_loss_diff(gathered, r.label, reference),
+        "units": len(r.plan.units),
+        # extras
+        "unit_mib": [round(u.size / MiB, 3) for u in r.plan.units],
+        "root_mib": round(r.plan.root_bytes / MiB, 3),
+        "prefetch": r.plan.config.prefetch,
+        "shard_unit_mb": r.plan.config.shard_unit_mb,
+        "compile_s": compile_seconds(r.first_step_s[0], steps.median_s, r.mode.compiled),
+        "first_step_s": r.first_step_s[0],
+        "mode_order": order,
+        "step_ms_q1": steps.q1_s * 1e3,
+        "step_ms_q3": steps.q3_s * 1e3,
+        "ratio_q1": steps.ratio_q1,
+        "ratio_q3": steps.ratio_q3,
+        **job_columns(cfg),
+        "param_mib": sum(u.size for u in r.plan.units) / MiB + r.plan.root_bytes / MiB,
+    }
+
+
+def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
+    """Build, compile and measure every mode; rank 0 gets the rows, other ranks []."""
+    torch.compiler.reset()
+    runners = [build_runner(m, cfg) for m in cfg.modes]
+    with measuring(runners):
+        first_steps(runners, lambda r: run_step(r, cfg), phase="first step", cache=FRESH, tag="fsdpbench")
+        measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, measured))
+    gathered = gather_rank0({
+        "losses": {r.label: r.losses for r in runners},
+        "peak_mib": {r.label: max(r.peak_bytes, default=0) / MiB for r in runners},
+        "rss_hwm_mib": _rss_hwm_mib(),
+    })
+    if gathered is None:
+        return []
+    base, reference = next((r for r in runners if r.label == BASELINE), None), loss_reference(runners)
+    return [_row(r, cfg, order, base, gathered, reference) for order, r in enumerate(runners)]

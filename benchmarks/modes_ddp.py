@@ -1,0 +1,214 @@
+"""The DDP benchmark's modes, one object each, registered in ``DDP_MODES``, and the
+runner that carries a mode's DDP model through ``benchmarks.core``.
+
+Every mode wraps the same DDP model (same seed, same bucket cap) and gets the
+simulated-link comm hook (Note [Simulated link]); what differs is how it compiles,
+and so what it can report: partitions, alignment with DDP's buckets, a bucket plan,
+the cost model's prediction, and which caps a sweep runs it at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, ContextManager, Sequence
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from compiler import resolve_backend
+from ddp_opt import compile_ddp, measure_alignment
+
+from ._torch_internals import BuiltinBuckets
+from .core import ModeTable, Runner
+from .link import SimulatedLink
+from .report import cap_label
+
+__all__ = ["DDPMode", "DDP_MODES", "DDPRunner", "build_runner", "DEFAULT_CAP"]
+
+DEFAULT_CAP = 25.0  # DDP's and PyTorch's splitter's default bucket_cap_mb
+
+
+@dataclass(kw_only=True)
+class DDPRunner(Runner):
+    """One mode's DDP model, compiled callable, optimizer and measurements."""
+
+    mode: DDPMode
+    ddp: DDP
+    fn: Callable
+    cap: float | str | None = None  # set in a sweep, where one mode runs at several caps
+    sync_fb_s: list[float] = field(default_factory=list)  # forward+backward with all-reduce, per measured round
+    nosync_fb_s: list[float] = field(default_factory=list)  # the same under no_sync
+    link_s: list[float] = field(default_factory=list)
+    buckets_per_step: list[int] = field(default_factory=list)
+    bucket_bytes: list[int] = field(default_factory=list)  # DDP's buckets in launch order, last sync step
+    compiles: list[int] = field(default_factory=list)  # dynamo graphs compiled, per step
+    builtin_log: BuiltinBuckets | None = None
+
+    @property
+    def label(self) -> str:
+        """``ours@4``, ``ours@auto`` in a sweep; the mode alone otherwise."""
+        return self.mode.name if self.cap is None else f"{self.mode.name}@{cap_label(self.cap)}"
+
+
+class DDPMode:
+    """How one mode compiles the DDP model, and what it can report about itself."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line: what the mode runs
+    compiled: ClassVar[bool] = True
+    plans_auto: ClassVar[bool] = False  # takes cap "auto" and a cost model
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        """Set ``r.fn`` to the callable a step runs; register the link's comm hook."""
+        r.ddp.register_comm_hook(link, SimulatedLink.hook)
+
+    def during_step(self, r: DDPRunner) -> ContextManager:
+        """What a timed step runs inside."""
+        return contextlib.nullcontext()
+
+    def partitions(self, r: DDPRunner) -> int | None:
+        return 1
+
+    def plan(self, r: DDPRunner) -> list | None:
+        """The planned buckets (``ddp_opt.Bucket``, backward order), for modes that plan."""
+        return None
+
+    def alignment(self, r: DDPRunner) -> float | None:
+        """Fraction of gradient bytes whose runtime DDP bucket is exactly one partition; None
+        where there are no partitions or their plan is not known."""
+        return None
+
+    def prediction(self, r: DDPRunner) -> Any:
+        """The cost model's prediction for the plan (``ddp_opt`` Timeline), if any."""
+        return None
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        """The caps a sweep (``benchmarks.sweep``) runs this mode at."""
+        return [DEFAULT_CAP]
+
+
+def _fraction(r: DDPRunner, plan: list | None) -> float | None:
+    measured = measure_alignment(r.ddp, plan)
+    return measured.fraction if measured is not None else None
+
+
+class Eager(DDPMode):
+    name, summary, compiled = "eager", "DDP, no compile", False
+
+    def partitions(self, r: DDPRunner) -> int | None:
+        return None
+
+
+class Builtin(DDPMode):
+    name, summary = "builtin", "torch.compile(ddp) with PyTorch's splitter (optimize_ddp at its default)"
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        super().wrap(r, backend, cap, link, cost_model)
+        # A backend object of its own: dynamo shares compiled code between model
+        # instances (parameters are graph inputs) whenever the backends compare
+        # equal, and torch's backend wrappers compare by settings. Without this a
+        # second builtin runner at another cap would silently run the first one's
+        # split graph (partitions planned for the first runner's cap).
+        r.fn = torch.compile(r.ddp, backend=functools.partial(resolve_backend(backend)))
+        r.builtin_log = BuiltinBuckets()
+
+    def during_step(self, r: DDPRunner) -> ContextManager:
+        return r.builtin_log.listening()
+
+    def partitions(self, r: DDPRunner) -> int | None:
+        counts = r.builtin_log.counts
+        return counts[-1] if counts else 1  # PyTorch logs nothing when it does not split
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        return [c for c in caps if c != "auto"]
+
+
+class NoSplit(DDPMode):
+    name, summary = "nosplit", "compile_ddp(ddp, split=False): compiled, no splitting at all"
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        super().wrap(r, backend, cap, link, cost_model)
+        r.fn = compile_ddp(r.ddp, backend=backend, split=False)
+
+    def alignment(self, r: DDPRunner) -> float | None:
+        return _fraction(r, None)  # the whole graph is one partition
+
+
+class _Planned(DDPMode):
+    """compile_ddp with a bucket plan (``.buckets``). It re-creates DDP's reducer to align
+    the buckets with the partitions; a hook registered through it survives that."""
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        r.fn = self.compile(r.ddp, backend, cap, link, cost_model)
+        r.fn.register_comm_hook(link, SimulatedLink.hook)
+
+    def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
+        raise NotImplementedError
+
+    def plan(self, r: DDPRunner) -> list | None:
+        return r.fn.buckets
+
+    def alignment(self, r: DDPRunner) -> float | None:
+        return _fraction(r, r.fn.buckets)
+
+
+class Ours(_Planned):
+    name, summary = "ours", "compile_ddp(ddp): split at DDP's real buckets"
+    plans_auto = True
+
+    def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
+        # With cap auto the link is measured through the same simulated link the gradients
+        # take; a given cost model plans auto and predicts fixed caps.
+        more = {}
+        if cap == "auto" or cost_model is not None:
+            more = dict(bucket_cap_mb="auto" if cap == "auto" else None,
+                        link=cost_model if cost_model is not None else link.probe)
+        return compile_ddp(ddp, backend=backend, **more)
+
+    def partitions(self, r: DDPRunner) -> int | None:
+        return len(r.fn.buckets) or 1
+
+    def prediction(self, r: DDPRunner) -> Any:
+        return getattr(r.fn, "prediction", None)
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        return list(caps)
+
+
+class Regional(_Planned):
+    name, summary = "regional", "compile_ddp(ddp, regional=True): each block compiled in place, the rest eager"
+
+    def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
+        # A backend object of its own, as for builtin: the blocks never run another runner's compiled code.
+        return compile_ddp(ddp, backend=functools.partial(resolve_backend(backend)), regional=True)
+
+    def partitions(self, r: DDPRunner) -> int | None:
+        return 1  # one block graph, compiled once, run by every block
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        return []  # its buckets are whole blocks: no cap to sweep (BenchConfig rejects it)
+
+
+DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), Regional()],
+                                          default=("eager", "builtin", "nosplit", "ours"))
+
+
+def build_runner(name: str, cfg: Any, cap: float | str, link: SimulatedLink, cost_model: Any = None) -> DDPRunner:
+    """Mode ``name`` on a new GPT (same seed for every mode) in DDP at bucket cap ``cap``.
+
+    ``cfg`` is a ``ddp_bench.BenchConfig``; ``cost_model`` (a ``ddp_opt.CostModel``):
+    a mode that ``plans_auto`` plans with it at cap auto and predicts with it at fixed caps.
+    """
+    mode = DDP_MODES[name]
+    auto = cap == "auto"
+    if auto and not mode.plans_auto:
+        takes = [m for m in DDP_MODES.names if DDP_MODES[m].plans_auto]
+        raise ValueError(f"cap 'auto' is compile_ddp's cost-model plan, and mode {name!r} has no such option: "
+                         f"only {', '.join(takes)} plan(s) with a cost model. Give {name} numeric caps.")
+    model = cfg.new_model()
+    ddp = DDP(model, bucket_cap_mb=None if auto else cap)
+    r = DDPRunner(mode=mode, ddp=ddp, fn=ddp, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
+    mode.wrap(r, cfg.backend, cap, link, cost_model)
+    return r

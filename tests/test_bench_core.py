@@ -1,0 +1,119 @@
+"""benchmarks.core, the mode tables, benchmarks.report and benchmarks._torch_internals,
+without a process group: registration, the row pieces, the round loop, the tables."""
+
+import argparse
+import json
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks._torch_internals import BuiltinBuckets, cache_counts, graphs_compiled
+from benchmarks.cli import publish
+from benchmarks.core import Runner, compile_seconds, first_steps, loss_reference, max_loss_diff, measure_rounds, \
+    step_stats
+from benchmarks.ddp_bench import BenchConfig
+from benchmarks.fsdp_bench import FSDP_MODES, FSDPBenchConfig
+from benchmarks.modes_ddp import DDP_MODES, DEFAULT_CAP, build_runner
+from benchmarks.report import cap_label, fmt, markdown_table, with_iqr
+
+
+def test_every_ddp_mode_is_registered_and_describes_itself():
+    assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "regional")
+    for name in DDP_MODES.names:
+        assert DDP_MODES[name].name == name and DDP_MODES[name].summary
+        assert DDP_MODES.describe([name]) == f"  {name}: {DDP_MODES[name].summary}"
+    assert [n for n in DDP_MODES.names if not DDP_MODES[n].compiled] == ["eager"]
+    assert [n for n in DDP_MODES.names if DDP_MODES[n].plans_auto] == ["ours"]
+    caps = (1.0, 4.0, "auto")
+    assert {n: DDP_MODES[n].sweep_caps(caps) for n in DDP_MODES.names} == {
+        "eager": [DEFAULT_CAP], "builtin": [1.0, 4.0], "nosplit": [DEFAULT_CAP], "ours": [1.0, 4.0, "auto"],
+        "regional": []}
+
+
+def test_an_unknown_mode_names_the_valid_ones():
+    with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours, regional. Leave --modes out"):
+        DDP_MODES["fast"]
+    with pytest.raises(ValueError, match="valid modes are eager, per_block, grouped"):
+        FSDP_MODES.check(())
+
+
+def test_fsdp_modes_give_their_apply_keywords():
+    cfg = FSDPBenchConfig(backend="aot_eager", shard_unit_mb=3.0, prefetch=2)
+    assert FSDP_MODES["eager"].apply_kwargs(cfg) == dict(compile=None, prefetch=0)
+    assert FSDP_MODES["per_block"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=0)
+    assert FSDP_MODES["grouped"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=2, shard_unit_mb=3.0)
+    assert FSDP_MODES.describe(FSDP_MODES.default).count("\n") == 2
+
+
+def test_config_errors_say_how_to_fix_them():
+    with pytest.raises(ValueError, match="--steps must be >= 1.*Pass --steps 1 or more"):
+        FSDPBenchConfig(rounds=0)
+    with pytest.raises(ValueError, match="--shard-unit-mb must be > 0.*--prefetch 0 for FSDP2's implicit prefetch"):
+        FSDPBenchConfig(shard_unit_mb=0)
+    with pytest.raises(ValueError, match="cap 'auto' is compile_ddp's cost-model plan.*only ours plan"):
+        build_runner("builtin", BenchConfig(), "auto", link=None)  # refused before anything is built
+    assert (FSDPBenchConfig().layers, BenchConfig().layers) == (8, 4)  # each family keeps its own model
+
+
+def test_row_pieces():
+    steps = step_stats([0.1, 0.2, 0.3], [0.2, 0.2, 0.2])
+    assert steps.median_s == pytest.approx(0.2) and steps.ratio == pytest.approx(1.0)
+    assert step_stats([0.1], None).ratio is None
+    assert compile_seconds(5.0, 0.2, compiled=True) == pytest.approx(4.8)
+    assert compile_seconds(None, 0.2, compiled=True) is None and compile_seconds(5.0, 0.2, compiled=False) == 0.0
+    gathered = [{"losses": {"eager": [1.0, 2.0], "ours": [1.0, 2.5]}}, {"losses": {"eager": [1.0], "ours": [0.0]}}]
+    assert max_loss_diff(gathered, "ours", "eager") == 1.0 and max_loss_diff(gathered, "ours", None) is None
+
+
+def _runner(name, compiled):
+    return Runner(mode=SimpleNamespace(name=name, compiled=compiled, summary=name), opt=None)
+
+
+def test_first_steps_and_rounds_record_every_runner_and_rotate(capsys):
+    runners = [_runner("eager", False), _runner("a", True), _runner("b", True)]
+    assert loss_reference(runners) == "eager"
+    first_steps(runners, lambda r: 1.5, phase="first step", prefix="[t] ")
+    assert all(r.first_step_s == [1.5] and set(r.cache_events[0]) == set(cache_counts()) for r in runners)
+    order = []
+
+    def run_round(r, measured):
+        order.append(r.label)
+        if measured:
+            r.step_s.append(0.01)
+        return 0.01
+
+    measure_rounds(runners, 1, 2, run_round, "[t] ")
+    assert order == ["eager", "a", "b", "a", "b", "eager", "b", "eager", "a"]
+    assert [len(r.step_s) for r in runners] == [2, 2, 2]
+    err = capsys.readouterr().err
+    assert "[t] first step: a (compiling...) 1.5 s" in err and "[t] round 2/2: b 10ms, eager 10ms, a 10ms" in err
+
+
+def test_report_cells_and_tables():
+    assert fmt(None, ".1f") == "-" and fmt(math.nan, ".1f") == "-" and fmt(2, "d") == "2"
+    assert with_iqr(1.0, 0.9, 1.1) == "1.000 [0.900, 1.100]" and with_iqr(None, None, None) == "-"
+    assert cap_label(4.0) == "4" and cap_label("auto") == "auto"
+    assert markdown_table(["a", "b"], [[1, "x"]]) == "| a | b |\n|---|---|\n| 1 | x |"
+
+
+def test_publish_stamps_the_command_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_TEST_COMMAND", "python -m benchmarks.x --quick")
+    rows = [{"mode": "eager"}]
+    args = argparse.Namespace(json=str(tmp_path / "out" / "rows.json"), plot=None)
+    publish(rows, args, module="benchmarks.x", command_env="BENCH_TEST_COMMAND", plot=lambda path: None)
+    assert json.loads((tmp_path / "out" / "rows.json").read_text()) == [
+        {"mode": "eager", "command": "python -m benchmarks.x --quick"}]
+
+
+def test_builtin_bucket_log_reads_the_splitters_count_and_restores_the_logger():
+    logger = logging.getLogger(BuiltinBuckets.LOGGER)
+    handlers, level = list(logger.handlers), logger.level
+    log = BuiltinBuckets()
+    with log.listening():
+        logger.info("\nDDPOptimizer used bucket cap %s and created %d buckets. Enable debug logs.", 1048576, 3)
+    logger.info("\nDDPOptimizer used bucket cap %s and created %d buckets.", 1048576, 5)  # not listening
+    assert log.counts == [3]
+    assert logger.handlers == handlers and logger.level == level
+    assert isinstance(graphs_compiled(), int)
