@@ -8,22 +8,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_opt.api
-from _dist import single_rank_group
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, LinkEstimate, compile_ddp
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    with single_rank_group():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("gloo_module", "clean_dynamo")
 
 
 @pytest.mark.parametrize("kwargs, setting, match", [

@@ -13,14 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import compiler._torch_internals as cti
 import ddp_opt._torch_internals as dti
 import fsdp_opt._torch_internals as fti
-from _dist import single_rank_group
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("clean_dynamo")
 
 
 def _captured(fn, *args):
@@ -137,13 +132,7 @@ def test_version_gate_warns_once_outside_the_tested_range(monkeypatch):
 # --- ddp_opt ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    with single_rank_group():
-        yield
-
-
-def test_ddp_bucket_settings(gloo):
+def test_ddp_bucket_settings(gloo_module):
     default = dti.bucket_settings(DDP(nn.Linear(4, 4)))
     assert (default.bucket_bytes_cap, default.first_bucket_cap) == (25 * 2**20, dti.default_first_bucket_bytes())
     assert dti.default_first_bucket_bytes() == 2**20
@@ -153,7 +142,7 @@ def test_ddp_bucket_settings(gloo):
     assert listed.per_bucket_caps == (2**20, 4 * 2**20)
 
 
-def test_ddp_reducer_helpers_and_rebuild(gloo):
+def test_ddp_reducer_helpers_and_rebuild(gloo_module):
     names = list(inspect.signature(DDP._ddp_init_helper).parameters)
     assert names[1:5] == ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"], names
     model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
@@ -180,7 +169,7 @@ def test_compiled_module_markers_and_splitter_switch():
         assert torch._dynamo.config.optimize_ddp is False
 
 
-def test_store_cache_dir_and_trace_artifact(gloo):
+def test_store_cache_dir_and_trace_artifact(gloo_module):
     store = dti.default_store()
     store.set("contract", "ok")
     assert store.get("contract") == b"ok"
@@ -188,7 +177,7 @@ def test_store_cache_dir_and_trace_artifact(gloo):
     dti.trace_artifact("contract", "string", lambda: "payload")
 
 
-def test_what_dynamo_graphs_carry(gloo):
+def test_what_dynamo_graphs_carry(gloo_module):
     class M(nn.Module):
         def __init__(self):
             super().__init__()
