@@ -35,10 +35,10 @@ from typing import Iterator
 
 import torch
 
+from ._torch_internals import RecompileError, error_on_recompile
 from compiler.diagnose import _SIZE_GUARD, Diagnoser
 
 __all__ = ["CompileCounter", "CompileCounts", "RecompileAfterWarmupError", "no_recompile"]
-
 
 
 @dataclass
@@ -80,9 +80,9 @@ def no_recompile(enabled: bool, inputs: dict[str, torch.Tensor], step: int,
         yield
         return
     try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
+        with error_on_recompile():
             yield
-    except torch._dynamo.exc.RecompileError as e:
+    except RecompileError as e:
         raise RecompileAfterWarmupError(_message(str(e), inputs, step, warmup_shapes)) from None
 
 
