@@ -8,7 +8,6 @@ then compile (``compile_ddp`` reads DDP's bucket caps to split the graph there).
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -18,15 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import CompileConfig, ConfigError, DDPConfig, FSDPOptions, JobConfig, ModelConfig
 from .dist import DistEnv
+from .schema import CompileConfig, DDPConfig, FSDPOptions, JobConfig, ModelConfig, ParallelMode
 
 if TYPE_CHECKING:
     import fsdp_opt
+    from ddp_opt import Alignment, Bucket, Timeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "fsdp_config", "fsdp_entry_point"]
+__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "fsdp_config"]
 
 DDP_DEFAULT_CAP_MB = 25.0
 
@@ -88,6 +88,27 @@ class Wrapped:
     module: nn.Module
     compiled_ddp: Any = None
 
+    def buckets(self) -> list[Bucket]:
+        """DDP's buckets = the graph partitions, in forward order (empty without compile_ddp)."""
+        return list(self.compiled_ddp.buckets) if self.compiled_ddp is not None else []
+
+    def partition_records(self) -> list:
+        """The DDP splitter's ``PartitionRecord`` per partition (empty without one)."""
+        opt = getattr(self.compiled_ddp, "ddp_optimizer", None)
+        return list(opt.records) if opt is not None else []
+
+    def alignment(self) -> Alignment | None:
+        """DDP's runtime buckets against the partitions (None without compile_ddp)."""
+        if self.compiled_ddp is None:
+            return None
+        from ddp_opt import measure_alignment
+
+        return measure_alignment(self.compiled_ddp.ddp_model, self.compiled_ddp.buckets)
+
+    def prediction(self) -> Timeline | None:
+        """The cost model's predicted timeline (``ddp.bucket_cap_mb=auto``), else None."""
+        return self.compiled_ddp.prediction if self.compiled_ddp is not None else None
+
 
 def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
     """DDP constructor caps for the ``ddp`` config.
@@ -104,21 +125,6 @@ def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
     if cfg.bucket_cap_mb == "auto":  # compile_ddp chooses the buckets; DDP's caps only serve step 1
         return {"bucket_cap_mb": None}
     return {"bucket_cap_mb": cfg.bucket_cap_mb}
-
-
-def fsdp_entry_point() -> Callable[..., Any]:
-    """``fsdp_opt.apply_fsdp``, or a ConfigError while it does not exist yet."""
-    try:
-        fsdp_opt = importlib.import_module("fsdp_opt")
-    except ImportError:
-        fsdp_opt = None
-    fn = getattr(fsdp_opt, "apply_fsdp", None)
-    if fn is None:
-        raise ConfigError(
-            "parallel=fsdp is not available yet: this version of the toolkit has no fsdp_opt.apply_fsdp "
-            "(FSDP2 sharding with per-block compile). Use parallel=ddp, or parallel=none on one rank."
-        )
-    return fn
 
 
 def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
@@ -146,7 +152,9 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
 def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> None:
     """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's
     recipe; fsdp_opt logs the shard-unit table on rank 0)."""
-    plan = fsdp_entry_point()(model, fsdp_config(cfg.fsdp, cfg.compile))
+    import fsdp_opt
+
+    plan = fsdp_opt.apply_fsdp(model, fsdp_config(cfg.fsdp, cfg.compile))
     log.debug("fsdp plan:\n%s", plan.table())
 
 
@@ -163,7 +171,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
     """
     c = cfg.compile
     compile_it = c.backend != "eager"
-    if cfg.parallel.name == "ddp":
+    if cfg.parallel.name == ParallelMode.DDP:
         from ddp_opt import compile_ddp
 
         ddp = DistributedDataParallel(
@@ -180,7 +188,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
                                **_compile_kwargs(c))
         compiled.auto_save_cache = False  # saved by the training loop after its first step
         return Wrapped(compiled, ddp, compiled)
-    if cfg.parallel.name == "fsdp":
+    if cfg.parallel.name == ParallelMode.FSDP:
         _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
         return Wrapped(model, model)
     if not compile_it:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.config import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from launch.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from launch.train import run
 from _fixtures import _one_thread_and_clean_dynamo  # noqa: F401 - autouse fixture
 

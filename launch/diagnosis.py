@@ -1,0 +1,69 @@
+"""The launcher's side of the compile diagnosis (``diagnose=true``, ``python -m
+launch.doctor``): a probe of the communication backward left exposed, and the
+report of ``compiler.diagnose.Diagnoser`` built from what the run measured.
+
+The engine knows nothing of the launcher; what it reports about DDP it gets from
+here: the partitions, their sizes, the alignment and the exposed communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from compiler.diagnose import Diagnoser
+
+from .data import TokenSource
+from .dist import DistEnv, print0
+from .parallel import Wrapped
+from .precision import autocast
+from .schema import JobConfig
+
+__all__ = ["diagnose", "probe_exposed_comm"]
+
+
+def diagnose(diagnoser: Diagnoser, wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env: DistEnv,
+             median_step_ms: float, alignment: float | None) -> dict[str, Any]:
+    """Print the diagnosis on rank 0 and return it as JSON-ready data.
+
+    The diagnoser's window must be closed (``CompileCounter.snapshot``) first."""
+    sizes = [b.size / 2**20 for b in reversed(wrapped.buckets()) if b.size]
+    # micro-batches: the shape training compiled for (a full local batch would recompile under grad_accum)
+    micro_batch = cfg.train.batch_size // env.world_size // cfg.train.grad_accum
+    exposed_ms, compute_ms = probe_exposed_comm(wrapped, data, cfg, env, micro_batch)
+    report = diagnoser.report(partitions=wrapped.partition_records(), step_s=median_step_ms / 1e3,
+                              alignment=alignment, partition_mib=sizes or None, exposed_comm_ms=exposed_ms,
+                              compute_ms=compute_ms,
+                              bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
+    print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
+    return json.loads(report.to_json())
+
+
+def probe_exposed_comm(wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env: DistEnv, micro_bs: int,
+                       rounds: int = 3) -> tuple[float | None, float | None]:
+    """Median forward+backward with and without DDP's gradient sync, in ms, on
+    batches past the end of training; gradients are zeroed and no optimizer step
+    is taken, so the model is unchanged. (None, None) without DDP."""
+    if wrapped.compiled_ddp is None:
+        return None, None
+    ddp = wrapped.compiled_ddp.ddp_model
+    synced, unsynced = [], []
+    for i in range(rounds):
+        x, y = (v.to(env.device) for v in data.batch(cfg.train.steps + 1 + i, env.rank, env.world_size,
+                                                      micro_bs, cfg.train.seq_len))
+        for sync, times in ((True, synced), (False, unsynced)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                with autocast(cfg.train.precision, env.device):
+                    loss = wrapped.forward(x, y)[1]
+                loss.backward()
+            times.append((time.perf_counter() - t0) * 1e3)
+            ddp.zero_grad(set_to_none=True)
+    sync_ms, nosync_ms = statistics.median(synced), statistics.median(unsynced)
+    return max(sync_ms - nosync_ms, 0.0), nosync_ms
