@@ -1,14 +1,19 @@
-"""Graph compiler core: backend resolution, graph splitting and lazy,
-fault-tolerant per-partition compile. Knows nothing about DDP or FSDP."""
+"""Graph compiler core: backend resolution, graph splitting, lazy fault-tolerant
+per-partition compile, regional (per-block) compile, the compile cache and
+diagnostics. Knows nothing about DDP, FSDP or the launcher."""
 
-from .backends import BackendFn, BackendSpec, resolve_backend, valid_backend_names, valid_modes
+from .backends import BackendFn, BackendSpec, SettingError, resolve_backend, valid_backend_names, valid_modes
+from .cache import CacheKey, CompileCache
+from .diagnose import Diagnoser, Report, size_guard
 from .partition import DYNAMO_CONTROL_FLOW, FALLBACKS, LazyPartition, PartitionRecord, compile_partitions
+from .regional import block_lists, check_blocks_setting, compile_blocks, find_blocks
 from .split import SplitGraph, ensure_tuple_output, split_graph
 
 __all__ = [
     # backends
     "BackendFn",
     "BackendSpec",
+    "SettingError",
     "resolve_backend",
     "valid_backend_names",
     "valid_modes",
@@ -22,4 +27,16 @@ __all__ = [
     "LazyPartition",
     "PartitionRecord",
     "compile_partitions",
+    # persistent compile cache
+    "CacheKey",
+    "CompileCache",
+    # diagnostics
+    "Diagnoser",
+    "Report",
+    "size_guard",
+    # regional compile (shared by ddp_opt and fsdp_opt)
+    "find_blocks",
+    "block_lists",
+    "compile_blocks",
+    "check_blocks_setting",
 ]

@@ -14,23 +14,36 @@ from typing import Any, Callable
 
 import torch
 
+from . import _torch_internals as _ti
+
 log = logging.getLogger(__name__)
 
 BackendFn = Callable[[torch.fx.GraphModule, list], Callable[..., Any]]
 
-__all__ = ["BackendFn", "BackendSpec", "resolve_backend", "valid_backend_names", "valid_modes"]
+__all__ = ["BackendFn", "BackendSpec", "SettingError", "resolve_backend", "valid_backend_names", "valid_modes"]
+
+
+class SettingError(ValueError):
+    """A bad value for one named setting of a library config.
+
+    ``setting`` is the library's name for it (``"backend"``, ``"mode"``,
+    ``"options"``, ``"fallback"``, ...), so that an entry point can name the
+    setting in its own spelling (the launcher says ``compile.backend=...``).
+    """
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 def valid_backend_names() -> list[str]:
     """Names dynamo knows, debug backends included (``aot_eager`` is one)."""
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    return _ti.backend_names()
 
 
 def valid_modes() -> list[str]:
     """Inductor modes accepted by ``torch.compile(mode=...)``."""
-    from torch._inductor import list_mode_options
-
-    return sorted(list_mode_options().keys())
+    return _ti.inductor_mode_names()
 
 
 @dataclass(frozen=True)
@@ -77,13 +90,12 @@ def resolve_backend(
             backend that cannot use them.
     """
     if callable(backend) and not isinstance(backend, str):
-        if mode not in (None, "default") or options:
-            raise ValueError(
-                f"mode={mode!r} / options={options!r} were given together with a backend callable "
-                f"({getattr(backend, '__name__', backend)!r}). A callable backend receives only "
-                "(gm, example_inputs), so they would be silently dropped. Bake them into the "
-                "callable yourself, or pass backend='inductor' to use them."
-            )
+        _refuse_inductor_settings(
+            mode, options,
+            f"were given together with a backend callable ({getattr(backend, '__name__', backend)!r}). A callable "
+            "backend receives only (gm, example_inputs), so they would be silently dropped. Bake them into the "
+            "callable yourself, or pass backend='inductor' to use them.",
+        )
         return backend
     if not isinstance(backend, str):
         raise TypeError(
@@ -92,29 +104,38 @@ def resolve_backend(
         )
     names = valid_backend_names()
     if backend not in names:
-        raise ValueError(
+        raise SettingError(
+            "backend",
             f"Unknown compile backend {backend!r}: dynamo has no backend registered under that name. "
             f"Valid names: {', '.join(names)}. Use 'aot_eager' to debug, 'inductor' for speed, "
             "or 'eager' to capture graphs without compiling."
         )
     if backend != "inductor":
-        if mode not in (None, "default") or options:
-            raise ValueError(
-                f"mode={mode!r} / options={options!r} are inductor settings, but backend={backend!r}: "
-                f"the {backend!r} backend would reject or ignore them. Drop mode/options, or use "
-                "backend='inductor'."
-            )
-        return torch._TorchCompileWrapper(backend, None, None, dynamic)
+        _refuse_inductor_settings(
+            mode, options,
+            f"are inductor settings, but backend={backend!r}: the {backend!r} backend would reject or ignore them. "
+            "Drop mode/options, or use backend='inductor'.",
+        )
+        return _ti.named_backend(backend, dynamic)
     if mode is not None and mode not in valid_modes():
-        raise ValueError(
+        raise SettingError(
+            "mode",
             f"Unknown inductor mode {mode!r}. Valid modes: {', '.join(valid_modes())}. "
             "Leave mode unset for inductor's default."
         )
     try:
-        return torch._TorchCompileInductorWrapper(mode, options or None, dynamic)
+        return _ti.inductor_backend(mode, options or None, dynamic)
     except RuntimeError as e:
         # inductor's own message lists every known option; keep it, add what to do.
-        raise ValueError(
+        raise SettingError(
+            "options",
             f"Inductor rejected options {options!r}: {e}. Fix or remove the option "
             "(see torch._inductor.config for the valid names and types)."
         ) from e
+
+
+def _refuse_inductor_settings(mode: str | None, options: dict[str, Any] | None, why: str) -> None:
+    """Raise when an inductor mode or options were given where they cannot apply."""
+    if mode not in (None, "default") or options:
+        raise SettingError("mode" if mode not in (None, "default") else "options",
+                           f"mode={mode!r} / options={options!r} {why}")

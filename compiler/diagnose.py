@@ -15,11 +15,17 @@ Algorithm
       partition records the caller passes in.
     - Recompiles come from dynamo's compilation metrics recorded while the
       diagnoser was active: the frame and the guard that failed.
-    - :func:`advise` turns what was seen into short advice lines.
+    - :func:`advise` turns what was seen into short advice lines whose fixes
+      are code or ``torch.compile`` changes (``mark_dynamic``, padding,
+      ``fullgraph=True``). Advice that names a setting of this toolkit lives
+      where the setting lives (``ddp_opt.advice`` for ``compile_ddp`` and DDP,
+      ``launch.doctor`` for the launcher's overrides); callers hand it in as
+      ``extra_advice``.
 
 Notes
     - Nothing global is changed: the diagnoser only wraps the backend it is given
       and reads the metrics dynamo keeps anyway.
+    - Dynamo's metrics and guard texts are read in ``compiler._torch_internals``.
 """
 
 from __future__ import annotations
@@ -28,15 +34,17 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 
+from . import _torch_internals as _ti
+from ._torch_internals import size_guard
 from .backends import BackendFn
 from .partition import PartitionRecord
 
-__all__ = ["Diagnoser", "GraphBreak", "GraphInfo", "Recompile", "Report", "advise"]
+__all__ = ["Diagnoser", "GraphBreak", "GraphInfo", "Recompile", "Report", "advise", "compile_seconds", "size_guard"]
 
 
 @dataclass
@@ -117,9 +125,6 @@ def _short(text: str, n: int = 110) -> str:
     return first if len(first) <= n else first[: n - 3] + "..."
 
 
-_SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)")
-
-
 class Diagnoser:
     """Collects graphs, graph breaks and recompiles while it wraps a backend.
 
@@ -140,10 +145,10 @@ class Diagnoser:
 
     def wrap(self, backend: BackendFn) -> BackendFn:
         def diagnosing_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-            reason = getattr(gm, "compile_subgraph_reason", None)
-            if reason is not None and reason.graph_break and reason.user_stack:
-                frame = reason.user_stack[-1]
-                self.breaks.append(GraphBreak(reason.reason, frame.filename, frame.lineno or 0, (frame.line or "").strip()))
+            found = _ti.graph_break_frame(gm)
+            if found is not None:
+                reason, frame = found
+                self.breaks.append(GraphBreak(reason, frame.filename, frame.lineno or 0, (frame.line or "").strip()))
             t0 = time.perf_counter()
             compiled = backend(gm, example_inputs, **kwargs)
             self.graphs.append(GraphInfo(
@@ -162,12 +167,12 @@ class Diagnoser:
         # Dynamo keeps its compilation metrics in a bounded deque (64 entries), so a
         # count taken now would point at the wrong entry once old ones are evicted:
         # remember the newest entry itself and take what follows it.
-        metrics = torch._dynamo.utils.get_compilation_metrics()
+        metrics = _ti.compilation_metrics()
         self._metrics_mark = metrics[-1] if metrics else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        metrics = torch._dynamo.utils.get_compilation_metrics()
+        metrics = _ti.compilation_metrics()
         start = 0
         for i in range(len(metrics) - 1, -1, -1):
             if metrics[i] is self._metrics_mark:
@@ -181,38 +186,46 @@ class Diagnoser:
             reason = getattr(m, "recompile_reason", None)
             if not reason:
                 continue
-            guard = reason.split(": ", 1)[-1] if re.match(r"^\d+/\d+: ", reason) else reason
-            size = _SIZE_GUARD.search(guard)
+            guard = _ti.failed_guard(reason)
+            size = size_guard(guard)
             found.append(Recompile(
                 function=m.co_name or "?", file=m.co_filename or "?", line=m.co_firstlineno or 0, guard=guard,
-                input=size.group(1) if size else None, axis=int(size.group(2)) if size else None,
+                input=size[0] if size else None, axis=size[1] if size else None,
             ))
         return found
 
-    def report(self, partitions: list[PartitionRecord] | None = None, step_s: float | None = None,
-               alignment: float | None = None, partition_mib: list[float] | None = None,
+    def report(self, partitions: list[PartitionRecord] | None = None, *, alignment: float | None = None,
                exposed_comm_ms: float | None = None, compute_ms: float | None = None,
-               bucket_cap_mb: float | None = None) -> Report:
+               extra_advice: Sequence[str] = ()) -> Report:
         """Everything seen so far, with advice.
 
         Args:
             partitions: the partition records of a splitting backend (intended splits).
-            step_s: a typical step time after warm-up, to weigh compile time against.
             alignment: the fraction of gradient bytes whose runtime bucket is one
                 partition (``ddp_opt.measure_alignment``), if measured.
-            partition_mib: the partitions' gradient sizes in MiB, gradient-ready order.
             exposed_comm_ms: a step with gradient sync minus the same without
                 (DDP's ``no_sync``): communication that backward did not hide.
             compute_ms: forward+backward without gradient sync.
-            bucket_cap_mb: the bucket cap in use, for the cap suggestion.
+            extra_advice: advice lines from the caller that name its own settings
+                (``ddp_opt.ddp_advice``), listed first.
         """
         recompiles = self.recompiles()
         partitions = list(partitions or [])
-        limit = int(torch._dynamo.config.recompile_limit)
-        advice = advise(self.graphs, self.breaks, recompiles, partitions, limit, step_s, alignment, partition_mib,
-                        exposed_comm_ms, compute_ms, bucket_cap_mb)
+        limit = _ti.recompile_limit()
+        advice = list(extra_advice) + advise(self.graphs, self.breaks, recompiles, partitions, limit)
         return Report(self.graphs, self.breaks, recompiles, partitions, advice, limit, alignment,
                       exposed_comm_ms, compute_ms)
+
+    def compile_seconds(self, partitions: Sequence[PartitionRecord] = ()) -> float:
+        """Compile time seen so far (see :func:`compile_seconds`)."""
+        return compile_seconds(self.graphs, partitions)
+
+
+def compile_seconds(graphs: Sequence[GraphInfo], partitions: Sequence[PartitionRecord] = ()) -> float:
+    """Seconds spent compiling. A graph's compile time already includes its
+    partitions' (the splitter runs inside the wrapped backend); partitions alone
+    count only without graphs."""
+    return sum(g.compile_s for g in graphs) if graphs else sum(p.compile_s for p in partitions)
 
 
 def advise(
@@ -221,33 +234,9 @@ def advise(
     recompiles: list[Recompile],
     partitions: list[PartitionRecord],
     recompile_limit: int,
-    step_s: float | None = None,
-    alignment: float | None = None,
-    partition_mib: list[float] | None = None,
-    exposed_comm_ms: float | None = None,
-    compute_ms: float | None = None,
-    bucket_cap_mb: float | None = None,
 ) -> list[str]:
-    """Advice lines tied to what was seen."""
+    """Advice lines tied to what was seen; each fix is a code or torch.compile change."""
     advice = []
-    if exposed_comm_ms is not None and compute_ms and exposed_comm_ms > 0.1 * (compute_ms + exposed_comm_ms):
-        cap = bucket_cap_mb or 25.0
-        advice.append(
-            f"{exposed_comm_ms:.0f} ms of each {compute_ms + exposed_comm_ms:.0f} ms step waits for gradient "
-            f"communication that backward did not hide: try ddp.bucket_cap_mb={cap / 2:g} (smaller buckets start "
-            f"their all-reduce earlier) and ddp.bucket_cap_mb={cap * 2:g} (fewer all-reduces, when latency "
-            "dominates), side by side with python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps "
-            f"{cap / 2:g},{cap:g},{cap * 2:g},auto; or let ddp.bucket_cap_mb=auto choose the buckets from the "
-            "measured link and the model."
-        )
-    if alignment is not None and alignment < 0.99:
-        caps = f"[{', '.join(f'{m:.3g}' for m in partition_mib)}]" if partition_mib else "the partition sizes"
-        advice.append(
-            f"only {alignment:.0%} of the gradient bytes are in DDP buckets that match one partition: a bucket "
-            "that straddles two partitions waits for the later one. Keep compile_ddp's align_buckets=True (it is "
-            f"skipped for static_graph), or give DDP bucket_cap_mb_list={caps} (the partitions in MiB, "
-            "gradient-ready order) so its rebuilt buckets are the partitions."
-        )
     for b in breaks:
         advice.append(f"graph break at {b.file}:{b.line} ({b.code or _short(b.reason, 60)}): {_fix_for_break(b.reason)}")
     for r in recompiles:
@@ -275,14 +264,6 @@ def advise(
             advice.append(f"partition {p.index} ({p.name}) runs eagerly because its compile failed: {_short(p.error or '', 90)}")
     if graphs and not breaks:
         advice.append("no graph breaks: pass fullgraph=True so that a future break fails loudly instead of slowing you down.")
-    # A graph's compile time already includes its partitions' (the splitter runs
-    # inside the wrapped backend); partitions alone count only without graphs.
-    compile_s = sum(g.compile_s for g in graphs) if graphs else sum(p.compile_s for p in partitions)
-    if step_s and compile_s > 50 * step_s:
-        advice.append(
-            f"compile took {compile_s:.1f}s, {compile_s / step_s:.0f}x a step: compile the repeated block once "
-            "(compile.regional=true) or reuse compiled partitions across restarts (compile.cache_dir=DIR)."
-        )
     return advice
 
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -63,9 +62,9 @@ from unittest import mock
 
 import torch
 from torch import fx
-from torch._dynamo.utils import counters, deepcopy_to_fake_tensor, detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from . import _torch_internals as _ti
+from ._torch_internals import DYNAMO_CONTROL_FLOW, FakeTensor, FakeTensorMode, aot_cache_enabled
 from .backends import BackendFn
 from .split import SplitGraph, ensure_tuple_output
 
@@ -76,10 +75,9 @@ __all__ = ["DYNAMO_CONTROL_FLOW", "FALLBACKS", "LazyPartition", "PartitionRecord
 
 FALLBACKS = ("warn", "raise")
 
-# Dynamo control flow, not compile failures: dynamo catches these to restart or
-# skip tracing, so they must reach it (a fallback would hide a restart and leave
-# the partition eager for no reason).
-DYNAMO_CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
+# DYNAMO_CONTROL_FLOW: dynamo's restart/skip exceptions, not compile failures;
+# they must reach dynamo (a fallback would hide a restart and leave the
+# partition eager for no reason).
 
 
 @dataclass
@@ -113,13 +111,8 @@ class LazyPartition(torch.nn.Module):
         self._fallback = fallback
         self._unwrap = ensure_tuple_output(graph_module)
         self._fn: Callable[..., Any] | None = None
-        if compile_reason is not None:
-            from torch._dynamo.output_graph import GraphCompileReason
-
-            # Shown by dynamo's explain/logging as the reason for this graph break.
-            graph_module.compile_subgraph_reason = GraphCompileReason(
-                compile_reason, [traceback.FrameSummary(__file__, 0, "split")]
-            )
+        if compile_reason is not None:  # shown by dynamo's explain/logging as this break's reason
+            _ti.set_compile_reason(graph_module, compile_reason, __file__)
 
     @property
     def compiled(self) -> bool:
@@ -153,15 +146,6 @@ class LazyPartition(torch.nn.Module):
         if self._unwrap and isinstance(out, (tuple, list)):
             return out[0]
         return out
-
-
-class _PartitionMetadata:
-    """Per-partition AOTAutograd forward metadata, read back by the lazy backward
-    compile (see ``ddp_optimizer_ctx`` in AOTAutograd's runtime wrappers)."""
-
-    def __init__(self) -> None:
-        self.curr_bucket = -1
-        self.metadata_per_bucket: list[Any] = []
 
 
 def compile_partitions(
@@ -198,25 +182,17 @@ def compile_partitions(
         records.append(record)
     split.gm.recompile()
 
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-    tracing = torch._guards.TracingContext.try_get()
+    fake_mode = _ti.detect_fake_mode(example_inputs) or FakeTensorMode()
+    tracing = _ti.tracing_context()
     if tracing is not None:
-        tracing.ddp_optimizer_ctx = _PartitionMetadata()
+        _ti.start_partition_metadata(tracing)
     if aot_cache is None:
         aot_cache = aot_cache_enabled()
     runner = _FirstCallRunner(split.gm, fake_mode, tracing, len(records), aot_cache)
-    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+    with _ti.no_saved_tensor_hooks_while_tracing():
         runner.run(*example_inputs)
     split.gm.recompile()
     return records
-
-
-def aot_cache_enabled() -> bool:
-    """Whether AOTAutograd's local cache would serve a partition compiled without
-    ``fakify_first_call`` (its own checks: FX graph cache and autograd cache on)."""
-    from torch._functorch import config as functorch_config
-
-    return bool(torch._inductor.config.fx_graph_cache and functorch_config.enable_autograd_cache)
 
 
 def run_on_fakes(gm: fx.GraphModule, args: tuple, fake_mode: FakeTensorMode) -> Any:
@@ -229,7 +205,7 @@ def run_on_fakes(gm: fx.GraphModule, args: tuple, fake_mode: FakeTensorMode) -> 
     noticeable share of a warm restart.
     """
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
-        gm = deepcopy_to_fake_tensor(gm, fake_mode)
+        gm = _ti.fake_copy(gm, fake_mode)
     return gm(*args)
 
 
@@ -247,7 +223,7 @@ class _FirstCallRunner(fx.Interpreter):
 
     def _fakify(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            return torch._dynamo.utils.to_fake_tensor(value, self.fake_mode)
+            return _ti.to_fake(value, self.fake_mode)
         return value
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -255,15 +231,14 @@ class _FirstCallRunner(fx.Interpreter):
         args = tuple(self._fakify(a) for a in args)
         if not isinstance(mod, LazyPartition):
             with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
-                return deepcopy_to_fake_tensor(mod, self.fake_mode)(*args, **kwargs)
+                return _ti.fake_copy(mod, self.fake_mode)(*args, **kwargs)
         with ExitStack() as stack:
             if self.tracing is not None and not self.aot_cache:
                 # Ask AOTAutograd to return fake outputs with the backend's real
                 # strides on the compiled function's first call (the one below).
-                self.tracing.fakify_first_call = True
-                stack.callback(setattr, self.tracing, "fakify_first_call", False)
-            aot_before = counters["aot_autograd"]["total"]
-            hits_before = counters["aot_autograd"]["autograd_cache_hit"]
+                _ti.set_fakify_first_call(self.tracing, True)
+                stack.callback(_ti.set_fakify_first_call, self.tracing, False)
+            aot_before, hits_before = _ti.aot_counts()
             log.debug("compiling partition %d/%d (%s)", mod.record.index + 1, self.total, mod.record.name)
             mod.compile(list(args))
             log.info(
@@ -271,14 +246,12 @@ class _FirstCallRunner(fx.Interpreter):
                 mod.record.index + 1, self.total, mod.record.status, mod.record.compile_s,
                 time.perf_counter() - self.t_start,
             )
-            went_through_aot = counters["aot_autograd"]["total"] != aot_before
-            cache_hit = counters["aot_autograd"]["autograd_cache_hit"] != hits_before
+            aot_after, hits_after = _ti.aot_counts()
+            went_through_aot, cache_hit = aot_after != aot_before, hits_after != hits_before
             with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):
                 if mod.compiled and went_through_aot and self.tracing is not None:
                     if not cache_hit:  # a traced partition: its backward compiles lazily
-                        meta = self.tracing.ddp_optimizer_ctx
-                        meta.curr_bucket += 1
-                        meta.metadata_per_bucket.append(self.tracing.fw_metadata)
+                        _ti.record_partition_metadata(self.tracing)
                     if not self.aot_cache:
                         return mod(*args)
                 # No AOT first-call fakification: run the partition's FX graph itself

@@ -14,6 +14,8 @@ from typing import Callable
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from . import _torch_internals as _ti
+
 __all__ = ["SplitGraph", "split_graph", "ensure_tuple_output"]
 
 
@@ -63,14 +65,11 @@ def _carry_dynamo_metadata(orig: fx.GraphModule, split_gm: fx.GraphModule, names
     # that was internal to the whole graph becomes a placeholder of a piece and
     # simply has no source, as in PyTorch's own splitter. HOP bodies (wrap_body_*)
     # are children of the split graph too but keep their own metadata.
-    sources = {n.name: getattr(n, "_dynamo_source", None) for n in orig.graph.find_nodes(op="placeholder")}
+    sources = _ti.placeholder_sources(orig)
     for name in names:
         piece = getattr(split_gm, name)
         piece.meta = orig.meta
-        if hasattr(orig, "_param_name_to_source"):
-            piece._param_name_to_source = orig._param_name_to_source
-        for ph in piece.graph.find_nodes(op="placeholder"):
-            ph._dynamo_source = sources.get(ph.name)
+        _ti.carry_sources(orig, piece, sources)
 
 
 def ensure_tuple_output(gm: fx.GraphModule) -> bool:

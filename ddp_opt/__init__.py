@@ -1,9 +1,11 @@
 """DDP optimizer: plan gradient buckets from a captured graph, split the graph at
 the bucket boundaries DDP really uses, compile each partition."""
 
+from .advice import API_SPELLING, Spelling, ddp_advice
 from .alignment import Alignment, alignment_fraction, measure_alignment, runtime_buckets
 from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
+from .config import DDPCompileConfig
 from .autoplan import LinkEstimate, Timeline, UnitCost, simulate, solve
 from .cost import CostModel, DeviceRates, measure_link, measure_rates, plan_auto
 from .optimizer import DDPOptimizer
@@ -12,6 +14,7 @@ from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_bucket
 __all__ = [
     # entry points
     "compile_ddp",
+    "DDPCompileConfig",
     "CompiledDDP",
     "DDPOptimizer",
     # planning
@@ -41,4 +44,8 @@ __all__ = [
     "PlanMismatchError",
     "check_plan_agreement",
     "plan_summary",
+    # advice in the spelling of the entry point
+    "API_SPELLING",
+    "Spelling",
+    "ddp_advice",
 ]

@@ -42,6 +42,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ._torch_internals import default_store
 from .plan import Bucket
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _all_plan_keys(key: str) -> tuple[dist.Store, list[str]] | None:
     group = _group()
     if group is None:
         return None
-    return dist.distributed_c10d._get_default_store(), [f"{key}/{r}" for r in range(group[1])]
+    return default_store(), [f"{key}/{r}" for r in range(group[1])]
 
 
 def publish_plan(buckets: list[Bucket], key: str) -> bool:
@@ -88,7 +89,7 @@ def publish_plan(buckets: list[Bucket], key: str) -> bool:
     group = _group()
     if group is None:
         return False
-    dist.distributed_c10d._get_default_store().set(f"{key}/{group[0]}", json.dumps(plan_summary(buckets)))
+    default_store().set(f"{key}/{group[0]}", json.dumps(plan_summary(buckets)))
     return True
 
 

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
+from ._torch_internals import runtime_buckets
 from .plan import Bucket
 
 __all__ = ["Alignment", "alignment_fraction", "measure_alignment", "runtime_buckets"]
@@ -33,16 +34,6 @@ class Alignment:
     fraction: float
     runtime_bytes: list[int]
     aligned: list[bool]
-
-
-def runtime_buckets(ddp_model: DistributedDataParallel) -> list[list[tuple[int, int]]]:
-    """DDP's current buckets as ``[(id(param), bytes), ...]`` each, in reduction order.
-
-    Read after DDP has rebuilt its buckets (from the second training step on)."""
-    return [
-        [(id(p), p.numel() * p.element_size()) for p in bucket.parameters()]
-        for bucket in ddp_model.reducer._get_zeros_like_grad_buckets()
-    ]
 
 
 def alignment_fraction(runtime: Sequence[Sequence[tuple[int, int]]], partitions: Sequence[set[int]]) -> Alignment:

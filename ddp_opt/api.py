@@ -11,15 +11,18 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import resolve_backend
-from compiler.cache import CacheKey, CompileCache
+from compiler import CacheKey, CompileCache, compile_blocks
 
+from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, inductor_default_cache_dir, is_compiled,
+                               no_builtin_ddp_splitter, realign_unsupported_warning, reducer_finalized,
+                               registered_hook_name)
 from .autoplan import LinkEstimate, Timeline
+from .config import DDPCompileConfig
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps
-from .realign import realign_reducer, reducer_finalized, registered_hook_name
-from .regional import compile_blocks, find_ddp_blocks, plan_block_buckets
+from .realign import realign_reducer
+from .regional import find_ddp_blocks, plan_block_buckets
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +36,8 @@ def caps_from_ddp(ddp_model: DistributedDataParallel) -> BucketCaps:
     ``bucket_cap_mb`` unset; with ``bucket_cap_mb=X`` every bucket, the first
     included, is capped at X MiB. ``bucket_cap_mb_list`` gives one cap per bucket.
     """
-    config = getattr(ddp_model, "_bucket_config", None)
-    if config is not None:  # torch >= 2.13
-        return BucketCaps(
-            bucket_bytes_cap=int(config.bucket_bytes_cap),
-            first_bucket_cap=int(config.first_bucket_bytes_cap),
-            per_bucket_caps=tuple(int(c) for c in config.per_bucket_bytes_caps),
-        )
-    cap = int(ddp_model.bucket_bytes_cap)
-    uses_default = bool(getattr(ddp_model, "bucket_bytes_cap_default", False))
-    first = min(torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, cap) if uses_default else cap
-    per_bucket = tuple(int(c) for c in getattr(ddp_model, "bucket_bytes_cap_list", ()) or ())
-    return BucketCaps(cap, first, per_bucket)
+    found = bucket_settings(ddp_model)
+    return BucketCaps(found.bucket_bytes_cap, found.first_bucket_cap, found.per_bucket_caps)
 
 
 class CompiledDDP:
@@ -151,10 +144,8 @@ def _inductor_dir_is_default() -> bool:
     """True unless the user chose Inductor's cache directory. Importing torch._dynamo
     already sets ``TORCHINDUCTOR_CACHE_DIR`` to Inductor's default, so a value equal
     to that default counts as not chosen."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir())
+    return current is None or os.path.abspath(current) == os.path.abspath(inductor_default_cache_dir())
 
 
 def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any]) -> CompileCache:
@@ -163,7 +154,15 @@ def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike,
     Unless the user chose Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` unset
     or at Inductor's default), Inductor's local caches go to ``cache_dir/inductor``
     too, so that compiled kernels that the artifact file does not bundle (C++ on CPU)
-    survive as well."""
+    survive as well.
+
+    This sets ``TORCHINDUCTOR_CACHE_DIR`` for the rest of the process, on purpose:
+    Inductor reads it whenever it compiles or loads a kernel, and a compiled model
+    compiles long after ``compile_ddp`` returns (each partition's backward at the
+    first backward pass, every recompile later), so a variable scoped to this call
+    would send those kernels back to the default directory. Inductor has no config
+    setting for the directory, only the variable. Set ``TORCHINDUCTOR_CACHE_DIR``
+    yourself to keep Inductor's cache elsewhere; it is then left alone."""
     if _inductor_dir_is_default():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.join(cache_dir, "inductor"))
     param = next(ddp_model.module.parameters(), None)
@@ -186,7 +185,7 @@ def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
 
     def enter(module, args):
         stack = contextlib.ExitStack()
-        stack.enter_context(torch._dynamo.config.patch(optimize_ddp=False))
+        stack.enter_context(no_builtin_ddp_splitter())
         scopes.append(stack)
 
     def leave(module, args, output):
@@ -197,34 +196,16 @@ def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
     ddp_model.register_forward_hook(leave, always_call=True)
 
 
-def resolve_cost_model(ddp_model: DistributedDataParallel, bucket_cap_mb: Any, link: Any,
-                       split: bool = True, regional: bool = False) -> CostModel | None:
+def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> CostModel | None:
     """The cost model ``compile_ddp(bucket_cap_mb=..., link=...)`` plans with; None for DDP's caps.
 
-    Measures (all ranks together) what ``link`` does not give; see Note [Cost measurement].
+    Measures (all ranks together) what ``config.link`` does not give; see Note [Cost measurement].
     """
-    if bucket_cap_mb is None and link is None:
+    link = config.link
+    if not config.uses_cost_model:
         return None
-    if bucket_cap_mb not in (None, "auto"):
-        raise ValueError(
-            f"compile_ddp(bucket_cap_mb={bucket_cap_mb!r}): expected None (split at DDP's own caps) or 'auto' "
-            "(choose the buckets from a cost model of the link and the model). A fixed cap belongs on DDP: "
-            "DistributedDataParallel(model, bucket_cap_mb=4), which compile_ddp follows."
-        )
-    if not split or regional:
-        which = "split=False" if not split else "regional=True"
-        given = "bucket_cap_mb='auto'" if bucket_cap_mb == "auto" else "link=..."
-        raise ValueError(
-            f"compile_ddp({given}, {which}): the cost model chooses (or predicts) where to split the graph, "
-            f"and {which} does not split it at planned buckets. Drop one of the two."
-        )
     if isinstance(link, CostModel):
         return link
-    if link is not None and not isinstance(link, LinkEstimate) and not callable(link):
-        raise TypeError(
-            f"compile_ddp(link={link!r}): expected None (measure dist.all_reduce), a probe callable "
-            "(tensor) -> Future, a ddp_opt.LinkEstimate(alpha_s, bandwidth) or a ddp_opt.CostModel."
-        )
     group = ddp_model.process_group
     device = next((p.device for p in ddp_model.module.parameters()), torch.device("cpu"))
     est = link if isinstance(link, LinkEstimate) else measure_link(link, group=group, device=device)
@@ -250,6 +231,7 @@ def compile_ddp(
     cache_dir: str | os.PathLike | None = None,
     regional: bool = False,
     blocks: str | Sequence[str] = "auto",
+    config: DDPCompileConfig | None = None,
     **more: Any,
 ) -> CompiledDDP:
     """Compile a DDP model, split at the bucket boundaries DDP really uses.
@@ -303,11 +285,39 @@ def compile_ddp(
             model runs eagerly (Note [Regional compile]). ``split`` is unused.
         blocks: with ``regional``, which blocks: ``"auto"`` (the children of a
             ModuleList of one class), a ModuleList's name, or module names.
+        config: all of the above as one :class:`DDPCompileConfig` (validated when
+            built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.
 
     Returns:
         A :class:`CompiledDDP`; call it as you would call ``ddp_model``.
+
+    Raises:
+        SettingError (a ValueError): a setting that cannot work, before anything
+            is measured or compiled.
     """
+    keywords = DDPCompileConfig(
+        backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph, fallback=fallback,
+        split=split, check_plans=check_plans, align_buckets=align_buckets, bucket_cap_mb=bucket_cap_mb, link=link,
+        cache_dir=cache_dir, regional=regional, blocks=blocks, wrap_backend=wrap_backend, torch_compile_kwargs=more,
+    ) if config is None else None
+    if config is not None and DDPCompileConfig(wrap_backend=wrap_backend, torch_compile_kwargs=more,
+                                               **_keywords_given(locals())).changed_from_default():
+        raise ValueError(
+            "compile_ddp(config=..., <keyword settings>): a DDPCompileConfig carries every setting, so keywords "
+            "given beside it would be silently dropped or silently win. Put them into the config "
+            "(dataclasses.replace(config, backend='aot_eager')) or drop config=."
+        )
+    return _compile(ddp_model, config or keywords)
+
+
+def _keywords_given(args: dict[str, Any]) -> dict[str, Any]:
+    names = ("backend", "mode", "options", "dynamic", "fullgraph", "fallback", "split", "check_plans",
+             "align_buckets", "bucket_cap_mb", "link", "cache_dir", "regional", "blocks")
+    return {n: args[n] for n in names}
+
+
+def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> CompiledDDP:
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"compile_ddp expects a DistributedDataParallel module, got {type(ddp_model).__name__}. "
@@ -315,13 +325,17 @@ def compile_ddp(
             "without DDP use torch.compile directly."
         )
     inner = ddp_model.module
-    if getattr(inner, "_compiled_call_impl", None) is not None or hasattr(inner.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+    if is_compiled(inner):
         raise RuntimeError(
             f"compile_ddp: the module inside this DDP ({type(ddp_model.module).__name__}) is already compiled "
             "(module.compile() or an earlier compile_ddp call). Compiling it again would nest two compilers. "
             "Call compile_ddp once, on a DDP model whose module is not compiled."
         )
-    hook = registered_hook_name(ddp_model) if (align_buckets and split and not ddp_model.static_graph) else None
+    align = config.align_buckets
+    if align and not REALIGN_SUPPORTED:
+        realign_unsupported_warning()
+        align = False
+    hook = registered_hook_name(ddp_model) if (align and config.split and not ddp_model.static_graph) else None
     if hook is not None:
         raise ValueError(
             f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
@@ -329,41 +343,37 @@ def compile_ddp(
             "be lost with the old reducer. Register the hook on the object compile_ddp returns instead "
             "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
         )
-    cost_model = resolve_cost_model(ddp_model, bucket_cap_mb, link, split, regional)
-    backend_fn = resolve_backend(backend, mode=mode, options=options, dynamic=dynamic)
+    cost_model = resolve_cost_model(ddp_model, config)
+    backend_fn = config.resolve_backend()
+    caps = caps_from_ddp(ddp_model)
     cache = None
-    if cache_dir is not None:
-        settings = dict(backend=backend if isinstance(backend, str) else getattr(backend, "__qualname__", repr(backend)),
-                        mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph, split=split,
-                        regional=regional, blocks=blocks, caps=repr(caps_from_ddp(ddp_model)),
-                        bucket_cap_mb=bucket_cap_mb, more=more)
-        cache = _cache_for(ddp_model, cache_dir, settings)
-    if regional:
-        found = find_ddp_blocks(inner, blocks)
-        if wrap_backend is not None:
-            backend_fn = wrap_backend(backend_fn)
-        compile_blocks(found, backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
+    if config.cache_dir is not None:
+        cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)))
+    more = dict(config.torch_compile_kwargs)
+    if config.regional:
+        found = find_ddp_blocks(inner, config.blocks)
+        if config.wrap_backend is not None:
+            backend_fn = config.wrap_backend(backend_fn)
+        compile_blocks(found, backend_fn, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
         _keep_builtin_splitter_out(ddp_model)
-        block_buckets = plan_block_buckets(inner, found, caps_from_ddp(ddp_model))
-        return CompiledDDP(ddp_model, None, align_buckets=align_buckets, block_buckets=block_buckets,
-                           compile_cache=cache)
+        block_buckets = plan_block_buckets(inner, found, caps)
+        return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache)
     optimizer = None
-    if split:
-        caps = caps_from_ddp(ddp_model)
+    if config.split:
         optimizer = DDPOptimizer(
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
-            bucket_caps=caps.per_bucket_caps, fallback=fallback, check_plans=check_plans, cost_model=cost_model,
-            auto_plan=bucket_cap_mb == "auto",
+            bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
+            cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto",
         )
         backend_fn = optimizer.compile_fn
-    if wrap_backend is not None:
-        backend_fn = wrap_backend(backend_fn)
+    if config.wrap_backend is not None:
+        backend_fn = config.wrap_backend(backend_fn)
     # Compile the wrapped module's forward in place, then let DDP call it (the
     # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
     # frames below DDP's skipped forward, and it skips a torch.nn container's
     # forward (nn.Sequential) too, compiling nothing; nn.Module.compile() misses
     # it the same way. In place, state_dict keys stay DDP's.
-    inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=dynamic, fullgraph=fullgraph, **more)
+    inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=config.dynamic,
+                                  fullgraph=config.fullgraph, **more)
     _keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer, align_buckets=align_buckets, compile_cache=cache)
-
+    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache)

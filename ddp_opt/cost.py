@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example
 from .autoplan import LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
 from .plan import Bucket, BucketCaps, plan_buckets
 
@@ -219,15 +220,12 @@ def measure_rates(device: torch.device | str = "cpu", *, group: dist.ProcessGrou
 
 
 def _fake(node_or_value: Any) -> Any:
-    if isinstance(node_or_value, fx.Node):
-        meta = node_or_value.meta
-        return meta.get("example_value", meta.get("val"))
-    return node_or_value
+    return node_example(node_or_value) if isinstance(node_or_value, fx.Node) else node_or_value
 
 
 def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
-        if value._is_view():
+        if is_view(value):
             return 0
         from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
 
@@ -274,7 +272,7 @@ def _forward_flops(node: fx.Node) -> int | None:
     return int(counter.get_total_flops())
 
 
-_SKIP = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast, torch._C._set_grad_enabled}
+_SKIP = {AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED}
 
 
 def node_backward_costs(gm: fx.GraphModule, rates: DeviceRates) -> dict[fx.Node, float]:

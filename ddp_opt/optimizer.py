@@ -24,11 +24,10 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch._logging import trace_structured
 
-from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, PartitionRecord, compile_partitions, split_graph
-from compiler.backends import BackendFn
+from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions, split_graph
 
+from ._torch_internals import default_first_bucket_bytes, trace_artifact
 from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
 from .cost import CostModel, describe, plan_auto, predict_plan
@@ -49,12 +48,8 @@ def _default_first_bucket_cap(bucket_bytes_cap: int) -> int:
     # PyTorch's DDPOptimizer default, kept for drop-in compatibility; compile_ddp
     # passes DDP's real first-bucket cap instead.
     if torch.distributed.is_available():
-        return min(torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, bucket_bytes_cap)
+        return min(default_first_bucket_bytes(), bucket_bytes_cap)
     return bucket_bytes_cap
-
-
-def _trace_artifact(name: str, encoding: str, payload_fn: Callable[[], str]) -> None:
-    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
 
 
 class DDPOptimizer:
@@ -140,7 +135,7 @@ class DDPOptimizer:
         self.plans.append(self.buckets)
         self._log_plan(caps)
         # For tlparse: the plan in PyTorch's structured trace (TORCH_TRACE=dir).
-        _trace_artifact(
+        trace_artifact(
             "ddp_opt_bucket_plan", "json",
             lambda: json.dumps([{"bucket": i, **d} for i, d in enumerate(plan_details(self.buckets))]),
         )
@@ -165,7 +160,7 @@ class DDPOptimizer:
         owner = partition_map(self.buckets)
         split = split_graph(gm, lambda node: owner[node])
         graph_log.debug("ddp_opt split graph:\n%s", split.gm.print_readable(print_output=False))
-        _trace_artifact("ddp_opt_split_graph", "string", lambda: split.gm.print_readable(print_output=False))
+        trace_artifact("ddp_opt_split_graph", "string", lambda: split.gm.print_readable(print_output=False))
 
         # 4. Compile each partition on its first (fake) call, in order.
         self.records = compile_partitions(

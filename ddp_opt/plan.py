@@ -41,11 +41,12 @@ Notes
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+
+from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_ddp_ignored, placeholder_parameter
 
 log = logging.getLogger(__name__)
 
@@ -190,41 +191,15 @@ def _is_counted(value: object) -> bool:
     return (
         isinstance(value, torch.nn.Parameter)
         and value.requires_grad
-        and not getattr(value, "_ddp_ignored", False)
+        and not is_ddp_ignored(value)
     )
-
-
-_SOURCE_PARTS = re.compile(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]|\.([A-Za-z_]\w*)")
-
-
-def _source_name(source_name: str) -> str:
-    """``L['self']._modules['0']._parameters['weight']`` -> ``0.weight``
-    (``__self__`` of a compiled bound ``forward`` is dropped too)."""
-    root = source_name.find("]")
-    tail = source_name[root + 1:] if source_name.startswith(("L[", "G[")) else source_name
-    parts = [a or b for a, b in _SOURCE_PARTS.findall(tail) if (a or b) != "__self__"]
-    return ".".join(parts) if parts else source_name
-
-
-def _placeholder_param(node: fx.Node) -> tuple[str, torch.nn.Parameter] | None:
-    # Dynamo gives placeholders a *fake* example_value, which has lost attributes
-    # such as _ddp_ignored and has another id(); the GraphArg holds the real one.
-    grapharg = node.meta.get("grapharg")
-    real = getattr(grapharg, "example", None) if grapharg is not None else None
-    if isinstance(real, torch.nn.Parameter):
-        name = _source_name(grapharg.source.name) if getattr(grapharg, "source", None) else str(node.target)
-        return name, real
-    value = node.meta.get("example_value")
-    if isinstance(value, torch.nn.Parameter):
-        return str(node.target), value
-    return None
 
 
 def _params_read_by(gm: fx.GraphModule, node: fx.Node, seen_modules: set) -> list[tuple[str, torch.nn.Parameter]]:
     found = []
     for inp in node.all_input_nodes:
         if inp.op == "placeholder":
-            hit = _placeholder_param(inp)
+            hit = placeholder_parameter(inp)
             if hit is not None:
                 found.append(hit)
         elif inp.op == "get_attr":
@@ -258,9 +233,9 @@ def _first_use_of_params(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[str, to
     return owner
 
 
-_AUTOCAST_ENTER = {torch.amp.autocast_mode._enter_autocast}
-_AUTOCAST_EXIT = {torch.amp.autocast_mode._exit_autocast}
-_SET_GRAD = {torch._C._set_grad_enabled}
+_AUTOCAST_ENTER = {AUTOCAST_ENTER}
+_AUTOCAST_EXIT = {AUTOCAST_EXIT}
+_SET_GRAD = {SET_GRAD_ENABLED}
 
 
 def _cuttable_after(gm: fx.GraphModule) -> set[fx.Node]:

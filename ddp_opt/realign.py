@@ -24,36 +24,24 @@ Notes
       refused up front (``align_buckets=False`` keeps DDP's own buckets).
     - ``DDP(static_graph=True)`` is left alone: its reducer did not take the new
       caps in a test (alignment stayed 0), so ``compile_ddp`` skips it there.
-    - Uses DDP internals (``_ddp_init_helper``, ``_bucket_config``) of torch 2.13.
+    - Uses DDP internals (``_ddp_init_helper``, ``_bucket_config``) of torch 2.13,
+      all in ``ddp_opt._torch_internals``; outside the tested torch versions
+      realignment is turned off with a warning.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
 from torch.nn.parallel import DistributedDataParallel
 
+from ._torch_internals import rebuild_reducer, reducer_finalized, registered_hook_name
 from .plan import Bucket
 
 log = logging.getLogger(__name__)
 
 __all__ = ["registered_hook_name", "realign_reducer", "reducer_finalized"]
-
-
-def registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
-    """The name of a comm hook registered on ``ddp_model``'s reducer, if any."""
-    return ddp_model._get_ddp_logging_data().get("comm_hook") or None
-
-
-def reducer_finalized(ddp_model: DistributedDataParallel) -> bool:
-    """True when the last backward's reduction is complete (safe to swap reducers)."""
-    try:
-        ddp_model.reducer._check_reducer_finalized()
-    except RuntimeError:
-        return False
-    return True
 
 
 def realign_reducer(ddp_model: DistributedDataParallel, buckets: list[Bucket],
@@ -69,12 +57,7 @@ def realign_reducer(ddp_model: DistributedDataParallel, buckets: list[Bucket],
         The caps given to the reducer, in gradient-ready order.
     """
     caps = tuple(b.size for b in reversed(buckets) if b.size > 0)
-    ddp_model._bucket_config = dataclasses.replace(ddp_model._bucket_config, per_bucket_bytes_caps=caps)
-    ddp_model.reducer._remove_autograd_hooks()
-    params, expect_sparse = ddp_model._build_params_for_reducer()
-    names = ddp_model._build_debug_param_to_name_mapping(params)
-    ddp_model._ddp_init_helper(params, expect_sparse, names, ddp_model.static_graph)
-    ddp_model._has_rebuilt_buckets = False
+    rebuild_reducer(ddp_model, caps)
     for state, hook in hooks:
         ddp_model.register_comm_hook(state, hook)
     log.info("ddp_opt realigned DDP's buckets with the %d partitions (caps %s B)", len(caps), list(caps))

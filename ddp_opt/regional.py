@@ -11,9 +11,10 @@ Background
     block's graph hold for the others.
 
 Algorithm
-    - :func:`find_blocks` (``fsdp_opt.blocks``, shared with FSDP's per-block
-      compile) picks the repeated blocks; each is compiled in place with the
-      plain backend (``Module.compile``), never split inside.
+    - ``compiler.regional.find_blocks`` (shared with FSDP's per-block compile)
+      picks the repeated blocks; ``compiler.regional.compile_blocks`` compiles
+      each in place with the plain backend (``Module.compile``), never split
+      inside.
     - Everything else (embeddings, final norm, head, loss) runs eagerly: it is a
       small share of the compute, and compiling it would mean a second capture
       of the outer forward with a graph break at every block.
@@ -53,22 +54,19 @@ Notes
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 from torch import nn
 
+from compiler import find_blocks
+
 from .plan import Bucket, BucketCaps
 
-log = logging.getLogger(__name__)
-
-__all__ = ["compile_blocks", "find_ddp_blocks", "plan_block_buckets"]
+__all__ = ["find_ddp_blocks", "plan_block_buckets"]
 
 
 def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> list[tuple[str, nn.Module]]:
-    """``fsdp_opt.find_blocks`` with an error that says how to fix it for DDP."""
-    from fsdp_opt.blocks import find_blocks
-
+    """``compiler.regional.find_blocks`` with an error that says how to fix it for DDP."""
     try:
         return find_blocks(model, blocks)
     except ValueError as e:
@@ -77,15 +75,6 @@ def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> l
             "(compile_ddp(..., regional=True, blocks='layers'); launcher: compile.blocks=layers) or compile "
             "the whole model instead (compile_ddp(..., regional=False); launcher: compile.regional=false)."
         ) from None
-
-
-def compile_blocks(found: list[tuple[str, nn.Module]], backend: Callable, *, dynamic: bool | None = None,
-                   fullgraph: bool = False, **more: Any) -> None:
-    """Compile each block in place (``Module.compile``); instances share one graph."""
-    for _, block in found:
-        block.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph, **more)
-    log.info("ddp_opt regional compile: %d blocks of %s compiled in place; the rest runs eagerly",
-             len(found), "/".join(sorted({type(b).__name__ for _, b in found})))
 
 
 def _unit(model_params: dict[int, str], params: list[nn.Parameter]) -> Bucket:

@@ -4,7 +4,7 @@ the root, and prefetch explicitly. Whole-model fullgraph compile and compiled
 autograd are refused with FSDP2: see ``fsdp_opt.config``."""
 
 from .apply import apply, apply_fsdp, check_no_compiled_autograd, default_mesh
-from .blocks import block_lists, find_blocks
+from compiler import block_lists, find_blocks
 from .config import CompileConfig, FSDPConfig
 from .plan import FSDPPlan, ShardUnit, format_units, plan_fsdp, plan_shard_units
 

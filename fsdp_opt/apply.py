@@ -14,8 +14,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from compiler import resolve_backend
+from compiler import compile_blocks, resolve_backend
 
+from ._torch_internals import checkpoint_wrapper, compiled_autograd_active
 from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig
 from .plan import FSDPPlan, plan_fsdp
 
@@ -124,8 +125,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
     if config.checkpointing:
         blocks = {name: _checkpoint_wrap(model, name, block) for name, block in blocks.items()}
     if cc is not None and not cc.whole_model:
-        for block in blocks.values():
-            block.compile(backend=backend, fullgraph=cc.fullgraph, dynamic=cc.dynamic)
+        compile_blocks(list(blocks.items()), backend, fullgraph=cc.fullgraph, dynamic=cc.dynamic)
 
     shard_kwargs = dict(mesh=mesh, mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.offload_policy is not None:
@@ -173,9 +173,7 @@ def check_no_compiled_autograd(where: str) -> None:
         RuntimeError: ``torch._dynamo.config.compiled_autograd`` is set, or a
             compiled-autograd context is active.
     """
-    from torch._dynamo import compiled_autograd as ca
-
-    if torch._dynamo.config.compiled_autograd or ca.compiled_autograd_enabled or ca.in_compiled_autograd_region:
+    if compiled_autograd_active():
         raise RuntimeError(
             f"{where}: compiled autograd is enabled (torch._dynamo.config.compiled_autograd or a "
             f"compiled_autograd._enable context) on an FSDP2 model: {COMPILED_AUTOGRAD_WHY}. Turn it "
@@ -222,8 +220,6 @@ def _checkpoint_wrap(model: nn.Module, name: str, block: nn.Module) -> nn.Module
 
     The wrapper's state_dict hooks drop its ``_checkpoint_wrapped_module.`` prefix,
     so checkpoints keep the unwrapped parameter names."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     parent_name, _, child_name = name.rpartition(".")
     wrapped = checkpoint_wrapper(block)
     setattr(model.get_submodule(parent_name) if parent_name else model, child_name, wrapped)

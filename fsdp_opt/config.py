@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from compiler import check_blocks_setting
+
 __all__ = ["CompileConfig", "FSDPConfig"]
 
 # Why whole-model compile cannot be fullgraph under FSDP2; shared by the config
@@ -115,17 +117,7 @@ class FSDPConfig:
                 "'aot_eager' or 'inductor', a backend callable, or a CompileConfig. "
                 "Set compile=None to turn compile off."
             )
-        if isinstance(self.blocks, str):
-            if not self.blocks:
-                raise ValueError("FSDPConfig.blocks='' names no module. Use 'auto' or the name of the block ModuleList.")
-        else:
-            names = tuple(self.blocks)
-            if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError(
-                    f"FSDPConfig.blocks={self.blocks!r}: expected 'auto', the name of one ModuleList, or a "
-                    "non-empty sequence of module names such as ('layers.0', 'layers.1')."
-                )
-            object.__setattr__(self, "blocks", names)
+        object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "FSDPConfig"))
         rafa = self.reshard_after_forward
         if not isinstance(rafa, bool) and (not isinstance(rafa, int) or rafa < 2):
             raise ValueError(

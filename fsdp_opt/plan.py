@@ -51,7 +51,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .blocks import find_blocks
+from compiler import find_blocks
 from .config import FSDPConfig
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,12 @@
 """The launcher's side of the compile diagnosis (``diagnose=true``, ``python -m
-launch.doctor``): a probe of the communication backward left exposed, and the
-report of ``compiler.diagnose.Diagnoser`` built from what the run measured.
+launch.doctor``): a probe of the communication backward left exposed, the DDP
+advice in the launcher's spelling, and the report of ``compiler.diagnose.Diagnoser``.
 
-The engine knows nothing of the launcher; what it reports about DDP it gets from
-here: the partitions, their sizes, the alignment and the exposed communication.
+``compiler.diagnose`` reports what the compiler did; the DDP advice comes from
+``ddp_opt.ddp_advice``, which writes each setting as :data:`OVERRIDE_SPELLING`
+says: as an override of this job (``ddp.bucket_cap_mb=2``). It lives here rather
+than in ``launch.doctor`` because the training loop's report phase uses it and
+``launch.doctor`` imports the training loop.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from compiler.diagnose import Diagnoser
+from ddp_opt import Spelling, ddp_advice
 
 from .data import TokenSource
 from .dist import DistEnv, print0
@@ -24,7 +28,15 @@ from .parallel import Wrapped
 from .precision import autocast
 from .schema import JobConfig
 
-__all__ = ["diagnose", "probe_exposed_comm"]
+__all__ = ["OVERRIDE_SPELLING", "diagnose", "probe_exposed_comm"]
+
+# How advice names a setting: as a launcher override, and the benchmark that compares caps.
+OVERRIDE_SPELLING = Spelling(
+    bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
+    keep_aligned="Keep bucket realignment on (it is skipped for ddp.static_graph=true)",
+    regional="compile.regional=true", cache_dir="compile.cache_dir=DIR",
+    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}",
+)
 
 
 def diagnose(diagnoser: Diagnoser, wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env: DistEnv,
@@ -36,10 +48,13 @@ def diagnose(diagnoser: Diagnoser, wrapped: Wrapped, data: TokenSource, cfg: Job
     # micro-batches: the shape training compiled for (a full local batch would recompile under grad_accum)
     micro_batch = cfg.train.batch_size // env.world_size // cfg.train.grad_accum
     exposed_ms, compute_ms = probe_exposed_comm(wrapped, data, cfg, env, micro_batch)
-    report = diagnoser.report(partitions=wrapped.partition_records(), step_s=median_step_ms / 1e3,
-                              alignment=alignment, partition_mib=sizes or None, exposed_comm_ms=exposed_ms,
-                              compute_ms=compute_ms,
-                              bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
+    records = wrapped.partition_records()
+    advice = ddp_advice(alignment=alignment, partition_mib=sizes or None, exposed_comm_ms=exposed_ms,
+                        compute_ms=compute_ms, compile_s=diagnoser.compile_seconds(records),
+                        step_s=median_step_ms / 1e3, spelling=OVERRIDE_SPELLING,
+                        bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
+    report = diagnoser.report(partitions=records, alignment=alignment, exposed_comm_ms=exposed_ms,
+                              compute_ms=compute_ms, extra_advice=advice)
     print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     return json.loads(report.to_json())
 

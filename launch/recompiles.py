@@ -35,8 +35,9 @@ from typing import Iterator
 
 import torch
 
+from compiler.diagnose import Diagnoser, size_guard
+
 from ._torch_internals import RecompileError, error_on_recompile
-from compiler.diagnose import _SIZE_GUARD, Diagnoser
 
 __all__ = ["CompileCounter", "CompileCounts", "RecompileAfterWarmupError", "no_recompile"]
 
@@ -87,10 +88,10 @@ def no_recompile(enabled: bool, inputs: dict[str, torch.Tensor], step: int,
 
 
 def _message(reason: str, inputs: dict[str, torch.Tensor], step: int, warmup_shapes: list[tuple[int, ...]]) -> str:
-    size = _SIZE_GUARD.search(reason)
-    if size and size.group(1) in inputs:
-        name = size.group(1)
-        what = (f"input '{name}' has shape {tuple(inputs[name].shape)} (axis {size.group(2)} changed), "
+    size = size_guard(reason)
+    if size and size[0] in inputs:
+        name = size[0]
+        what = (f"input '{name}' has shape {tuple(inputs[name].shape)} (axis {size[1]} changed), "
                 "a shape warm-up did not compile")
     else:
         shapes = ", ".join(f"'{k}' {tuple(v.shape)}" for k, v in inputs.items())

@@ -37,7 +37,7 @@ from compiler.diagnose import Diagnoser
 from .banner import describe, partition_table
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import TokenSource, build_data, stream_seed
-from .diagnosis import diagnose
+from .diagnosis import OVERRIDE_SPELLING, diagnose  # OVERRIDE_SPELLING: re-exported for tests/test_ddp_advice.py
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
 from .optim import OptimizerStep, build_optimizer
 from .parallel import Wrapped, apply_parallel, build_model
@@ -48,7 +48,8 @@ from .schema import ConfigError, JobConfig, Padding, ParallelMode, TrainConfig, 
 from .step import StepRunner, micro_batches
 from .validate import validate
 
-__all__ = ["Job", "StepCallback", "run", "train", "setup", "warm_up", "loop", "report", "main", "to_job_config"]
+__all__ = ["Job", "StepCallback", "run", "train", "setup", "warm_up", "loop", "report", "main", "to_job_config",
+           "OVERRIDE_SPELLING"]
 
 StepCallback = Callable[["Job", int], None]
 

@@ -114,39 +114,6 @@ def test_advice_for_divisibility_guards_and_the_recompile_limit():
     assert not any("fullgraph" in a for a in advice)  # no graphs seen: no claim about breaks
 
 
-def test_poor_alignment_suggests_the_partition_sizes_as_bucket_caps():
-    from compiler.diagnose import advise
-
-    advice = advise([], [], [], [], recompile_limit=8, alignment=0.39, partition_mib=[1.0078, 1.0085, 1.0093, 0.2822])
-    (line,) = [a for a in advice if "match one partition" in a]
-    assert line.startswith("only 39% of the gradient bytes are in DDP buckets that match one partition")
-    assert "bucket_cap_mb_list=[1.01, 1.01, 1.01, 0.282]" in line
-    assert not any("match one partition" in a for a in advise([], [], [], [], 8, alignment=1.0))
-
-
-def test_exposed_communication_suggests_caps_to_compare():
-    from compiler.diagnose import advise
-
-    advice = advise([], [], [], [], recompile_limit=8, exposed_comm_ms=60.0, compute_ms=200.0, bucket_cap_mb=4.0)
-    (line,) = [a for a in advice if "waits for gradient communication" in a]
-    assert line.startswith("60 ms of each 260 ms step waits for gradient communication")
-    assert "ddp.bucket_cap_mb=2" in line and "ddp.bucket_cap_mb=8" in line and "--modes eager,nosplit,ours --caps 2,4,8,auto" in line
-    assert "ddp.bucket_cap_mb=auto" in line
-    hidden = advise([], [], [], [], recompile_limit=8, exposed_comm_ms=5.0, compute_ms=200.0, bucket_cap_mb=4.0)
-    assert not any("waits for gradient communication" in a for a in hidden)
-
-
-def test_compile_time_that_dominates_points_at_regional_compile_and_the_cache():
-    from compiler.diagnose import GraphInfo, advise
-
-    slow = advise([GraphInfo(0, 10, 5, compile_s=60.0)], [], [], [], recompile_limit=8, step_s=0.2)
-    (line,) = [a for a in slow if a.startswith("compile took")]
-    assert line.startswith("compile took 60.0s, 300x a step")
-    assert "compile.regional=true" in line and "compile.cache_dir=DIR" in line
-    quick = advise([GraphInfo(0, 10, 5, compile_s=5.0)], [], [], [], recompile_limit=8, step_s=0.2)
-    assert not any(a.startswith("compile took") for a in quick)
-
-
 def test_recompiles_are_still_counted_once_dynamo_evicts_old_metrics():
     # Dynamo keeps its compilation metrics in a bounded deque: a window measured by
     # position would miss every recompile once the deque is full (it did, in the

@@ -8,7 +8,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from compiler import LazyPartition, PartitionRecord, compile_partitions, ensure_tuple_output, partition, split_graph
+from compiler import LazyPartition, PartitionRecord, _torch_internals, compile_partitions, ensure_tuple_output, partition, split_graph
 from compiler.partition import run_on_fakes
 
 
@@ -134,13 +134,13 @@ class Scaled(torch.nn.Module):
 
 
 def test_fake_run_of_a_graph_with_attributes_uses_a_fake_copy(monkeypatch):
-    copies, real_copy = [], partition.deepcopy_to_fake_tensor
+    copies, real_copy = [], _torch_internals.fake_copy
 
     def copying(gm, fake_mode):
         copies.append(gm)
         return real_copy(gm, fake_mode)
 
-    monkeypatch.setattr(partition, "deepcopy_to_fake_tensor", copying)
+    monkeypatch.setattr(_torch_internals, "fake_copy", copying)
     gm = fx.symbolic_trace(Scaled())
     fake_mode = FakeTensorMode()
     with fake_mode, mock.patch.object(fake_mode, "allow_non_fake_inputs", True):
@@ -156,7 +156,7 @@ def test_fake_run_of_an_attribute_free_graph_skips_the_deep_copy(monkeypatch):
         return x @ w
 
     gm = fx.symbolic_trace(add)
-    monkeypatch.setattr(partition, "deepcopy_to_fake_tensor", lambda *a: pytest.fail("deep-copied"))
+    monkeypatch.setattr(_torch_internals, "fake_copy", lambda *a: pytest.fail("deep-copied"))
     fake_mode = FakeTensorMode()
     with fake_mode:
         out = run_on_fakes(gm, (torch.empty(2, 3), torch.empty(3, 5)), fake_mode)

@@ -1,0 +1,216 @@
+"""Every private torch name the compiler core uses, in one place.
+
+Each access below says what it relies on. They were written against the torch
+versions in ``TESTED_TORCH`` and each is pinned by a test in
+``tests/test_torch_contracts.py`` that fails if torch changes it. Other
+packages (``ddp_opt``, ``fsdp_opt``, ``launch``, ``benchmarks``) keep their own
+private accesses in their own ``_torch_internals``-style module and may use
+:func:`torch_is_tested` to gate what depends on them.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import fx
+from torch._dynamo.utils import counters as _counters  # dynamo's global event counters
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - re-exported
+
+# (major, minor) torch versions this toolkit was tested with; setup.cfg states the same range.
+TESTED_TORCH = ((2, 13),)
+
+_warned: set[str] = set()
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def torch_is_tested() -> bool:
+    """True when the running torch is one this toolkit was tested with."""
+    return torch_version() in TESTED_TORCH
+
+
+def warn_untested_once(feature: str, consequence: str) -> None:
+    """One warning per feature when torch is outside ``TESTED_TORCH``."""
+    if feature in _warned:
+        return
+    _warned.add(feature)
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
+    warnings.warn(
+        f"distcompile was tested with torch {tested}; this is torch {torch.__version__}. {feature} relies on "
+        f"private torch internals that may have changed, so {consequence}. Install a tested torch "
+        f"(pip install torch=={TESTED_TORCH[-1][0]}.{TESTED_TORCH[-1][1]}.0) to use it.",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
+# --- backends -----------------------------------------------------------------------
+
+
+def backend_names() -> list[str]:
+    # torch._dynamo.list_backends(exclude_tags=()): every registered name, debug ones included.
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def inductor_mode_names() -> list[str]:
+    # torch._inductor.list_mode_options(): the modes torch.compile(mode=...) accepts.
+    from torch._inductor import list_mode_options
+
+    return sorted(list_mode_options().keys())
+
+
+def named_backend(name: str, dynamic: bool | None) -> Callable:
+    # torch._TorchCompileWrapper(backend, mode, options, dynamic): what torch.compile builds for a name.
+    return torch._TorchCompileWrapper(name, None, None, dynamic)
+
+
+def inductor_backend(mode: str | None, options: dict | None, dynamic: bool | None) -> Callable:
+    # torch._TorchCompileInductorWrapper(mode, options, dynamic): validates options (RuntimeError) as torch.compile does.
+    return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+
+
+# --- dynamo control flow and graph-break reasons -------------------------------------
+
+# Exceptions dynamo raises to restart or skip tracing; a backend must let them through.
+DYNAMO_CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
+
+
+def set_compile_reason(gm: fx.GraphModule, text: str, filename: str) -> None:
+    # gm.compile_subgraph_reason (a GraphCompileReason): what dynamo's explain/logging shows as a break reason.
+    from torch._dynamo.output_graph import GraphCompileReason
+
+    gm.compile_subgraph_reason = GraphCompileReason(text, [traceback.FrameSummary(filename, 0, "split")])
+
+
+def graph_break_frame(gm: fx.GraphModule) -> tuple[str, Any] | None:
+    """(reason, user frame) when dynamo ended ``gm`` at a graph break, else None."""
+    # dynamo sets gm.compile_subgraph_reason with .graph_break, .reason and .user_stack (FrameSummary list).
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and reason.graph_break and reason.user_stack:
+        return reason.reason, reason.user_stack[-1]
+    return None
+
+
+# --- dynamo metadata on split graphs ------------------------------------------------------
+
+
+def placeholder_sources(gm: fx.GraphModule) -> dict[str, Any]:
+    # node._dynamo_source: AOTAutograd reads it to tell parameters (static inputs) from activations.
+    return {n.name: getattr(n, "_dynamo_source", None) for n in gm.graph.find_nodes(op="placeholder")}
+
+
+def carry_sources(orig: fx.GraphModule, piece: fx.GraphModule, sources: dict[str, Any]) -> None:
+    # gm._param_name_to_source and node._dynamo_source, as PyTorch's own splitter carries them.
+    if hasattr(orig, "_param_name_to_source"):
+        piece._param_name_to_source = orig._param_name_to_source
+    for ph in piece.graph.find_nodes(op="placeholder"):
+        ph._dynamo_source = sources.get(ph.name)
+
+
+# --- fake tensors and the tracing context (Note [Lazy partition compile]) ------------------
+
+
+def detect_fake_mode(inputs: list) -> FakeTensorMode | None:
+    # torch._dynamo.utils.detect_fake_mode: the fake mode dynamo traced the inputs with.
+    return torch._dynamo.utils.detect_fake_mode(inputs)
+
+
+def to_fake(value: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    # torch._dynamo.utils.to_fake_tensor: a fake copy of a real tensor in that mode.
+    return torch._dynamo.utils.to_fake_tensor(value, fake_mode)
+
+
+def fake_copy(module: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    # torch._dynamo.utils.deepcopy_to_fake_tensor: a deep copy whose tensors are fake.
+    return torch._dynamo.utils.deepcopy_to_fake_tensor(module, fake_mode)
+
+
+def no_saved_tensor_hooks_while_tracing() -> Any:
+    # torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing: as PyTorch's splitter compiles partitions.
+    return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
+
+
+def tracing_context() -> Any:
+    # torch._guards.TracingContext.try_get(): dynamo's context for the graph being compiled, or None.
+    return torch._guards.TracingContext.try_get()
+
+
+class PartitionMetadata:
+    """Per-partition AOTAutograd forward metadata, read back by the lazy backward
+    compile: AOTAutograd's runtime wrappers read ``tracing.ddp_optimizer_ctx``
+    (``curr_bucket``, ``metadata_per_bucket``), the handshake PyTorch's own
+    splitter uses."""
+
+    def __init__(self) -> None:
+        self.curr_bucket = -1
+        self.metadata_per_bucket: list[Any] = []
+
+
+def start_partition_metadata(tracing: Any) -> None:
+    # TracingContext.ddp_optimizer_ctx: where AOTAutograd looks for per-partition forward metadata.
+    tracing.ddp_optimizer_ctx = PartitionMetadata()
+
+
+def record_partition_metadata(tracing: Any) -> None:
+    # TracingContext.fw_metadata: the forward metadata AOTAutograd just produced for the compiled partition.
+    meta = tracing.ddp_optimizer_ctx
+    meta.curr_bucket += 1
+    meta.metadata_per_bucket.append(tracing.fw_metadata)
+
+
+def set_fakify_first_call(tracing: Any, on: bool) -> None:
+    # TracingContext.fakify_first_call: AOTAutograd returns fake outputs with the backend's strides on the first call.
+    tracing.fakify_first_call = on
+
+
+def aot_counts() -> tuple[int, int]:
+    """(graphs through AOTAutograd, AOTAutograd cache hits) so far in this process."""
+    # counters["aot_autograd"]["total"] / ["autograd_cache_hit"]: bumped by AOTAutograd per compile / cache hit.
+    aot = _counters["aot_autograd"]
+    return aot["total"], aot["autograd_cache_hit"]
+
+
+def aot_cache_enabled() -> bool:
+    """Whether AOTAutograd's local cache would serve a partition compiled without
+    ``fakify_first_call`` (its own checks: FX graph cache and autograd cache on)."""
+    # torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache.
+    from torch._functorch import config as functorch_config
+
+    return bool(torch._inductor.config.fx_graph_cache and functorch_config.enable_autograd_cache)
+
+
+# --- compilation metrics and guard text (Note [Diagnosis]) ---------------------------------
+
+
+def compilation_metrics() -> list[Any]:
+    # torch._dynamo.utils.get_compilation_metrics(): a bounded deque of per-frame records
+    # with co_name, co_filename, co_firstlineno and recompile_reason.
+    return list(torch._dynamo.utils.get_compilation_metrics())
+
+
+def recompile_limit() -> int:
+    # torch._dynamo.config.recompile_limit: compiles per frame before dynamo falls back to eager.
+    return int(torch._dynamo.config.recompile_limit)
+
+
+# A recompile reason reads "<frame>/<n>: <guard>"; a shape guard reads
+# "tensor 'name' size mismatch at index i. expected ..., actual ...".
+_REASON_PREFIX = re.compile(r"^\d+/\d+: ")
+SIZE_GUARD = re.compile(r"tensor '([^']+)' size mismatch at index (\d+)")
+
+
+def failed_guard(recompile_reason: str) -> str:
+    """The guard text of a recompile reason, without dynamo's frame/count prefix."""
+    return recompile_reason.split(": ", 1)[-1] if _REASON_PREFIX.match(recompile_reason) else recompile_reason
+
+
+def size_guard(guard: str) -> tuple[str, int] | None:
+    """(input name, axis) when ``guard`` is a failed shape guard, else None."""
+    m = SIZE_GUARD.search(guard)
+    return (m.group(1), int(m.group(2))) if m else None

@@ -1,0 +1,188 @@
+"""Every private torch name ``ddp_opt`` uses, in one place.
+
+Each access says what it relies on; ``tests/test_torch_contracts.py`` pins each
+one, so a torch upgrade that changes one fails there first.
+
+Version gate: bucket realignment re-creates DDP's reducer through DDP's private
+initialisation helpers. With a torch outside ``compiler._torch_internals.TESTED_TORCH``,
+:data:`REALIGN_SUPPORTED` is False: ``compile_ddp`` warns once and keeps DDP's
+own buckets instead of calling helpers that may no longer exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.nn.parallel import DistributedDataParallel
+
+from compiler._torch_internals import torch_is_tested, warn_untested_once
+
+REALIGN_SUPPORTED = torch_is_tested()
+
+
+def realign_unsupported_warning() -> None:
+    warn_untested_once(
+        "compile_ddp(align_buckets=True)",
+        "bucket realignment is turned off and DDP keeps its own buckets (they may straddle partitions; "
+        "ddp_opt.measure_alignment tells). Pass align_buckets=False to silence this",
+    )
+
+
+# --- DDP's bucket configuration ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPBucketSettings:
+    bucket_bytes_cap: int
+    first_bucket_cap: int
+    per_bucket_caps: tuple[int, ...]
+
+
+def bucket_settings(ddp_model: DistributedDataParallel) -> DDPBucketSettings:
+    """The caps DDP's reducer uses when it rebuilds its buckets after step 1."""
+    config = getattr(ddp_model, "_bucket_config", None)
+    if config is not None:
+        # torch >= 2.13: DDP._bucket_config (bucket_bytes_cap, first_bucket_bytes_cap, per_bucket_bytes_caps).
+        return DDPBucketSettings(int(config.bucket_bytes_cap), int(config.first_bucket_bytes_cap),
+                                 tuple(int(c) for c in config.per_bucket_bytes_caps))
+    # Older torch: DDP.bucket_bytes_cap_default says whether the user left bucket_cap_mb unset, in which
+    # case the first bucket is capped at torch.distributed._DEFAULT_FIRST_BUCKET_BYTES.
+    cap = int(ddp_model.bucket_bytes_cap)
+    uses_default = bool(getattr(ddp_model, "bucket_bytes_cap_default", False))
+    first = min(default_first_bucket_bytes(), cap) if uses_default else cap
+    per_bucket = tuple(int(c) for c in getattr(ddp_model, "bucket_bytes_cap_list", ()) or ())
+    return DDPBucketSettings(cap, first, per_bucket)
+
+
+def default_first_bucket_bytes() -> int:
+    # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: DDP's first-bucket cap when bucket_cap_mb is unset (1 MiB).
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def registered_hook_name(ddp_model: DistributedDataParallel) -> str | None:
+    """The name of a comm hook registered on ``ddp_model``'s reducer, if any."""
+    # DDP._get_ddp_logging_data()["comm_hook"]: the registered hook's name, "" when none.
+    return ddp_model._get_ddp_logging_data().get("comm_hook") or None
+
+
+def reducer_finalized(ddp_model: DistributedDataParallel) -> bool:
+    """True when the last backward's reduction is complete (safe to swap reducers)."""
+    try:
+        # Reducer._check_reducer_finalized(): raises RuntimeError while a reduction is pending.
+        ddp_model.reducer._check_reducer_finalized()
+    except RuntimeError:
+        return False
+    return True
+
+
+def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int, ...]) -> None:
+    """Re-create DDP's reducer, as DDP does when it is unpickled, with ``rebuild_caps``
+    as the per-bucket caps of its next bucket rebuild (gradient-ready order)."""
+    # DDP._bucket_config is a dataclass whose per_bucket_bytes_caps the reducer's rebuild reads.
+    ddp_model._bucket_config = dataclasses.replace(ddp_model._bucket_config, per_bucket_bytes_caps=rebuild_caps)
+    # Reducer._remove_autograd_hooks(): detach the old reducer from the parameters' grad accumulators.
+    ddp_model.reducer._remove_autograd_hooks()
+    # DDP._build_params_for_reducer / _build_debug_param_to_name_mapping / _ddp_init_helper(params,
+    # expect_sparse_gradient, param_to_name_mapping, static_graph): DDP's own reducer construction.
+    params, expect_sparse = ddp_model._build_params_for_reducer()
+    names = ddp_model._build_debug_param_to_name_mapping(params)
+    ddp_model._ddp_init_helper(params, expect_sparse, names, ddp_model.static_graph)
+    # DDP._has_rebuilt_buckets: False makes the new reducer rebuild its buckets after its first iteration.
+    ddp_model._has_rebuilt_buckets = False
+
+
+def runtime_buckets(ddp_model: DistributedDataParallel) -> list[list[tuple[int, int]]]:
+    """DDP's current buckets as ``[(id(param), bytes), ...]`` each, in reduction order."""
+    # Reducer._get_zeros_like_grad_buckets(): one GradBucket per runtime bucket, with .parameters().
+    return [
+        [(id(p), p.numel() * p.element_size()) for p in bucket.parameters()]
+        for bucket in ddp_model.reducer._get_zeros_like_grad_buckets()
+    ]
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """True when ``module`` (or its forward) was already given to torch.compile."""
+    # Module._compiled_call_impl is set by Module.compile(); torch.compile's wrapper of a function
+    # carries _torchdynamo_orig_callable.
+    return (getattr(module, "_compiled_call_impl", None) is not None
+            or hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"))
+
+
+def no_builtin_ddp_splitter() -> Any:
+    # torch._dynamo.config.optimize_ddp: dynamo hands graphs captured under DDP to PyTorch's splitter when on.
+    return torch._dynamo.config.patch(optimize_ddp=False)
+
+
+def default_store() -> dist.Store:
+    # torch.distributed.distributed_c10d._get_default_store(): the default group's rendezvous store.
+    return dist.distributed_c10d._get_default_store()
+
+
+def inductor_default_cache_dir() -> str:
+    # torch._inductor.runtime.cache_dir_utils.default_cache_dir(): where Inductor caches when not told.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
+
+
+def trace_artifact(name: str, encoding: str, payload_fn: Any) -> None:
+    # torch._logging.trace_structured("artifact", ...): a named artifact in TORCH_TRACE for tlparse.
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
+
+
+# --- what dynamo's graphs carry ------------------------------------------------------------
+
+# The functions dynamo records when a graph enters/leaves autocast or switches grad mode.
+AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
+AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
+SET_GRAD_ENABLED = torch._C._set_grad_enabled
+
+
+def is_ddp_ignored(param: torch.nn.Parameter) -> bool:
+    # Parameter._ddp_ignored: set by DDP._set_params_and_buffers_to_ignore_for_model on real parameters.
+    return bool(getattr(param, "_ddp_ignored", False))
+
+
+def is_view(value: torch.Tensor) -> bool:
+    # Tensor._is_view(): whether the (fake) tensor aliases another's storage.
+    return value._is_view()
+
+
+def node_example(node: fx.Node) -> Any:
+    # node.meta["example_value"] (dynamo) or node.meta["val"] (AOT/export): the node's fake value.
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+# Dynamo's source names: L['self']._modules['0']._parameters['weight'].
+_SOURCE_PARTS = re.compile(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]|\.([A-Za-z_]\w*)")
+
+
+def source_to_param_name(source_name: str) -> str:
+    """``L['self']._modules['0']._parameters['weight']`` -> ``0.weight``
+    (``__self__`` of a compiled bound ``forward`` is dropped too)."""
+    root = source_name.find("]")
+    tail = source_name[root + 1:] if source_name.startswith(("L[", "G[")) else source_name
+    parts = [a or b for a, b in _SOURCE_PARTS.findall(tail) if (a or b) != "__self__"]
+    return ".".join(parts) if parts else source_name
+
+
+def placeholder_parameter(node: fx.Node) -> tuple[str, torch.nn.Parameter] | None:
+    """(name, the real parameter) a dynamo placeholder stands for, or None."""
+    # node.meta["grapharg"] (a GraphArg): .example is the real tensor, .source.name its dynamo source;
+    # the fake example_value has lost attributes such as _ddp_ignored and has another id().
+    grapharg = node.meta.get("grapharg")
+    real = getattr(grapharg, "example", None) if grapharg is not None else None
+    if isinstance(real, torch.nn.Parameter):
+        source = getattr(grapharg, "source", None)
+        return (source_to_param_name(source.name) if source else str(node.target)), real
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.nn.Parameter):
+        return str(node.target), value
+    return None

@@ -1,0 +1,109 @@
+"""``DDPCompileConfig``: every setting of ``compile_ddp`` in one frozen dataclass,
+validated when built, so that a bad setting fails before any compile, link
+measurement or process-group collective, and an entry point (the launcher) can
+build it up front and report the error in its own terms (``SettingError.setting``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Sequence
+
+from compiler import FALLBACKS, BackendFn, SettingError, check_blocks_setting, resolve_backend
+
+from .autoplan import LinkEstimate
+from .cost import CostModel
+
+__all__ = ["DDPCompileConfig"]
+
+
+@dataclass(frozen=True)
+class DDPCompileConfig:
+    """How ``compile_ddp`` compiles a DDP model; see ``compile_ddp`` for each field.
+
+    Raises (when built):
+        SettingError: a value that cannot work; ``.setting`` names the field.
+        TypeError: a value of the wrong kind (``link``, ``wrap_backend``).
+    """
+
+    backend: str | Callable = "inductor"
+    mode: str | None = None
+    options: Mapping[str, Any] | None = None
+    dynamic: bool | None = None
+    fullgraph: bool = False
+    fallback: str = "warn"
+    split: bool = True
+    check_plans: bool = True
+    align_buckets: bool = True
+    bucket_cap_mb: str | None = None
+    link: LinkEstimate | CostModel | Callable | None = None
+    cache_dir: str | os.PathLike | None = None
+    regional: bool = False
+    blocks: str | Sequence[str] = "auto"
+    wrap_backend: Callable[[Callable], Callable] | None = None
+    torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.resolve_backend()  # unknown backend, mode or options fail here, naming the valid ones
+        if self.fallback not in FALLBACKS:
+            raise SettingError(
+                "fallback",
+                f"compile_ddp(fallback={self.fallback!r}): expected one of {', '.join(FALLBACKS)}: 'warn' runs a "
+                "partition that fails to compile eagerly (the others stay compiled), 'raise' stops on the error.",
+            )
+        object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "compile_ddp"))
+        self._check_plan_choice()
+        if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
+            raise SettingError(
+                "cache_dir",
+                f"compile_ddp(cache_dir={self.cache_dir!r}) is not a directory: it must name a directory (created "
+                "if missing) to keep one compile-cache file per model and config in. Pass a directory path, or "
+                "cache_dir=None to turn the persistent cache off.",
+            )
+        if self.wrap_backend is not None and not callable(self.wrap_backend):
+            raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
+                            "such as compiler.diagnose.Diagnoser().wrap, or None.")
+
+    def _check_plan_choice(self) -> None:
+        if self.bucket_cap_mb not in (None, "auto"):
+            raise SettingError(
+                "bucket_cap_mb",
+                f"compile_ddp(bucket_cap_mb={self.bucket_cap_mb!r}): expected None (split at DDP's own caps) or "
+                "'auto' (choose the buckets from a cost model of the link and the model). A fixed cap belongs on "
+                "DDP: DistributedDataParallel(model, bucket_cap_mb=4), which compile_ddp follows.",
+            )
+        if self.link is not None and not isinstance(self.link, (LinkEstimate, CostModel)) and not callable(self.link):
+            raise TypeError(
+                f"compile_ddp(link={self.link!r}): expected None (measure dist.all_reduce), a probe callable "
+                "(tensor) -> Future, a ddp_opt.LinkEstimate(alpha_s, bandwidth) or a ddp_opt.CostModel."
+            )
+        if (self.bucket_cap_mb is not None or self.link is not None) and (not self.split or self.regional):
+            which = "split=False" if not self.split else "regional=True"
+            given = "bucket_cap_mb='auto'" if self.bucket_cap_mb == "auto" else "link=..."
+            raise SettingError(
+                "bucket_cap_mb" if self.bucket_cap_mb is not None else "link",
+                f"compile_ddp({given}, {which}): the cost model chooses (or predicts) where to split the graph, "
+                f"and {which} does not split it at planned buckets. Drop one of the two.",
+            )
+
+    def resolve_backend(self) -> BackendFn:
+        """The dynamo backend each partition (or block) is compiled with."""
+        return resolve_backend(self.backend, mode=self.mode, options=dict(self.options) if self.options else None,
+                               dynamic=self.dynamic)
+
+    @property
+    def uses_cost_model(self) -> bool:
+        return self.bucket_cap_mb is not None or self.link is not None
+
+    def changed_from_default(self) -> list[str]:
+        """Names of the fields that differ from their defaults."""
+        default = DDPCompileConfig()
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+    def cache_settings(self) -> dict[str, Any]:
+        """The settings that change what is compiled, as the compile-cache key sees them."""
+        backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__qualname__",
+                                                                             repr(self.backend))
+        return dict(backend=backend, mode=self.mode, options=self.options, dynamic=self.dynamic,
+                    fullgraph=self.fullgraph, split=self.split, regional=self.regional, blocks=self.blocks,
+                    bucket_cap_mb=self.bucket_cap_mb, more=dict(self.torch_compile_kwargs))

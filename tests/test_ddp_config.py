@@ -1,0 +1,80 @@
+"""DDPCompileConfig: every compile_ddp setting validated in one place, before
+anything is measured or compiled; the config can be passed whole; realignment is
+turned off, with a warning, on an untested torch."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_opt.api
+from _dist import single_rank_group
+from compiler import SettingError
+from ddp_opt import DDPCompileConfig, LinkEstimate, compile_ddp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo():
+    with single_rank_group():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kwargs, setting, match", [
+    (dict(backend="no_such_backend"), "backend", r"Unknown compile backend 'no_such_backend'.*Valid names:.*aot_eager"),
+    (dict(mode="fastest"), "mode", r"Unknown inductor mode 'fastest'. Valid modes:"),
+    (dict(backend="aot_eager", mode="max-autotune"), "mode", r"are inductor settings, but backend='aot_eager'"),
+    (dict(fallback="ignore"), "fallback", r"fallback='ignore'\): expected one of warn, raise"),
+    (dict(bucket_cap_mb=4), "bucket_cap_mb", r"A fixed cap belongs on DDP: DistributedDataParallel\(model, bucket_cap_mb=4\)"),
+    (dict(bucket_cap_mb="auto", split=False), "bucket_cap_mb", r"bucket_cap_mb='auto', split=False.*Drop one"),
+    (dict(link=LinkEstimate(1e-3, 1e8), regional=True), "link", r"link=\.\.\., regional=True"),
+    (dict(blocks=[]), "blocks", r"compile_ddp.blocks=\[\]: expected 'auto', the name of one ModuleList"),
+    (dict(cache_dir=""), "cache_dir", r"is not a directory.*cache_dir=None to turn"),
+])
+def test_each_bad_setting_fails_when_built_naming_its_field(kwargs, setting, match):
+    with pytest.raises(SettingError, match=match) as info:
+        DDPCompileConfig(**kwargs)
+    assert info.value.setting == setting
+
+
+def test_wrong_kinds_are_type_errors():
+    with pytest.raises(TypeError, match=r"link=3\): expected None \(measure dist.all_reduce\)"):
+        DDPCompileConfig(bucket_cap_mb="auto", link=3)
+    with pytest.raises(TypeError, match=r"wrap_backend='x'\): expected a callable"):
+        DDPCompileConfig(wrap_backend="x")
+
+
+def test_compile_ddp_validates_before_touching_the_model():
+    ddp = DDP(nn.Linear(4, 4))
+    with pytest.raises(SettingError, match="Unknown compile backend"):
+        compile_ddp(ddp, backend="no_such_backend")
+    assert "forward" not in ddp.module.__dict__  # nothing compiled in place
+
+
+def test_a_config_passed_whole_compiles_like_the_keywords():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    x = torch.randn(4, 64)
+    want = model(x)
+    compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), config=DDPCompileConfig(backend="aot_eager"))
+    torch.testing.assert_close(compiled(x), want)
+    assert len(compiled.buckets) >= 2
+
+
+def test_config_and_keywords_together_are_refused():
+    with pytest.raises(ValueError, match=r"config=\.\.\., <keyword settings>.*dataclasses.replace"):
+        compile_ddp(DDP(nn.Linear(4, 4)), config=DDPCompileConfig(), backend="eager")
+
+
+def test_untested_torch_turns_realignment_off_with_a_warning(monkeypatch):
+    monkeypatch.setattr(ddp_opt.api, "REALIGN_SUPPORTED", False)
+    monkeypatch.setattr("compiler._torch_internals._warned", set())
+    with pytest.warns(RuntimeWarning, match=r"compile_ddp\(align_buckets=True\).*realignment is turned off"):
+        compiled = compile_ddp(DDP(nn.Linear(4, 4)), backend="eager")
+    assert compiled.align_buckets is False

@@ -1,0 +1,242 @@
+"""One small test per private torch access (the ``_torch_internals`` module of each
+package): if a torch upgrade changes what one relies on, it fails here, by name,
+instead of somewhere deep in a training run."""
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import compiler._torch_internals as cti
+import ddp_opt._torch_internals as dti
+import fsdp_opt._torch_internals as fti
+from _dist import single_rank_group
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _captured(fn, *args):
+    """The dynamo graphs (gm, example_inputs) of ``fn(*args)``, eager backend."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, example_inputs, cti.tracing_context()))
+        return gm.forward
+
+    torch.compile(fn, backend=backend)(*args)
+    return graphs
+
+
+# --- compiler -------------------------------------------------------------------------
+
+
+def test_backend_and_mode_registries():
+    assert {"eager", "aot_eager", "inductor"} <= set(cti.backend_names())
+    assert {"default", "reduce-overhead", "max-autotune"} <= set(cti.inductor_mode_names())
+    assert callable(cti.named_backend("aot_eager", None))
+    with pytest.raises(RuntimeError):
+        cti.inductor_backend(None, {"no_such_inductor_option": 1}, None)
+
+
+def test_dynamo_control_flow_exceptions_exist():
+    assert all(issubclass(e, Exception) for e in cti.DYNAMO_CONTROL_FLOW)
+
+
+def test_graph_break_reason_carries_the_user_frame():
+    def with_print(x):
+        y = x + 1
+        print("break")
+        return y * 2
+
+    graphs = _captured(with_print, torch.randn(3))
+    found = cti.graph_break_frame(graphs[0][0])
+    assert found is not None, "the first graph ended at the print, so it carries a break reason"
+    reason, frame = found
+    assert reason and frame.filename == __file__ and "print" in (frame.line or "")
+
+
+def test_tracing_context_handshake_of_pytorchs_splitter():
+    # The attributes compile_partitions sets and reads, and AOTAutograd's reader of them.
+    (gm, inputs, tracing), = _captured(lambda x: x.sin(), torch.randn(2))
+    assert tracing is not None
+    for name in ("fakify_first_call", "ddp_optimizer_ctx", "fw_metadata"):
+        assert hasattr(tracing, name), name
+    cti.start_partition_metadata(tracing)
+    tracing.fw_metadata = "meta"
+    cti.record_partition_metadata(tracing)
+    assert tracing.ddp_optimizer_ctx.curr_bucket == 0 and tracing.ddp_optimizer_ctx.metadata_per_bucket == ["meta"]
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    source = inspect.getsource(runtime_wrappers)
+    assert "ddp_optimizer_ctx" in source and "metadata_per_bucket" in source and "curr_bucket" in source
+
+
+def test_dynamo_sources_on_placeholders():
+    lin = nn.Linear(3, 2)
+    (gm, _, _), = _captured(lin, torch.randn(1, 3))
+    sources = cti.placeholder_sources(gm)
+    assert any(s is not None for s in sources.values())
+    assert hasattr(gm, "_param_name_to_source")
+
+
+def test_fake_tensor_helpers():
+    mode = cti.FakeTensorMode()
+    fake = cti.to_fake(torch.randn(2, 3), mode)
+    assert isinstance(fake, cti.FakeTensor) and cti.detect_fake_mode([fake]) is mode
+    copy = cti.fake_copy(nn.Linear(3, 2), mode)
+    assert isinstance(copy.weight, cti.FakeTensor)
+    with cti.no_saved_tensor_hooks_while_tracing():
+        pass
+
+
+def test_aot_autograd_counters_and_cache_switches():
+    before = cti.aot_counts()
+    torch.compile(lambda x: x.cos() * 2, backend="aot_eager")(torch.randn(3, requires_grad=True))
+    assert cti.aot_counts()[0] > before[0]
+    assert isinstance(cti.aot_cache_enabled(), bool)
+
+
+def test_recompile_reason_text():
+    def f(x):
+        return x * 2
+
+    compiled = torch.compile(f, backend="eager", dynamic=False)
+    mark = len(cti.compilation_metrics())
+    compiled(torch.randn(4, 8))
+    compiled(torch.randn(4, 16))
+    reasons = [m.recompile_reason for m in cti.compilation_metrics()[mark:] if getattr(m, "recompile_reason", None)]
+    assert reasons, "dynamo recorded no recompile reason"
+    guard = cti.failed_guard(reasons[-1])
+    assert not guard[:1].isdigit(), guard
+    assert cti.size_guard(guard) == ("x", 1), guard
+    assert cti.recompile_limit() >= 1
+
+
+def test_version_gate_warns_once_outside_the_tested_range(monkeypatch):
+    assert cti.torch_version() >= (2, 13)
+    monkeypatch.setattr(cti, "TESTED_TORCH", ((9, 9),))
+    monkeypatch.setattr(cti, "_warned", set())
+    assert not cti.torch_is_tested()
+    with pytest.warns(RuntimeWarning, match=r"tested with torch 9.9; this is torch .* feature X .* so it is off"):
+        cti.warn_untested_once("feature X", "so it is off")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cti.warn_untested_once("feature X", "so it is off")  # once only
+
+
+# --- ddp_opt ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    with single_rank_group():
+        yield
+
+
+def test_ddp_bucket_settings(gloo):
+    default = dti.bucket_settings(DDP(nn.Linear(4, 4)))
+    assert (default.bucket_bytes_cap, default.first_bucket_cap) == (25 * 2**20, dti.default_first_bucket_bytes())
+    assert dti.default_first_bucket_bytes() == 2**20
+    four = dti.bucket_settings(DDP(nn.Linear(4, 4), bucket_cap_mb=4))
+    assert (four.bucket_bytes_cap, four.first_bucket_cap) == (4 * 2**20, 4 * 2**20)
+    listed = dti.bucket_settings(DDP(nn.Linear(4, 4), bucket_cap_mb_list=[1, 4]))
+    assert listed.per_bucket_caps == (2**20, 4 * 2**20)
+
+
+def test_ddp_reducer_helpers_and_rebuild(gloo):
+    names = list(inspect.signature(DDP._ddp_init_helper).parameters)
+    assert names[1:5] == ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"], names
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    assert dti.registered_hook_name(model) is None and dti.reducer_finalized(model)
+    model(torch.randn(2, 4)).sum().backward()
+    assert dti.runtime_buckets(model) and dti.reducer_finalized(model)
+    dti.rebuild_reducer(model, (64, 2**20))
+    assert model._bucket_config.per_bucket_bytes_caps == (64, 2**20)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    assert len(dti.runtime_buckets(model)) == 2
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    assert dti.registered_hook_name(model) == "allreduce_hook"
+
+
+def test_compiled_module_markers_and_splitter_switch():
+    plain, by_method, by_forward = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    by_method.compile(backend="eager")
+    by_forward.forward = torch.compile(by_forward.forward, backend="eager")
+    assert [dti.is_compiled(m) for m in (plain, by_method, by_forward)] == [False, True, True]
+    with dti.no_builtin_ddp_splitter():
+        assert torch._dynamo.config.optimize_ddp is False
+
+
+def test_store_cache_dir_and_trace_artifact(gloo):
+    store = dti.default_store()
+    store.set("contract", "ok")
+    assert store.get("contract") == b"ok"
+    assert isinstance(dti.inductor_default_cache_dir(), str)
+    dti.trace_artifact("contract", "string", lambda: "payload")
+
+
+def test_what_dynamo_graphs_carry(gloo):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = self.lin(x)
+            with torch.no_grad():
+                z = y * 2
+            return y + z
+
+    m = M()
+    seen = []
+
+    def backend(gm, example_inputs):  # dynamo erases each GraphArg's real example after compile: look now
+        seen.append((gm, [dti.placeholder_parameter(n) for n in gm.graph.find_nodes(op="placeholder")]))
+        return gm.forward
+
+    m.forward = torch.compile(m.forward, backend=backend)  # in place, as compile_ddp compiles
+    m(torch.randn(2, 3))
+    (gm, params), = seen
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert {dti.AUTOCAST_ENTER, dti.AUTOCAST_EXIT, dti.SET_GRAD_ENABLED} <= targets
+    assert {(name, id(p)) for name, p in filter(None, params)} == {("lin.weight", id(m.lin.weight)),
+                                                                 ("lin.bias", id(m.lin.bias))}
+    modes = {dti.AUTOCAST_ENTER, dti.AUTOCAST_EXIT, dti.SET_GRAD_ENABLED}
+    assert all(isinstance(dti.node_example(n), torch.Tensor)
+               for n in gm.graph.nodes if n.op == "call_function" and n.target not in modes)
+    assert dti.is_view(torch.randn(4)[:2]) and not dti.is_view(torch.randn(4))
+    plain = M()
+    DDP._set_params_and_buffers_to_ignore_for_model(plain, ["lin.bias"])
+    DDP(plain)
+    m = plain
+    assert dti.is_ddp_ignored(m.lin.bias) and not dti.is_ddp_ignored(m.lin.weight)
+
+
+# --- fsdp_opt ---------------------------------------------------------------------------
+
+
+def test_compiled_autograd_switch_and_checkpoint_wrapper():
+    assert not fti.compiled_autograd_active()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        assert fti.compiled_autograd_active()
+    block = nn.Linear(3, 3)
+    keys = set(block.state_dict())
+    wrapped = fti.checkpoint_wrapper(block)
+    assert set(wrapped.state_dict()) == keys
+    x = torch.randn(2, 3, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad is not None and dist.is_available()
