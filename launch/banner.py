@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tabulate import tabulate
+
+from ddp_opt import format_buckets
+
 from .schema import FSDPOptions, JobConfig, ParallelMode, Padding
 
 if TYPE_CHECKING:
@@ -54,10 +58,6 @@ def partition_table(wrapped: Wrapped) -> str | None:
     buckets = wrapped.buckets()
     if not buckets:
         return None
-    from tabulate import tabulate
-
-    from ddp_opt import format_buckets
-
     text = f"DDP buckets = graph partitions ({len(buckets)}):\n{format_buckets(buckets)}"
     records = wrapped.partition_records()
     if records:

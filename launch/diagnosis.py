@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from compiler.diagnose import Diagnoser
+from compiler import Diagnoser
 from ddp_opt import Spelling, ddp_advice
 
 from .data import TokenSource

@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from compiler.diagnose import Diagnoser, size_guard
+from compiler import Diagnoser, size_guard
 
 from ._torch_internals import RecompileError, error_on_recompile
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ __all__ = [
     "check_compile_time",
     "check_ddp",
     "check_auto_caps",
+    "auto_caps_error",
     "check_fsdp",
     "check_data",
     "check_diagnose",
@@ -95,7 +95,7 @@ def check_model(m: ModelConfig, t: TrainConfig) -> None:
         )
     for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
         positive(f"model.{name}", getattr(m, name), "a positive integer", "it sizes the model",
-                  f"Set e.g. model.{name}={getattr(ModelConfig, name)}.")
+                 f"Set e.g. model.{name}={getattr(ModelConfig, name)}.")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} is not a probability in [0, 1). Use e.g. model.dropout=0.1.")
     if m.name in (ModelName.GPT_TINY, ModelName.HF_GPT2) and m.n_embd % m.n_head:
@@ -141,7 +141,8 @@ def check_parallel(p: ParallelConfig) -> None:
 
 
 def check_compile_time(c: CompileConfig, p: ParallelConfig) -> None:
-    """compile.cache_dir and compile.regional."""
+    """compile.cache_dir and compile.regional need DDP and a compile (whether cache_dir is
+    a directory is ddp_opt.DDPCompileConfig's check)."""
     if c.cache_dir is not None:
         if p.name != ParallelMode.DDP:
             raise ConfigError(
@@ -153,12 +154,6 @@ def check_compile_time(c: CompileConfig, p: ParallelConfig) -> None:
             raise ConfigError(
                 f"compile.cache_dir={c.cache_dir!r} with compile.backend=eager: nothing is compiled, so there is "
                 "nothing to cache. Drop compile.cache_dir or pick a compile backend (compile.backend=inductor)."
-            )
-        if not c.cache_dir or os.path.isfile(c.cache_dir):
-            raise ConfigError(
-                f"compile.cache_dir={c.cache_dir!r} is not a directory: it must name a directory (created if "
-                "missing) to keep one compile-cache file per model and config in. Pass a directory path, "
-                "e.g. compile.cache_dir=/scratch/compile_cache."
             )
     if c.regional and p.name == ParallelMode.NONE:
         raise ConfigError(
@@ -175,7 +170,7 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
         positive("ddp.bucket_cap_mb", d.bucket_cap_mb, "a positive size in MiB", why, fix.format("ddp.bucket_cap_mb"))
     if d.first_bucket_cap_mb is not None:
         positive("ddp.first_bucket_cap_mb", d.first_bucket_cap_mb, "a positive size in MiB", why,
-                  fix.format("ddp.first_bucket_cap_mb").replace("=25", "=1"))
+                 fix.format("ddp.first_bucket_cap_mb").replace("=25", "=1"))
     if d.bucket_cap_mb_list is not None:
         if len(d.bucket_cap_mb_list) == 0:
             raise ConfigError(
@@ -184,7 +179,7 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
             )
         for i, cap in enumerate(d.bucket_cap_mb_list):
             positive(f"ddp.bucket_cap_mb_list[{i}]", cap, "a positive size in MiB", why,
-                      "Give sizes in MiB, e.g. ddp.bucket_cap_mb_list=[1,25], or null for DDP's default.")
+                     "Give sizes in MiB, e.g. ddp.bucket_cap_mb_list=[1,25], or null for DDP's default.")
     using = [n for n in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list") if getattr(d, n) is not None]
     if d.static_graph:
         using.append("static_graph")
@@ -218,36 +213,30 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
 
 
 def check_auto_caps(d: DDPConfig, c: CompileConfig) -> None:
-    """ddp.bucket_cap_mb=auto plans where compile_ddp splits the graph, so it needs that split."""
-    if d.bucket_cap_mb != "auto":
-        return
-    off = ("compile.backend=eager" if c.backend == "eager" else "compile.split=false" if not c.split
-           else "compile.regional=true" if c.regional else None)
-    if off is not None:
-        raise ConfigError(
-            f"ddp.bucket_cap_mb=auto with {off}: auto chooses where compile_ddp splits the compiled graph into "
-            "buckets, and with this setting nothing is split at planned buckets. Use a compile backend with "
-            "compile.split=true and compile.regional=false, or a fixed ddp.bucket_cap_mb."
-        )
+    """ddp.bucket_cap_mb=auto plans where compile_ddp splits the graph, so it needs a compile
+    (with compile.split=false or compile.regional=true, DDPCompileConfig refuses it)."""
+    if d.bucket_cap_mb == "auto" and c.backend == "eager":
+        raise auto_caps_error("compile.backend=eager")
+
+
+def auto_caps_error(off: str) -> ConfigError:
+    """``ddp.bucket_cap_mb=auto`` with ``off``, a setting under which nothing is split at planned buckets."""
+    return ConfigError(
+        f"ddp.bucket_cap_mb=auto with {off}: auto chooses where compile_ddp splits the compiled graph into "
+        "buckets, and with this setting nothing is split at planned buckets. Use a compile backend with "
+        "compile.split=true and compile.regional=false, or a fixed ddp.bucket_cap_mb."
+    )
 
 
 def check_fsdp(f: FSDPOptions, p: ParallelConfig) -> None:
+    """fsdp.* only with parallel=fsdp, and the launcher's mixed-precision choice (the sizes
+    are fsdp_opt.FSDPConfig's checks)."""
     changed = [k for k, v in vars(FSDPOptions()).items() if getattr(f, k) != v]
     if p.name != ParallelMode.FSDP and changed:
         raise ConfigError(
             f"fsdp.{changed[0]}={getattr(f, changed[0])!r} is set but parallel={p.name}: fsdp.* settings "
             "configure FSDP2 sharding (fsdp_opt) and nothing else uses them. Use parallel=fsdp, or drop the "
             "fsdp.* overrides."
-        )
-    if f.shard_unit_mb is not None:
-        positive("fsdp.shard_unit_mb", f.shard_unit_mb, "a positive size in MiB",
-                  "consecutive blocks are grouped into one shard unit until its all-gather holds that many MiB",
-                  "Give a size, e.g. fsdp.shard_unit_mb=4, or fsdp.shard_unit_mb=null for one unit per block.")
-    if isinstance(f.prefetch, bool) or not isinstance(f.prefetch, int) or f.prefetch < 0:
-        raise ConfigError(
-            f"fsdp.prefetch={f.prefetch!r} is not valid: it is how many shard units ahead to all-gather, a "
-            "non-negative integer. Use fsdp.prefetch=1 (the default), or fsdp.prefetch=0 to leave FSDP2's "
-            "implicit prefetching alone."
         )
     choice("fsdp.mixed_precision", f.mixed_precision, FSDPPrecision,
            ": bf16 gathers and computes parameters in bfloat16 and reduces gradients in float32. Use "

@@ -80,8 +80,8 @@ def check_step(cfg: JobConfig, world_size: int) -> None:
            "train.seq_len, the default), multiple (to the longest, rounded up to data.pad_multiple) or dynamic "
            "(mark_dynamic).")
     positive("data.pad_multiple", d.pad_multiple, "a positive integer",
-              "padding=multiple rounds each batch's longest sequence up to a multiple of it",
-              "Set e.g. data.pad_multiple=8.")
+             "padding=multiple rounds each batch's longest sequence up to a multiple of it",
+             "Set e.g. data.pad_multiple=8.")
     if d.padding == Padding.MULTIPLE:
         limit, shapes = recompile_limit(), math.ceil(t.seq_len / d.pad_multiple)
         if shapes > limit:
@@ -118,7 +118,7 @@ def check_step(cfg: JobConfig, world_size: int) -> None:
             "fsdp.mixed_precision=bf16 with train.precision=fp32."
         )
     positive("train.grad_accum", t.grad_accum, "a positive integer",
-              "it is the number of micro-batches per optimizer step", "Set e.g. train.grad_accum=1 (no accumulation).")
+             "it is the number of micro-batches per optimizer step", "Set e.g. train.grad_accum=1 (no accumulation).")
     local = t.batch_size // world_size
     if local % t.grad_accum:  # the batch divides over the ranks (check_train)
         raise ConfigError(

@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from compiler import BackendSpec
-from compiler.diagnose import Diagnoser
+from compiler import BackendSpec, Diagnoser
+from ddp_opt.cost import describe as describe_plan
 
 from .banner import describe, partition_table
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -200,8 +200,6 @@ def report(job: Job) -> dict[str, Any]:
                f"partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
     prediction = wrapped.prediction()
     if prediction is not None:
-        from ddp_opt.cost import describe as describe_plan
-
         print0("bucket plan (ddp.bucket_cap_mb=auto; gradient-ready order, times from the start of backward):\n"
                + describe_plan(prediction, wrapped.buckets()))
     diagnosis = None
