@@ -18,7 +18,7 @@ Background
       (:func:`warmup_lengths`), with ``dynamic=False`` so that dynamo's
       automatic dynamic shapes do not turn the second shape into a symbolic
       graph: each shape is one static graph, and the count must stay within
-      ``recompile_limit`` (checked in ``launch.config``).
+      ``recompile_limit`` (checked in ``launch.validate``).
     - ``dynamic``: pad to the batch's longest and ``mark_dynamic`` the sequence
       axis: one graph with a symbolic length. The least padding; the generated
       code cannot specialise on the length.
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._torch_internals import mark_dynamic
 from .data import stream_seed
 
 __all__ = ["IGNORE_INDEX", "PaddedBatch", "sequence_lengths", "padded_length", "padded_lengths",
@@ -136,6 +137,6 @@ def pad_batch(inputs: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor
     inputs = torch.where(real, inputs, torch.full_like(inputs, pad_id))[:, :width].contiguous().to(device)
     targets = torch.where(real, targets, torch.full_like(targets, IGNORE_INDEX))[:, :width].contiguous().to(device)
     if padding == "dynamic":
-        torch._dynamo.mark_dynamic(inputs, 1)
-        torch._dynamo.mark_dynamic(targets, 1)
+        mark_dynamic(inputs, 1)
+        mark_dynamic(targets, 1)
     return PaddedBatch(inputs, targets, int(lengths.clamp(max=width).sum()))

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from .config import DataConfig
+from .schema import DataConfig
 
 __all__ = ["TokenSource", "SyntheticTokens", "build_data", "stream_seed"]
 

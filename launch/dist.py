@@ -35,13 +35,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig
+from .schema import ParallelConfig
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DistEnv",
     "world_size_from_env",
+    "restarted_by_torchrun",
     "setup_distributed",
     "teardown_distributed",
     "process_group",
@@ -84,6 +85,11 @@ def world_size_from_env() -> int:
     """How many ranks this job has, read before any process group exists."""
     _export_slurm_env()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def restarted_by_torchrun() -> bool:
+    """torchrun sets TORCHELASTIC_RESTART_COUNT; > 0 means a worker failed and the job restarted."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def _rank_from_env() -> int:

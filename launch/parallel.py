@@ -8,7 +8,6 @@ then compile (``compile_ddp`` reads DDP's bucket caps to split the graph there).
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -16,17 +15,23 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import CompileConfig, ConfigError, DDPConfig, FSDPOptions, JobConfig, ModelConfig
+import fsdp_opt
+from compiler import BackendSpec
+from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
+
 from .dist import DistEnv
+from .schema import CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig, ParallelMode
 
 if TYPE_CHECKING:
-    import fsdp_opt
+    from ddp_opt import Alignment, Bucket, Timeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "fsdp_config", "fsdp_entry_point"]
+__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "ddp_compile_config",
+           "fsdp_config"]
 
 DDP_DEFAULT_CAP_MB = 25.0
 
@@ -88,6 +93,25 @@ class Wrapped:
     module: nn.Module
     compiled_ddp: Any = None
 
+    def buckets(self) -> list[Bucket]:
+        """DDP's buckets = the graph partitions, in forward order (empty without compile_ddp)."""
+        return list(self.compiled_ddp.buckets) if self.compiled_ddp is not None else []
+
+    def partition_records(self) -> list:
+        """The DDP splitter's ``PartitionRecord`` per partition (empty without one)."""
+        opt = getattr(self.compiled_ddp, "ddp_optimizer", None)
+        return list(opt.records) if opt is not None else []
+
+    def alignment(self) -> Alignment | None:
+        """DDP's runtime buckets against the partitions (None without compile_ddp)."""
+        if self.compiled_ddp is None:
+            return None
+        return measure_alignment(self.compiled_ddp.ddp_model, self.compiled_ddp.buckets)
+
+    def prediction(self) -> Timeline | None:
+        """The cost model's predicted timeline (``ddp.bucket_cap_mb=auto``), else None."""
+        return self.compiled_ddp.prediction if self.compiled_ddp is not None else None
+
 
 def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
     """DDP constructor caps for the ``ddp`` config.
@@ -106,19 +130,18 @@ def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
     return {"bucket_cap_mb": cfg.bucket_cap_mb}
 
 
-def fsdp_entry_point() -> Callable[..., Any]:
-    """``fsdp_opt.apply_fsdp``, or a ConfigError while it does not exist yet."""
-    try:
-        fsdp_opt = importlib.import_module("fsdp_opt")
-    except ImportError:
-        fsdp_opt = None
-    fn = getattr(fsdp_opt, "apply_fsdp", None)
-    if fn is None:
-        raise ConfigError(
-            "parallel=fsdp is not available yet: this version of the toolkit has no fsdp_opt.apply_fsdp "
-            "(FSDP2 sharding with per-block compile). Use parallel=ddp, or parallel=none on one rank."
-        )
-    return fn
+def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callable] | None = None
+                       ) -> DDPCompileConfig:
+    """The ``ddp_opt.DDPCompileConfig`` for the job's ``compile`` and ``ddp`` sections.
+
+    Building it validates every compile setting (``compiler.SettingError`` names the
+    field); ``launch.validate`` builds it before any process group starts."""
+    c = cfg.compile
+    return DDPCompileConfig(
+        backend=c.backend, mode=c.mode, options=dict(c.options) or None, dynamic=c.dynamic, fullgraph=c.fullgraph,
+        fallback=c.fallback, split=c.split, cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks,
+        bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
+    )
 
 
 def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
@@ -127,15 +150,12 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     ``compile.backend=eager`` means no compile; otherwise each block is compiled
     (``compile.fullgraph`` as given: the launcher's default is False, so a graph
     break inside a block falls back instead of failing the job)."""
-    import fsdp_opt
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     compile_cfg = None
     if c.backend != "eager":
         compile_cfg = fsdp_opt.CompileConfig(backend=c.backend, mode=c.mode, options=dict(c.options),
                                              dynamic=c.dynamic, fullgraph=c.fullgraph)
     mp = None
-    if f.mixed_precision == "bf16":
+    if f.mixed_precision == FSDPPrecision.BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return fsdp_opt.FSDPConfig(
         compile=compile_cfg, shard_unit_mb=f.shard_unit_mb, prefetch=f.prefetch,
@@ -146,12 +166,8 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
 def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> None:
     """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's
     recipe; fsdp_opt logs the shard-unit table on rank 0)."""
-    plan = fsdp_entry_point()(model, fsdp_config(cfg.fsdp, cfg.compile))
+    plan = fsdp_opt.apply_fsdp(model, fsdp_config(cfg.fsdp, cfg.compile))
     log.debug("fsdp plan:\n%s", plan.table())
-
-
-def _compile_kwargs(c: CompileConfig) -> dict[str, Any]:
-    return dict(backend=c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic, fullgraph=c.fullgraph)
 
 
 def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
@@ -163,9 +179,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
     """
     c = cfg.compile
     compile_it = c.backend != "eager"
-    if cfg.parallel.name == "ddp":
-        from ddp_opt import compile_ddp
-
+    if cfg.parallel.name == ParallelMode.DDP:
         ddp = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -174,20 +188,15 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
         )
         if not compile_it:
             return Wrapped(ddp, ddp)
-        auto = "auto" if cfg.ddp.bucket_cap_mb == "auto" else None
-        compiled = compile_ddp(ddp, fallback=c.fallback, split=c.split, wrap_backend=wrap_backend,
-                               cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks, bucket_cap_mb=auto,
-                               **_compile_kwargs(c))
+        compiled = compile_ddp(ddp, config=ddp_compile_config(cfg, wrap_backend))
         compiled.auto_save_cache = False  # saved by the training loop after its first step
         return Wrapped(compiled, ddp, compiled)
-    if cfg.parallel.name == "fsdp":
+    if cfg.parallel.name == ParallelMode.FSDP:
         _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
         return Wrapped(model, model)
     if not compile_it:
         return Wrapped(model, model)
-    from compiler import resolve_backend
-
-    backend = resolve_backend(c.backend, mode=c.mode, options=c.options or None, dynamic=c.dynamic)
+    backend = BackendSpec(c.backend, c.mode, dict(c.options), c.dynamic).resolve()
     if wrap_backend is not None:
         backend = wrap_backend(backend)
     return Wrapped(torch.compile(model, backend=backend, dynamic=c.dynamic, fullgraph=c.fullgraph), model)

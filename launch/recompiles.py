@@ -35,10 +35,11 @@ from typing import Iterator
 
 import torch
 
-from compiler.diagnose import Diagnoser, size_guard
+from compiler import Diagnoser, size_guard
+
+from ._torch_internals import RecompileError, error_on_recompile
 
 __all__ = ["CompileCounter", "CompileCounts", "RecompileAfterWarmupError", "no_recompile"]
-
 
 
 @dataclass
@@ -80,9 +81,9 @@ def no_recompile(enabled: bool, inputs: dict[str, torch.Tensor], step: int,
         yield
         return
     try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
+        with error_on_recompile():
             yield
-    except torch._dynamo.exc.RecompileError as e:
+    except RecompileError as e:
         raise RecompileAfterWarmupError(_message(str(e), inputs, step, warmup_shapes)) from None
 
 

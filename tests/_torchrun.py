@@ -1,5 +1,6 @@
-"""Running the main job under torchrun from a test: 2 ranks, an optional fault,
-a hard timeout that kills the workers too, and readers for what the job wrote."""
+"""Running the main job under torchrun from a test: 2 ranks, an optional fault
+(``tests/_fault_job.py``), a hard timeout that kills the workers too, and readers
+for what the job wrote."""
 
 from __future__ import annotations
 
@@ -13,18 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.train import FAULT_ENV
+FAULT_JOB = Path(__file__).resolve().parent / "_fault_job.py"
 
 
 def torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int = 0, timeout: float = 300):
-    """``torchrun --standalone --nproc-per-node 2 -m launch.train overrides`` in ``cwd``."""
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
+    """``torchrun --standalone --nproc-per-node 2 -m launch.train overrides`` in ``cwd``; with
+    ``fault="STEP[:RANK]"``, ``tests/_fault_job.py`` instead, which kills that rank at that step."""
+    job = [str(FAULT_JOB), fault] if fault else ["-m", "launch.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "launch.train", *overrides]
+           "--max-restarts", str(restarts), *job, *overrides]
     # Own session, so that a timeout kills the workers too, not only torchrun.
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

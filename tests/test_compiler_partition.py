@@ -8,7 +8,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from compiler import LazyPartition, PartitionRecord, _torch_internals, compile_partitions, ensure_tuple_output, partition, split_graph
+from compiler import LazyPartition, PartitionRecord, _torch_internals, compile_partitions, ensure_tuple_output, split_graph
 from compiler.partition import run_on_fakes
 
 

@@ -11,10 +11,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 from launch.checkpoint import latest_checkpoint
-from launch.config import ConfigError, JobConfig, register_configs, validate
+from launch.schema import ConfigError, JobConfig, register_configs, to_job_config
 from launch.data import SyntheticTokens, build_data
 from launch.parallel import build_model, ddp_bucket_kwargs
-from launch.train import to_job_config
+from launch.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("model", "parallel", "compile", "ddp", "data", "train")

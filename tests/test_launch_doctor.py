@@ -1,4 +1,4 @@
-"""The doctor entry point: the launcher's diagnose=true, and python -m compiler.doctor."""
+"""The doctor entry point: the launcher's diagnose=true, and python -m launch.doctor."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from compiler.doctor import DEFAULT_STEPS, doctor_argv
-from launch.config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.doctor import DEFAULT_STEPS, doctor_argv
+from launch.schema import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from launch.train import run
 
 
@@ -61,9 +61,9 @@ def test_diagnose_refuses_what_it_cannot_see(tmp_path, kw, match):
 
 
 @pytest.mark.slow
-def test_python_m_compiler_doctor_runs_and_writes_the_report(tmp_path):
+def test_python_m_launch_doctor_runs_and_writes_the_report(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "compiler.doctor", "compile=aot_eager", "model.n_layer=2", "train.steps=3",
+        [sys.executable, "-m", "launch.doctor", "compile=aot_eager", "model.n_layer=2", "train.steps=3",
          "--json", str(tmp_path / "d.json"), f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

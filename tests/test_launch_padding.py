@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from compiler.diagnose import Diagnoser
 from launch.batching import IGNORE_INDEX, pad_batch, padded_lengths, sequence_lengths, warmup_lengths
-from launch.config import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from launch.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from launch.optim import OptimizerStep
 from launch.recompiles import CompileCounter, RecompileAfterWarmupError
 from launch.step import StepRunner

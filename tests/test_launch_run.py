@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.config import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.schema import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from launch.train import run
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64)

@@ -1,18 +1,22 @@
-"""``python -m compiler.doctor [overrides] [--json PATH]``: run the configured
+"""``python -m launch.doctor [overrides] [--json PATH]``: run the configured
 training job for a few steps and report what the compiler did to it.
 
 The report (graphs, accidental graph breaks with their user lines, recompiles
 with the guard that failed, the DDP partitions and any that fell back to eager,
-advice) is the launcher's ``diagnose=true``; this entry point only sets that and a
-short default length, so the engine (``compiler.diagnose``) stays free of Hydra.
-Run it under torchrun for a multi-rank job, like the main job:
+advice) is the launcher's ``diagnose=true`` (``launch.diagnosis``); this entry
+point only sets that and a short default length. Run it under torchrun for a
+multi-rank job, like the main job:
 
-    torchrun --standalone --nproc-per-node 2 -m compiler.doctor compile=aot_eager
+    torchrun --standalone --nproc-per-node 2 -m launch.doctor compile=aot_eager
 """
 
 from __future__ import annotations
 
 import sys
+
+from .train import main as train_main
+
+__all__ = ["DEFAULT_STEPS", "doctor_argv", "main"]
 
 DEFAULT_STEPS = 6
 
@@ -33,8 +37,7 @@ def doctor_argv(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from launch.train import main as train_main  # the CLI boundary; the engine does not import launch
-
+    """Entry point of ``python -m launch.doctor``; ends the process like the main job."""
     sys.argv = [sys.argv[0]] + doctor_argv(sys.argv[1:])
     train_main()
 

@@ -1,0 +1,66 @@
+"""What rank 0 prints about the run before it trains: the resolved config in short
+(:func:`describe`) and the table of DDP buckets = graph partitions after the first step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+from ddp_opt import format_buckets
+
+from .schema import FSDPOptions, JobConfig, ParallelMode, Padding
+
+if TYPE_CHECKING:
+    from .parallel import Wrapped
+
+__all__ = ["describe", "partition_table"]
+
+
+def describe(cfg: JobConfig) -> str:
+    """The resolved config in short: one line per group."""
+    m, c, d, t = cfg.model, cfg.compile, cfg.ddp, cfg.train
+    model = f"{m.name} target={m._target_}" if m._target_ else (
+        f"{m.name} n_layer={m.n_layer} n_head={m.n_head} n_embd={m.n_embd} vocab={m.vocab_size} block={m.block_size}"
+    )
+    comp = f"{c.backend}" + (f" mode={c.mode}" if c.mode else "") + (f" options={c.options}" if c.options else "")
+    comp += f" dynamic={c.dynamic} fullgraph={c.fullgraph}" + (" optimizer" if c.optimizer else "")
+    comp += f" split={c.split}" if cfg.parallel.name == ParallelMode.DDP else ""
+    ddp = " ".join(f"{k}={getattr(d, k)}" for k in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list")
+                   if getattr(d, k) is not None) or "defaults (25 MiB, first 1 MiB)"
+    data = cfg.data.name + (f" target={cfg.data._target_}" if cfg.data._target_ else "")
+    data += f" lengths={cfg.data.lengths} padding={cfg.data.padding}" + (
+        f" pad_multiple={cfg.data.pad_multiple}" if cfg.data.padding == Padding.MULTIPLE else "")
+    ckpt = f"every {t.checkpoint_every} steps -> {t.checkpoint_dir}" if t.checkpoint_every else "off"
+    lines = [
+        ("model", model),
+        ("parallel", f"{cfg.parallel.name} ({cfg.parallel.dist_backend})"),
+        ("compile", comp),
+        *([("ddp", ddp + (" static_graph" if d.static_graph else ""))] if cfg.parallel.name == ParallelMode.DDP else []),
+        *([("fsdp", _describe_fsdp(cfg.fsdp))] if cfg.parallel.name == ParallelMode.FSDP else []),
+        ("data", data),
+        ("train", f"steps={t.steps} batch={t.batch_size} seq={t.seq_len} lr={t.lr} seed={t.seed} "
+                  f"resume={t.resume} precision={t.precision} grad_accum={t.grad_accum}"
+                  + (" no_recompile_after_warmup" if t.no_recompile_after_warmup else "")),
+        ("checkpoint", ckpt),
+    ]
+    return "\n".join(f"  {k:<10} {v}" for k, v in lines)
+
+
+def _describe_fsdp(f: FSDPOptions) -> str:
+    units = f"shard_unit_mb={f.shard_unit_mb}" if f.shard_unit_mb is not None else "one unit per block"
+    return (f"{units} prefetch={f.prefetch} reshard_after_forward={f.reshard_after_forward} "
+            f"checkpointing={f.checkpointing} mixed_precision={f.mixed_precision}")
+
+
+def partition_table(wrapped: Wrapped) -> str | None:
+    """DDP's buckets and, below, each partition's compile outcome (None without compile_ddp)."""
+    buckets = wrapped.buckets()
+    if not buckets:
+        return None
+    text = f"DDP buckets = graph partitions ({len(buckets)}):\n{format_buckets(buckets)}"
+    records = wrapped.partition_records()
+    if records:
+        rows = [(r.index, r.name, r.status, f"{r.compile_s:.2f}") for r in records]
+        text += "\n" + tabulate(rows, headers=("partition", "name", "status", "compile s"), tablefmt="simple")
+    return text

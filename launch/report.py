@@ -1,0 +1,105 @@
+"""What the training loop measures, and the lines and metrics it ends with.
+
+:class:`Tally` collects each step's loss, time and tokens (summed over ranks);
+:meth:`Tally.summary` turns it into the compile and token accounting of
+``metrics.json``; :func:`summary_lines` are the lines rank 0 prints at the end.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from .recompiles import CompileCounts
+
+__all__ = ["Tally", "summary_lines", "format_shapes"]
+
+
+@dataclass
+class Tally:
+    """One run's measurements. Token counts are summed over ranks; ``timed_*``
+    leave out the first step, which pays for compiles."""
+
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # the steps after the first
+    first_step_s: float | None = None
+    checkpoints: list[str] = field(default_factory=list)
+    shapes_seen: dict[tuple[int, ...], int] = field(default_factory=dict)
+    real_tokens: float = 0.0
+    padded_tokens: float = 0.0
+    timed_real_tokens: float = 0.0
+    timed_padded_tokens: float = 0.0
+    warmup_s: float | None = None
+    warmup_counts: CompileCounts | None = None
+
+    def add_shape(self, shape: tuple[int, ...]) -> None:
+        self.shapes_seen[shape] = self.shapes_seen.get(shape, 0) + 1
+
+    def add_step(self, step: int, loss: float, real_tokens: float, padded_tokens: float, seconds: float,
+                 first: bool) -> None:
+        self.losses.append((step, loss))
+        self.real_tokens += real_tokens
+        self.padded_tokens += padded_tokens
+        if first:
+            self.first_step_s = seconds
+        else:
+            self.step_ms.append(seconds * 1e3)
+            self.timed_real_tokens += real_tokens
+            self.timed_padded_tokens += padded_tokens
+
+    @property
+    def median_step_ms(self) -> float:
+        """The median step after the first; the first step's time when there is no other."""
+        return statistics.median(self.step_ms) if self.step_ms else (self.first_step_s or 0.0) * 1e3
+
+    def summary(self, end: CompileCounts | None) -> dict[str, Any]:
+        """The run's compile and token accounting for metrics.json and the summary lines.
+
+        ``graphs``/``recompiles`` count the whole run (warm-up included) and are None
+        when nothing was counted (eager, or fsdp); token rates are over the timed
+        steps (all steps when there was only one)."""
+        warmup = self.warmup_counts
+        timed_s = sum(self.step_ms) / 1e3 if self.step_ms else (self.first_step_s or 0.0)
+        real, padded = self.real_tokens, self.padded_tokens
+        timed_real, timed_padded = ((self.timed_real_tokens, self.timed_padded_tokens) if self.step_ms
+                                    else (real, padded))
+        return {
+            "warmup_s": self.warmup_s,
+            "warmup_graphs": warmup.graphs if warmup is not None else None,
+            "graphs": end.graphs if end is not None else None,
+            "recompiles": end.recompiles if end is not None else None,
+            "recompiles_after_warmup": (end.recompiles - warmup.recompiles
+                                        if end is not None and warmup is not None else None),
+            "shapes_seen": [[list(s), n] for s, n in sorted(self.shapes_seen.items())],
+            "real_tokens": real,
+            "padded_tokens": padded,
+            "padding_waste": 1.0 - real / padded if padded else 0.0,
+            "tokens_per_s": timed_padded / timed_s if timed_s else None,
+            "real_tokens_per_s": timed_real / timed_s if timed_s else None,
+        }
+
+
+def format_shapes(shapes_seen: dict[tuple[int, ...], int], most: int = 8) -> str:
+    items = sorted(shapes_seen.items())
+    text = ", ".join(f"{tuple(s)} x{n}" for s, n in items[:most])
+    return text + (f", ... ({len(items)} shapes)" if len(items) > most else "")
+
+
+def summary_lines(metrics: dict[str, Any], shapes_seen: dict[tuple[int, ...], int]) -> list[str]:
+    """The compile, token and final lines rank 0 prints at the end of the run."""
+    lines = []
+    if metrics["graphs"] is not None:
+        after = metrics["recompiles_after_warmup"]
+        lines.append(f"compile: {metrics['graphs']} graph(s), {metrics['recompiles']} recompile(s)"
+                     + (f" ({after} after warm-up)" if after is not None else "")
+                     + f"; shapes seen: {format_shapes(shapes_seen)}")
+    lines.append(f"tokens: {metrics['real_tokens_per_s'] or 0:,.0f} real tokens/s, {metrics['tokens_per_s'] or 0:,.0f} "
+                 f"tokens/s with padding (padding waste {100 * metrics['padding_waste']:.1f}%)")
+    recompiles = metrics["recompiles"] if metrics["recompiles"] is not None else "n/a"
+    lines.append(
+        f"done: steps {metrics['start_step'] + 1}..{metrics['steps']}, final loss {metrics['final_loss']:.4f}, "
+        f"median step {metrics['median_step_ms']:.1f} ms, {metrics['real_tokens_per_s'] or 0:,.0f} real tokens/s, "
+        f"recompiles {recompiles}, first step {metrics['first_step_s'] or 0:.1f}s, wall {metrics['wall_s']:.1f}s"
+    )
+    return lines

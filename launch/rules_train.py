@@ -1,0 +1,152 @@
+"""The launcher's config rules for the training run: sizes and intervals of
+``train``, checkpoints and resume, and the step techniques (padding, precision,
+gradient accumulation, compiled optimizer). Each ``check_*`` raises
+:class:`~launch.schema.ConfigError` naming the setting, why its value cannot work
+and how to fix it; ``launch.validate`` runs them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ._torch_internals import recompile_limit
+from .checkpoint import latest_checkpoint
+from .dist import restarted_by_torchrun
+from .rules import choice, positive, require_cuda
+from .schema import ConfigError, JobConfig, Lengths, Padding, ParallelMode, Precision, TrainConfig
+
+__all__ = ["check_train", "check_step"]
+
+
+def check_train(t: TrainConfig, world_size: int) -> None:
+    for name, kind, why, example in (
+        ("steps", "a positive integer", "it is the number of optimizer steps to run", "20"),
+        ("batch_size", "a positive integer", "it is the global batch, in sequences", "8"),
+        ("seq_len", "a positive integer", "it is the tokens per sequence", "64"),
+        ("lr", "a positive number", "it is AdamW's learning rate", "3e-3"),
+        ("log_interval", "a positive integer", "rank 0 prints every log_interval steps", "10"),
+        ("keep_last", "a positive integer", "it is how many checkpoints to keep", "2"),
+        ("timeout_s", "a positive number of seconds",
+         "every collective fails after that long, so that a dead peer stops the job instead of hanging it", "300"),
+    ):
+        positive(f"train.{name}", getattr(t, name), kind, why, f"Set e.g. train.{name}={example}.")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay} is negative. Use 0 to switch weight decay off.")
+    if t.checkpoint_every < 0:
+        raise ConfigError(
+            f"train.checkpoint_every={t.checkpoint_every} is negative: it is a step interval. "
+            "Set e.g. train.checkpoint_every=100, or 0 to switch checkpoints off."
+        )
+    if t.batch_size % world_size:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} does not divide across {world_size} ranks: it is the global batch "
+            f"and every rank takes an equal share. Use a multiple of {world_size}, e.g. "
+            f"train.batch_size={max(world_size, t.batch_size // world_size * world_size)}."
+        )
+    _resume(t)
+
+
+def _resume(t: TrainConfig) -> None:
+    latest = latest_checkpoint(t.checkpoint_dir)
+    if t.resume or restarted_by_torchrun():
+        if latest is None and not restarted_by_torchrun():
+            raise ConfigError(
+                f"train.resume=true but there is no checkpoint in train.checkpoint_dir={t.checkpoint_dir!r} "
+                f"(looked for {os.path.join(t.checkpoint_dir, 'latest')}). Point train.checkpoint_dir at the "
+                "folder of the run to continue, or set train.resume=false to start fresh."
+            )
+        if latest is not None and latest.step >= t.steps:
+            raise ConfigError(
+                f"train.resume=true but the latest checkpoint ({latest.path}) is already at step {latest.step} "
+                f">= train.steps={t.steps}: there is nothing left to train. Raise train.steps to train further."
+            )
+    elif latest is not None and t.checkpoint_every > 0:
+        raise ConfigError(
+            f"train.checkpoint_dir={t.checkpoint_dir!r} already holds checkpoints of another run (latest: step "
+            f"{latest.step}) and train.resume=false: writing new ones there would mix two runs. Continue it with "
+            "train.resume=true, pick another train.checkpoint_dir, or delete the folder."
+        )
+
+
+def check_step(cfg: JobConfig, world_size: int) -> None:
+    """The training-step techniques: padding, precision, accumulation, compiled optimizer."""
+    d, t, c = cfg.data, cfg.train, cfg.compile
+    choice("data.lengths", d.lengths, Lengths,
+           ": fixed makes every sequence train.seq_len long, skewed draws realistic lengths (most short, a few "
+           "long). Use data.lengths=fixed (the default) or data.lengths=skewed.")
+    choice("data.padding", d.padding, Padding,
+           ": it is how a batch of unequal sequences becomes one tensor. Use data.padding=max (pad to "
+           "train.seq_len, the default), multiple (to the longest, rounded up to data.pad_multiple) or dynamic "
+           "(mark_dynamic).")
+    positive("data.pad_multiple", d.pad_multiple, "a positive integer",
+             "padding=multiple rounds each batch's longest sequence up to a multiple of it",
+             "Set e.g. data.pad_multiple=8.")
+    if d.padding == Padding.MULTIPLE:
+        limit, shapes = recompile_limit(), math.ceil(t.seq_len / d.pad_multiple)
+        if shapes > limit:
+            raise ConfigError(
+                f"data.padding=multiple with data.pad_multiple={d.pad_multiple} and train.seq_len={t.seq_len} "
+                f"gives {shapes} padded shapes, more than torch._dynamo.config.recompile_limit={limit}: each "
+                f"shape is one compiled graph, and past the limit dynamo stops compiling the model and runs it "
+                f"eagerly. Raise data.pad_multiple to at least {math.ceil(t.seq_len / limit)}, or use "
+                "data.padding=dynamic (one graph for every length) or data.padding=max."
+            )
+        if c.dynamic:
+            raise ConfigError(
+                "data.padding=multiple with compile.dynamic=true: padding to a few lengths exists to compile "
+                "each of them as a static graph, and dynamic=true makes the length symbolic instead. "
+                "Leave compile.dynamic=null (the job compiles with dynamic=false here), or use data.padding=dynamic."
+            )
+    choice("train.precision", t.precision, Precision,
+           ". Use train.precision=fp32 (the default), bf16 (autocast to bfloat16) or fp16 (autocast + grad "
+           "scaler, CUDA only).")
+    if t.precision == Precision.FP16:
+        require_cuda("train.precision=fp16 needs a CUDA GPU, and none is visible: fp16 training needs a GradScaler "
+                      "and float16 autocast, which this job runs on CUDA only. Use train.precision=bf16 on CPU, "
+                      "or train.precision=fp32.")
+        if c.optimizer:
+            raise ConfigError(
+                "train.precision=fp16 with compile.optimizer=true is not supported: the fp16 GradScaler skips "
+                "steps with inf gradients outside the compiled step. Use train.precision=bf16 (no scaler), "
+                "or compile.optimizer=false."
+            )
+    if t.precision != Precision.FP32 and cfg.parallel.name == ParallelMode.FSDP:
+        raise ConfigError(
+            f"train.precision={t.precision} with parallel=fsdp: FSDP2 has its own mixed precision (parameters "
+            "gathered in bf16), and autocast on top of it is not supported by this job. Use "
+            "fsdp.mixed_precision=bf16 with train.precision=fp32."
+        )
+    positive("train.grad_accum", t.grad_accum, "a positive integer",
+             "it is the number of micro-batches per optimizer step", "Set e.g. train.grad_accum=1 (no accumulation).")
+    local = t.batch_size // world_size
+    if local % t.grad_accum:  # the batch divides over the ranks (check_train)
+        raise ConfigError(
+            f"train.grad_accum={t.grad_accum} does not divide the per-rank batch of {local} sequences "
+            f"(train.batch_size={t.batch_size} over {world_size} rank(s)): every micro-batch must have the same "
+            "size, for one compiled shape and equal loss weights. Pick train.grad_accum dividing "
+            f"{local}, or change train.batch_size."
+        )
+    _compiled_step(cfg)
+
+
+def _compiled_step(cfg: JobConfig) -> None:
+    """compile.optimizer and train.no_recompile_after_warmup need something compiled."""
+    c = cfg.compile
+    if c.optimizer and c.backend == "eager":
+        raise ConfigError(
+            "compile.optimizer=true with compile.backend=eager: eager means no torch.compile at all, so there is "
+            "no backend to compile the optimizer step with. Use compile=aot_eager or compile=inductor, or "
+            "compile.optimizer=false."
+        )
+    if c.optimizer and cfg.parallel.name == ParallelMode.FSDP:
+        raise ConfigError(
+            "compile.optimizer=true is not supported with parallel=fsdp yet: the optimizer there steps sharded "
+            "DTensor parameters, which this job has not tested compiled. Use compile.optimizer=false with fsdp."
+        )
+    if cfg.train.no_recompile_after_warmup and c.backend == "eager":
+        raise ConfigError(
+            "train.no_recompile_after_warmup=true with compile.backend=eager: nothing is compiled, so there is "
+            "no recompile to forbid. Use compile=aot_eager or compile=inductor, or set "
+            "train.no_recompile_after_warmup=false."
+        )

@@ -1,0 +1,261 @@
+"""The main job's configuration schemas: one typed dataclass per config group, the
+choices each group offers, and their registration in Hydra's ConfigStore.
+
+Hydra composes ``configs/config.yaml`` (YAML group options layered on the schema
+stored here) and :func:`to_job_config` converts the result with
+``OmegaConf.to_object`` into a :class:`JobConfig`. Everything below the entry
+point takes these dataclasses, never a ``DictConfig``. The checks that need more
+than a type live in ``launch.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+__all__ = [
+    "ConfigError",
+    # choices
+    "ModelName",
+    "ParallelMode",
+    "DistBackend",
+    "FSDPPrecision",
+    "Precision",
+    "Lengths",
+    "Padding",
+    # schemas, one per config group
+    "ModelConfig",
+    "ParallelConfig",
+    "CompileConfig",
+    "DDPConfig",
+    "FSDPOptions",
+    "DataConfig",
+    "TrainConfig",
+    "JobConfig",
+    # Hydra boundary
+    "register_configs",
+    "to_job_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. The message says what, why and how to fix it."""
+
+
+# The choices of the choice fields. The fields themselves are typed `str`: a bad
+# spelling must compose, so that launch.validate refuses it with a message that
+# names the fix (OmegaConf would refuse an Enum field while composing, with its own
+# message). The Enums are str-valued, so `cfg.data.padding == Padding.MULTIPLE` holds.
+
+
+class ModelName(str, Enum):
+    """``model``: the GPT of ``models``, transformers' GPT-2, or ``_target_``."""
+    GPT_TINY, HF_GPT2, CUSTOM = "gpt_tiny", "hf_gpt2", "custom"
+
+
+class ParallelMode(str, Enum):
+    """``parallel``: DDP + compile_ddp, FSDP2 through fsdp_opt, or the plain model."""
+    DDP, FSDP, NONE = "ddp", "fsdp", "none"
+
+
+class DistBackend(str, Enum):
+    """``parallel.dist_backend``; auto: nccl when CUDA is available, gloo otherwise."""
+    AUTO, GLOO, NCCL = "auto", "gloo", "nccl"
+
+
+class FSDPPrecision(str, Enum):
+    """``fsdp.mixed_precision``: float32 throughout, or bf16 parameters with float32 reduction."""
+    NONE, BF16 = "none", "bf16"
+
+
+class Precision(str, Enum):
+    """``train.precision``: the autocast dtype (Note [Autocast outside the compiled forward])."""
+    FP32, BF16, FP16 = "fp32", "bf16", "fp16"
+
+
+class Lengths(str, Enum):
+    """``data.lengths`` (Note [Padding strategies] in ``launch.batching``)."""
+    FIXED, SKEWED = "fixed", "skewed"
+
+
+class Padding(str, Enum):
+    """``data.padding`` (Note [Padding strategies] in ``launch.batching``)."""
+    MAX, MULTIPLE, DYNAMIC = "max", "multiple", "dynamic"
+
+
+# typing.Optional/List/Dict rather than `X | None`: OmegaConf reads these
+# annotations at runtime to type-check overrides.
+
+
+@dataclass
+class ModelConfig:
+    """``model`` group. ``gpt_tiny`` and ``hf_gpt2`` use the size fields; ``custom``
+    builds ``_target_(**kwargs)`` (nested ``_target_`` dicts are instantiated too)."""
+
+    name: str = "gpt_tiny"  # a ModelName
+    _target_: Optional[str] = None
+    vocab_size: int = 512
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel`` group: how the model is spread over the ranks."""
+
+    name: str = "ddp"  # a ParallelMode
+    dist_backend: str = "auto"  # a DistBackend
+
+
+@dataclass
+class CompileConfig:
+    """``compile`` group. ``backend=eager`` means no ``torch.compile`` at all."""
+
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    dynamic: Optional[bool] = None
+    fullgraph: bool = False
+    # DDP only: split the graph at DDP's bucket boundaries (False: compile it whole).
+    split: bool = True
+    # A partition that fails to compile: "warn" runs it eagerly, "raise" stops.
+    fallback: str = "warn"
+    # Compile optimizer.step too (launch.optim, Note [Compiled optimizer step]).
+    optimizer: bool = False
+    # DDP only: a persistent compile cache directory (Note [Compile cache]), loaded before the
+    # first step and written after it; null: only torch's local caches. Loading a cache is
+    # loading code: use a directory as trusted as this code.
+    cache_dir: Optional[str] = None
+    # DDP only: compile each repeated block once, buckets of whole blocks, the rest eager
+    # (Note [Regional compile]). parallel=fsdp always compiles per block.
+    regional: bool = False
+    # With regional: "auto" (a ModuleList of one block class) or the ModuleList's name.
+    blocks: str = "auto"
+
+
+@dataclass
+class DDPConfig:
+    """``ddp`` group; all caps in MiB. Unset caps mean DDP's defaults (25 MiB,
+    first bucket 1 MiB). ``bucket_cap_mb=auto`` chooses the buckets from a cost
+    model of the link and the model (Note [Cost-model bucket plan])."""
+
+    # A size in MiB, or "auto" (a typed Union of float and str is not supported by OmegaConf 2.3).
+    bucket_cap_mb: Optional[Any] = None
+    # Realised as bucket_cap_mb_list=[first, cap]: DDP's reducer fills its rebuilt
+    # buckets in gradient-ready order, the last entry repeating.
+    first_bucket_cap_mb: Optional[float] = None
+    bucket_cap_mb_list: Optional[List[float]] = None
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        # The one check a type cannot make: `Any` lets every word through.
+        cap = self.bucket_cap_mb
+        if isinstance(cap, str) and cap != "auto":
+            raise ConfigError(
+                f"ddp.bucket_cap_mb={cap!r} is not valid: it must be a positive size in MiB or 'auto' (buckets chosen "
+                "by a cost model of the measured link and the model's backward). Use e.g. ddp.bucket_cap_mb=25, "
+                "ddp.bucket_cap_mb=auto, or null for DDP's default."
+            )
+        if isinstance(cap, int) and not isinstance(cap, bool):
+            self.bucket_cap_mb = float(cap)
+
+
+@dataclass
+class FSDPOptions:
+    """``fsdp`` section (``parallel=fsdp`` only), passed to ``fsdp_opt.FSDPConfig``:
+    ``fsdp.shard_unit_mb=4 fsdp.prefetch=1`` on the command line."""
+
+    # Group consecutive blocks into one shard unit of at least this many MiB of
+    # all-gather; null: one unit per block.
+    shard_unit_mb: Optional[float] = None
+    # Shard units to all-gather ahead, in forward and backward; 0: FSDP2's implicit prefetch.
+    prefetch: int = 1
+    # Free gathered parameters after forward (all-gather again in backward); false keeps them.
+    reshard_after_forward: bool = True
+    # Recompute each block's activations in backward.
+    checkpointing: bool = False
+    # An FSDPPrecision. none: float32 throughout; bf16: parameters gathered and computed
+    # in bf16, gradients reduced in float32.
+    mixed_precision: str = "none"
+
+
+@dataclass
+class DataConfig:
+    """``data`` group. ``synthetic``: tokens that are a pure function of
+    (seed, rank, step). A user dataset: ``_target_(**kwargs)`` returning an object
+    with ``batch(step, rank, world_size, batch_size, seq_len) -> (inputs, targets)``."""
+
+    name: str = "synthetic"
+    _target_: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Lengths (launch.batching, Note [Padding strategies]): fixed (all train.seq_len) or
+    # skewed (most short, a few up to train.seq_len).
+    lengths: str = "fixed"
+    # Padding. max: pad to train.seq_len; multiple: to the batch's longest rounded up to
+    # pad_multiple (every shape compiled in warm-up); dynamic: mark_dynamic.
+    padding: str = "max"
+    pad_multiple: int = 8
+
+
+@dataclass
+class TrainConfig:
+    """``train`` group. ``batch_size`` is the global batch, split evenly over ranks."""
+
+    steps: int = 20
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    seed: int = 1337
+    log_interval: int = 1
+    checkpoint_dir: str = "checkpoints"
+    checkpoint_every: int = 0  # 0: no checkpoints
+    keep_last: int = 2
+    resume: bool = False
+    timeout_s: float = 300.0
+    # A Precision. fp32 | bf16 (autocast, CPU and CUDA) | fp16 (autocast + GradScaler, CUDA only).
+    precision: str = "fp32"
+    # Micro-batches per optimizer step (DDP no_sync on all but the last).
+    grad_accum: int = 1
+    # After the warm-up pass, a recompile is an error (the production stance).
+    no_recompile_after_warmup: bool = False
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # Diagnose the compile (compiler.diagnose): rank 0 prints a report at the end
+    # and writes it as JSON (diagnose_json, or diagnosis.json in the run directory).
+    diagnose: bool = False
+    diagnose_json: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Store the schemas Hydra layers the YAML of ``configs/`` on. Idempotent."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def to_job_config(dcfg: Any) -> JobConfig:
+    """The composed DictConfig as the typed :class:`JobConfig` (Hydra stays here)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.to_object(dcfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key or 'config'}: {e.msg}. Set it on the command line, e.g. {e.full_key}=...") from None
+    assert isinstance(cfg, JobConfig), type(cfg)
+    return cfg
