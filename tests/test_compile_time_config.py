@@ -3,7 +3,8 @@
 import pytest
 from hydra import compose, initialize_config_module
 
-from launch.config import ConfigError, register_configs, validate
+from launch.schema import ConfigError, register_configs
+from launch.validate import validate
 from launch.train import to_job_config
 
 
