@@ -113,7 +113,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
     plan = plan_fsdp(model, config)  # fails on missing blocks before anything changes
     cc = config.compile
     backend = resolve_backend(cc.backend, mode=cc.mode, options=cc.options, dynamic=cc.dynamic) if cc else None
-    mesh = mesh if mesh is not None else default_mesh()
+    mesh = mesh if mesh is not None else default_mesh(_device_type_of(model))
     _check_offload(config.offload_policy)
     if _rank() == 0:
         log.info("fsdp_opt: %d blocks in %d shard units, prefetch %d, compile %s\n%s",
@@ -149,17 +149,28 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
     return plan
 
 
-def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over all ranks of the default process group, on CUDA with NCCL
-    and on CPU otherwise."""
+def _device_type_of(model: nn.Module) -> str | None:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None and param.device.type != "meta" else None
+
+
+def default_mesh(device_type: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group.
+
+    Args:
+        device_type: where the model's parameters are (``fully_shard`` moves them to
+            the mesh's device type): ``"cuda"`` also with gloo, when ranks share a
+            GPU. None: CUDA with NCCL, the CPU otherwise.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fsdp_opt.apply needs a process group and none is initialized. Call "
             "torch.distributed.init_process_group(...) first (launch/ does it under torchrun), "
             "or pass mesh=init_device_mesh(...)."
         )
-    backend = str(dist.get_backend()).lower()
-    device_type = "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
+    if device_type is None:
+        backend = str(dist.get_backend()).lower()
+        device_type = "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 

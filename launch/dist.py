@@ -44,6 +44,8 @@ __all__ = [
     "world_size_from_env",
     "restarted_by_torchrun",
     "setup_distributed",
+    "choose_backend",
+    "local_world_size",
     "teardown_distributed",
     "process_group",
     "print0",
@@ -96,19 +98,41 @@ def _rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+
+
+def choose_backend(requested: str, local_rank: int, local_world: int, gpus: int) -> tuple[str, torch.device]:
+    """The process-group backend and this rank's device.
+
+    ``auto``: no GPU, gloo on the CPU; a GPU per rank of this node, NCCL with rank
+    ``i`` on GPU ``i``; fewer GPUs than ranks, gloo with the ranks sharing the GPUs
+    round-robin (NCCL refuses two ranks on one device; gloo all-reduces CUDA
+    tensors, slower), said once by local rank 0. ``nccl``: GPU ``local_rank``
+    (``launch.rules`` refused it up front when GPUs are too few). ``gloo``: the CPU.
+    """
+    if requested == "auto" and gpus > 0:
+        if local_world <= gpus:
+            return "nccl", torch.device("cuda", local_rank)
+        if local_rank == 0:
+            log.warning("%d ranks on this node share %d GPU(s): NCCL refuses two ranks on one device, so the job "
+                        "uses gloo on the GPUs (slower collectives). Launch --nproc-per-node %d for NCCL.",
+                        local_world, gpus, gpus)
+        return "gloo", torch.device("cuda", local_rank % gpus)
+    if requested == "nccl":
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
 def setup_distributed(cfg: ParallelConfig, timeout_s: float) -> DistEnv:
     """Start the process group; every collective then times out after ``timeout_s``."""
     _export_slurm_env()
     rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = cfg.dist_backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    backend, device = choose_backend(cfg.dist_backend, local_rank, local_world_size(), torch.cuda.device_count())
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
         store = _store_for_this_attempt(world, timeout)

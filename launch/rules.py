@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -133,6 +134,13 @@ def check_parallel(p: ParallelConfig) -> None:
     if p.dist_backend == DistBackend.NCCL:
         require_cuda("parallel.dist_backend=nccl needs CUDA GPUs, and none is visible. "
                       "Use parallel.dist_backend=auto (gloo on CPU).")
+        ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), torch.cuda.device_count()
+        if ranks > gpus:
+            raise ConfigError(
+                f"parallel.dist_backend=nccl with {ranks} ranks on this node and {gpus} visible GPU(s): NCCL "
+                f"refuses two ranks on one device. Launch --nproc-per-node {gpus}, or use parallel.dist_backend=auto "
+                "(gloo, the ranks sharing the GPUs)."
+            )
     if p.name == ParallelMode.FSDP and not hasattr(importlib.import_module("fsdp_opt"), "apply_fsdp"):
         raise ConfigError(
             "parallel=fsdp is not available yet: this version of the toolkit has no fsdp_opt.apply_fsdp "

@@ -1,24 +1,41 @@
-"""One tiny training job for the compile-cache restart test, in its own process:
-``python tests/_cache_job.py CACHE_DIR`` prints one JSON line (losses, cache counters)."""
+"""One tiny training job for the compile-cache restart tests, in its own process:
+``python tests/_cache_job.py CACHE_DIR [cpu|cuda]`` prints one JSON line (losses, cache
+counters, first-step seconds). On ``cuda`` the model runs on GPU 0 in a one-rank NCCL
+group, so the partitions are Triton kernels."""
 
 import copy
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def main(cache_dir: str) -> None:
+def run_job(cache_dir: Path, inductor_dir: Path, device: str = "cpu") -> dict:
+    """This job in a new process with its own Inductor cache directory; its JSON line."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, str(cache_dir), device], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(cache_dir: str, device: str = "cpu") -> None:
     from _dist import single_rank_group
     from ddp_opt import compile_ddp
     from models import GPT, GPTConfig
     from torch._dynamo.utils import counters
 
-    with single_rank_group():
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    with single_rank_group("nccl" if dev.type == "cuda" else "gloo"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)).to(dev)
         ref = DDP(copy.deepcopy(model), bucket_cap_mb=0.06)
         ddp = DDP(model, bucket_cap_mb=0.06)
         compiled = compile_ddp(ddp, backend="inductor", cache_dir=cache_dir)
@@ -26,10 +43,12 @@ def main(cache_dir: str) -> None:
         before = path.stat().st_mtime_ns if path.exists() else None
         losses, eager_losses = [], []
         for step in range(3):
-            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step)).to(dev)
             t0 = time.perf_counter()
             loss = compiled(x, x)[1]
             loss.backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             if step == 0:
                 first_step_s = time.perf_counter() - t0
             ref_loss = ref(x, x)[1]
@@ -51,4 +70,4 @@ def main(cache_dir: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

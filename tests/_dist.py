@@ -22,10 +22,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def single_rank_group():
-    """A real gloo group of world size 1 in this process. Its store is in memory: no
-    TCP rendezvous on a port another test may have just taken."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def single_rank_group(backend: str = "gloo"):
+    """A real group of world size 1 in this process (gloo, or nccl on a GPU). Its store
+    is in memory: no TCP rendezvous on a port another test may have just taken."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

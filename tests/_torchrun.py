@@ -17,11 +17,12 @@ import torch
 FAULT_JOB = Path(__file__).resolve().parent / "_fault_job.py"
 
 
-def torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int = 0, timeout: float = 300):
-    """``torchrun --standalone --nproc-per-node 2 -m launch.train overrides`` in ``cwd``; with
+def torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int = 0, timeout: float = 300,
+             nproc: int = 2):
+    """``torchrun --standalone --nproc-per-node NPROC -m launch.train overrides`` in ``cwd``; with
     ``fault="STEP[:RANK]"``, ``tests/_fault_job.py`` instead, which kills that rank at that step."""
     job = [str(FAULT_JOB), fault] if fault else ["-m", "launch.train"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), *job, *overrides]
     # Own session, so that a timeout kills the workers too, not only torchrun.
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -57,8 +57,8 @@ def run_ranks():
 
 @pytest.fixture(scope="session")
 def torchrun():
-    """``torchrun(cwd, *overrides, fault=None, restarts=0, timeout=300)``: the main job
-    under torchrun with 2 ranks (see ``_torchrun.torchrun``; its readers ``ok``,
+    """``torchrun(cwd, *overrides, fault=None, restarts=0, timeout=300, nproc=2)``: the main
+    job under torchrun with 2 ranks (see ``_torchrun.torchrun``; its readers ``ok``,
     ``metrics`` and ``final_params`` are plain functions imported from there)."""
     import _torchrun  # imports launch.train: only for the tests that launch
 

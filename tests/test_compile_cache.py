@@ -4,17 +4,14 @@ restart in a new process is served from the cache (one small inductor test)."""
 
 import copy
 import dataclasses
-import json
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _cache_job import run_job as _run_job
 from _dist import single_rank_group
 from compiler.cache import MAGIC, CacheKey, CompileCache
 from ddp_opt import compile_ddp
@@ -187,16 +184,6 @@ def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_pa
 
 
 # -- one inductor test: a warm restart in a new process ------------------------------------------
-
-JOB = Path(__file__).with_name("_cache_job.py")
-
-
-def _run_job(cache_dir: Path, inductor_dir: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(JOB), str(cache_dir)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow

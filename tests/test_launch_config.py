@@ -132,6 +132,30 @@ def test_fsdp_without_fsdp_opt_is_not_available_yet(monkeypatch):
         validate(_job("parallel=fsdp"), world_size=2)
 
 
+def test_nccl_with_more_ranks_than_gpus_on_a_node_is_bad_input(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"dist_backend=nccl with 2 ranks on this node and 1 visible GPU\(s\): "
+                                          r"NCCL refuses two ranks on one device\. Launch --nproc-per-node 1"):
+        validate(_job("parallel.dist_backend=nccl"), world_size=2)
+
+
+@pytest.mark.parametrize("requested,local_rank,ranks,gpus,expected", [
+    ("auto", 1, 2, 0, ("gloo", "cpu")),
+    ("auto", 1, 2, 2, ("nccl", "cuda:1")),
+    ("auto", 1, 2, 1, ("gloo", "cuda:0")),  # two ranks share the one GPU over gloo
+    ("auto", 2, 4, 2, ("gloo", "cuda:0")),
+    ("nccl", 1, 2, 2, ("nccl", "cuda:1")),
+    ("gloo", 0, 2, 2, ("gloo", "cpu")),
+])
+def test_the_backend_and_device_follow_the_gpus_per_node(requested, local_rank, ranks, gpus, expected):
+    from launch.dist import choose_backend
+
+    backend, device = choose_backend(requested, local_rank, ranks, gpus)
+    assert (backend, str(device)) == expected
+
+
 def _publish(root: Path, step: int, complete: bool = True, tmp: bool = False) -> Path:
     d = root / (f"step_{step:06d}" + (".tmp" if tmp else ""))
     d.mkdir(parents=True)
