@@ -74,9 +74,8 @@ def check_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
 def job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``core.GPTJob`` fields of the common flags (and ``--modes``, ``--steps``, ``--warmup``)."""
     return dict(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), device=args.device,
-                backend=args.backend,
-                warmup=args.warmup, rounds=args.steps, batch=args.batch, seq=args.seq, vocab=args.vocab,
-                layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed)
+                backend=args.backend, warmup=args.warmup, rounds=args.steps, batch=args.batch, seq=args.seq,
+                vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed)
 
 
 @contextlib.contextmanager
