@@ -11,7 +11,9 @@ section from the JSON).
 Inside: ``core`` (the measuring core both interleaved benchmarks share), ``modes_ddp``
 and ``ddp_bench`` / ``sweep`` (DDP), ``fsdp_bench`` (FSDP), ``report`` (tables, README
 sections, ``print0``), ``link`` (the simulated-link comm hook), ``stats``, ``rounds``,
-``plot``, ``cli``, ``torchrun``, and ``_torch_internals`` (every private torch name used).
+``plot``, ``cli``, ``device`` (``--device``: a rank's GPU and process group, clocks that
+wait for the GPU, peak memory), ``torchrun``, and ``_torch_internals`` (every private
+torch name used).
 
 Nothing is imported here, so ``python -m benchmarks.stats`` and friends stay light;
 ``__all__`` names the modules used from outside the package (the command lines, and

@@ -1,6 +1,7 @@
 """Command-line pieces the interleaved benchmarks (``ddp_compare``, ``fsdp_compare``)
-share: the model and run flags, filling unset flags from the quick or full defaults,
-the process group of a worker, and rank 0's outputs."""
+share: the model and run flags (``--device`` among them, see Note [Benchmark device]
+in ``benchmarks.device``), filling unset flags from the quick or full defaults, the
+device and process group of a worker, and rank 0's outputs."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .report import print0, write_json
 
-__all__ = ["new_parser", "add_common_args", "fill_defaults", "job_kwargs", "process_group", "publish"]
+if TYPE_CHECKING:
+    from .device import Placement
+
+__all__ = ["new_parser", "add_common_args", "fill_defaults", "check_device", "job_kwargs", "process_group",
+           "publish"]
 
 
 def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
@@ -26,8 +31,11 @@ def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.Argume
 
 
 def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_help: str, plot_help: str) -> None:
-    """``--nproc --backend --batch --seq --vocab --layers --embd --heads --seed --json --plot``."""
+    """``--nproc --device --backend --batch --seq --vocab --layers --embd --heads --seed --json --plot``."""
     p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to launch (default 2)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",  # device.DEVICES; no torch here
+                   help="where the ranks run: cuda (rank r on GPU r %% GPUs; NCCL when every rank has a GPU of its "
+                        "own, else gloo), cpu (gloo), or auto = cuda when torch.cuda.is_available() (default auto)")
     p.add_argument("--backend", default=None, help="dynamo backend for the compiled modes (default inductor)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="sequence length (block_size)")
@@ -51,22 +59,40 @@ def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any],
     return args
 
 
+def check_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Resolve ``--device auto`` to cpu or cuda; ``--device cuda`` without CUDA exits here
+    (code 2, argparse's error), before anything is launched."""
+    from .device import resolve_device  # torch: only once the flags are known to need it
+
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
 def job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``core.GPTJob`` fields of the common flags (and ``--modes``, ``--steps``, ``--warmup``)."""
-    return dict(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), backend=args.backend,
-                warmup=args.warmup, rounds=args.steps, batch=args.batch, seq=args.seq, vocab=args.vocab,
-                layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed)
+    return dict(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), device=args.device,
+                backend=args.backend, warmup=args.warmup, rounds=args.steps, batch=args.batch, seq=args.seq,
+                vocab=args.vocab, layers=args.layers, embd=args.embd, heads=args.heads, seed=args.seed)
 
 
 @contextlib.contextmanager
-def process_group(backend: str) -> Iterator[None]:
-    """torchrun's process group for the block; a barrier closes a block that succeeds, so
-    rank 0 has written its outputs before any rank leaves."""
+def process_group(device: str, name: str) -> Iterator[Placement]:
+    """This rank's device (``cpu`` or ``cuda``, resolved) made current and torchrun's process
+    group for the block, its backend chosen by ``device.place_rank``; rank 0 prints which
+    and why (``name`` leads the line). A barrier closes a block that succeeds, so rank 0 has
+    written its outputs before any rank leaves."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend)
+    from .device import device_label, place_rank
+
+    placement = place_rank(device)
+    dist.init_process_group(placement.backend)
     try:
-        yield
+        print0(f"{name}: process group {placement.backend}, device {device_label(placement.device)}: {placement.why}.")
+        yield placement
         dist.barrier()
     finally:
         dist.destroy_process_group()

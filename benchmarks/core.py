@@ -25,10 +25,16 @@ Algorithm:
 3. Rounds (``measure_rounds``): ``warmup + rounds`` rounds over ``benchmarks.rounds``;
    each round every runner in turn, the order rotating; the family's
    ``run_round`` times its steps. The first ``warmup`` rounds are dropped.
-4. Rows: rank 0's clocks; losses (and anything else per rank) gathered from all
-   ranks. Ratios are medians of per-round ratios to a baseline runner, with the
-   IQR; loss diff = max over ranks and steps of |loss - the uncompiled runner's|;
-   compile seconds = first step minus the median step.
+4. Rows: rank 0's clocks; losses and peak memory (and anything else per rank)
+   gathered from all ranks (``runner_measures``). Ratios are medians of per-round
+   ratios to a baseline runner, with the IQR; loss diff = max over ranks and steps
+   of |loss - the uncompiled runner's|; compile seconds = first step minus the
+   median step; peak MiB (CUDA only) = max over ranks and measured steps.
+
+Notes: the job runs on its ``device`` (Note [Benchmark device] in
+``benchmarks.device``): on CUDA every mode's model is built on the CPU from the
+seed and moved to the rank's GPU, batches are drawn on the CPU and moved, and the
+families' clocks wait for the GPU (``device.clock``).
 """
 
 from __future__ import annotations
@@ -46,14 +52,17 @@ import torch.distributed as dist
 from models import GPT, GPTConfig
 
 from ._torch_internals import cache_counts, inductor_cache_dir, room_for_compiled_copies
+from .device import device_label
 from .report import nan_to_none, print0
 from .rounds import interleaved_rounds
 from .stats import iqr, median, ratio_summary
 
 __all__ = ["GPTJob", "Mode", "ModeTable", "Runner", "FRESH", "SAME", "first_steps", "measure_rounds", "measuring",
-           "gather_rank0", "Steps", "step_stats", "compile_seconds", "max_loss_diff", "loss_reference", "job_columns"]
+           "gather_rank0", "runner_measures", "Steps", "step_stats", "compile_seconds", "max_loss_diff", "max_peak_mib",
+           "loss_reference", "job_columns"]
 
 FRESH, SAME = "fresh", "same"  # first_steps' cache policies
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class GPTJob:
     """The model (the repo's GPT) and the round schedule of an interleaved job; each
     family's config extends it with its modes and settings."""
 
+    device: str = "cpu"  # "cpu" or "cuda", resolved (benchmarks.device.resolve_device)
     backend: str = "inductor"
     warmup: int = 3
     rounds: int = 10
@@ -74,6 +84,11 @@ class GPTJob:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"device {self.device!r}: a job runs on 'cpu' or 'cuda'. Resolve --device auto first "
+                "(benchmarks.device.resolve_device), or pass device='cpu'."
+            )
         if self.rounds < 1 or self.warmup < 0:
             raise ValueError(
                 f"--steps must be >= 1 and --warmup >= 0, got {self.rounds} and {self.warmup}: a benchmark needs "
@@ -84,17 +99,22 @@ class GPTJob:
         return GPTConfig(vocab_size=self.vocab, block_size=self.seq, n_layer=self.layers, n_head=self.heads,
                          n_embd=self.embd)
 
-    def new_model(self) -> GPT:
-        """The GPT every mode starts from: the same seed, so the same weights."""
-        torch.manual_seed(self.seed)
-        return GPT(self.model_config())
+    @property
+    def torch_device(self) -> torch.device:
+        """This rank's device: the CPU, or the GPU that ``device.place_rank`` made current."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
 
-    def batch_at(self, step: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, targets) of ``step``: the same for every mode."""
+    def new_model(self) -> GPT:
+        """The GPT every mode starts from, on this rank's device: the same seed, so the same
+        weights (built on the CPU, then moved, so a CUDA run starts where a CPU run does)."""
+        torch.manual_seed(self.seed)
+        return GPT(self.model_config()).to(self.torch_device)
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (inputs, targets) of ``step`` on its device: the same for every mode (and
+        the same values on CUDA as on the CPU: drawn from a CPU generator, then moved)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + dist.get_rank() * 10_007 + step)
-        idx = torch.randint(self.vocab, (self.batch, self.seq + 1), generator=g)
-        if device is not None:
-            idx = idx.to(device)
+        idx = torch.randint(self.vocab, (self.batch, self.seq + 1), generator=g).to(self.torch_device)
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
     def model_label(self) -> str:
@@ -153,6 +173,7 @@ class Runner:
     first_step_s: list[float] = field(default_factory=list)  # one per first_steps call
     cache_events: list[dict] = field(default_factory=list)  # compile-cache outcomes, one per first_steps call
     step_s: list[float] = field(default_factory=list)  # one per measured round
+    peak_bytes: list[int] = field(default_factory=list)  # CUDA only: peak allocated, one per measured (sync) step
     cache_dir: str | None = None
 
     @property
@@ -227,6 +248,13 @@ def gather_rank0(mine: dict) -> list[dict] | None:
     return gathered if dist.get_rank() == 0 else None
 
 
+def runner_measures(runners: Sequence[Runner]) -> dict:
+    """What ``gather_rank0`` collects of every rank's runners: ``losses`` and ``peak_mib``
+    (by label; None where no peak was measured, i.e. on the CPU)."""
+    return {"losses": {r.label: r.losses for r in runners},
+            "peak_mib": {r.label: max(r.peak_bytes) / MiB if r.peak_bytes else None for r in runners}}
+
+
 @dataclass(frozen=True)
 class Steps:
     """A runner's measured step seconds (median and quartiles), and its per-round ratio to
@@ -266,7 +294,14 @@ def max_loss_diff(gathered: Sequence[dict], label: str, reference: str | None) -
     return max(abs(a - b) for g in gathered for a, b in zip(g["losses"][label], g["losses"][reference]))
 
 
+def max_peak_mib(gathered: Sequence[dict], label: str) -> float | None:
+    """Max over ranks of ``label``'s peak MiB (the ``peak_mib`` entry of every rank's
+    gathered dict); None where no rank measured one (the CPU)."""
+    peaks = [g["peak_mib"][label] for g in gathered if g["peak_mib"].get(label) is not None]
+    return max(peaks) if peaks else None
+
+
 def job_columns(cfg: GPTJob) -> dict:
     """The row keys that describe the job rather than the mode."""
-    return {"world_size": dist.get_world_size(), "rounds": cfg.rounds, "warmup": cfg.warmup,
-            "model": cfg.model_label()}
+    return {"device": device_label(cfg.torch_device), "world_size": dist.get_world_size(), "rounds": cfg.rounds,
+            "warmup": cfg.warmup, "model": cfg.model_label()}

@@ -42,29 +42,44 @@ Measured (rank 0's clocks; losses from all ranks):
 - loss_max_abs_diff: max over ranks and synchronised steps of |loss - eager's
   loss at the same step|.
 - recompiles: dynamo graphs compiled after the warm step.
+- peak_mib (CUDA only, None on the CPU): ``torch.cuda.max_memory_allocated``
+  over a synchronised step, the counter reset just before it; max over ranks and
+  measured rounds.
+- device: ``cuda: <GPU name>`` or ``cpu``.
+
+On CUDA (``--device cuda``, or ``auto`` where CUDA is available; Note [Benchmark
+device] in ``benchmarks.device``): each rank runs on ``cuda:(LOCAL_RANK %
+GPUs)``, over NCCL when every rank has a GPU of its own, else over gloo with
+ranks sharing a GPU. The model is built on the CPU from the seed and moved to the
+GPU before DDP wraps it (``device_ids=[that GPU]``); batches are drawn on the CPU,
+as in a CPU run, and moved. Every clock read of a step (its start, the end of
+forward+backward, the end of the step, for synchronised and ``no_sync`` steps
+alike) follows a ``torch.cuda.synchronize()``, so the times are the GPU's.
 
 Notes: ``no_sync`` steps leave the weights alone, so all modes stay in lockstep;
-their gradients are dropped.
+their gradients are dropped. The compile steps are not measured for memory:
+their peak holds the compiler's own allocations (autotuning, for one).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ._torch_internals import graphs_compiled
 from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
-    max_loss_diff, measure_rounds, measuring, step_stats
+    max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
+from .device import clock, peak_bytes, reset_peak
 from .link import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
 from .report import cap_label, nan_to_none
 from .stats import median, overlap_efficiency
 
-__all__ = ["BenchConfig", "run_cap", "run_step", "run_round", "row_for"]
+__all__ = ["BenchConfig", "Timed", "run_cap", "run_step", "run_round", "row_for"]
 
 
 @dataclass(frozen=True)
@@ -109,39 +124,55 @@ class BenchConfig(GPTJob):
         super().__post_init__()
 
 
-def run_step(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, *, sync: bool = True) -> tuple[float, float, object]:
-    """One timed step: (step seconds, forward+backward seconds, link stats).
+class Timed(NamedTuple):
+    """What ``run_step`` measured of one step."""
 
-    ``sync=False`` is the ``no_sync`` compute step: no all-reduce, no SGD step.
+    step_s: float
+    fb_s: float  # forward + backward
+    link: object  # the link's stats of the step (``SimulatedLink.take_step_stats``)
+    peak_bytes: int | None  # CUDA, synchronised steps: peak allocated during the step; None otherwise
+
+
+def run_step(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, *, sync: bool = True) -> Timed:
+    """One timed step. ``sync=False`` is the ``no_sync`` compute step: no all-reduce, no SGD step.
+
+    On CUDA every clock read waits for the GPU (``device.clock``), and a synchronised
+    step runs in a fresh peak-memory window.
     """
     x, y = cfg.batch_at(r.step)
+    device = x.device
     dist.barrier()
     link.take_step_stats()
     graphs0 = graphs_compiled()
     with r.mode.during_step(r):
-        t0 = time.perf_counter()
+        t0 = clock(device)
+        if sync:
+            reset_peak(device)
         with contextlib.nullcontext() if sync else r.ddp.no_sync():
             _, loss = r.fn(x, y)
             loss.backward()
-        t1 = time.perf_counter()
+        t1 = clock(device)
         if sync:
             r.opt.step()
-        t2 = time.perf_counter()
+        t2 = clock(device)
+    peak = peak_bytes(device) if sync else None
     r.opt.zero_grad(set_to_none=True)
     stats = link.take_step_stats()
     r.compiles.append(graphs_compiled() - graphs0)
     if sync:
         r.losses.append(float(loss.detach()))
         r.step += 1
-    return t2 - t0, t1 - t0, stats
+    return Timed(t2 - t0, t1 - t0, stats, peak)
 
 
 def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: bool) -> float:
     """A synchronised step and a ``no_sync`` step, recorded when ``measured``; the step's seconds."""
-    step_s, sync_fb, stats = run_step(r, cfg, link, sync=True)
-    _, nosync_fb, _ = run_step(r, cfg, link, sync=False)
+    step_s, sync_fb, stats, peak = run_step(r, cfg, link, sync=True)
+    _, nosync_fb, _, _ = run_step(r, cfg, link, sync=False)
     if measured:
         r.step_s.append(step_s)
+        if peak is not None:
+            r.peak_bytes.append(peak)
         r.sync_fb_s.append(sync_fb)
         r.nosync_fb_s.append(nosync_fb)
         r.link_s.append(stats.link_s)
@@ -166,7 +197,7 @@ def _prediction(r: DDPRunner) -> dict:
 
 def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, base: DDPRunner | None,
             gathered: list[dict], reference: str | None) -> dict:
-    """One result row. ``gathered``: per rank, ``{"losses": {runner label: losses}}``; ``base``: the
+    """One result row. ``gathered``: per rank, ``core.runner_measures`` of its runners; ``base``: the
     runner whose per-round steps the ratio is taken against (None: no ratio); ``reference``: the label
     whose losses the others are compared with (None: no comparison)."""
     steps = step_stats(r.step_s, base.step_s if base is not None else None)
@@ -189,6 +220,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "partitions": r.mode.partitions(r),
         "loss_max_abs_diff": max_loss_diff(gathered, r.label, reference),
         "alignment": r.mode.alignment(r),
+        "peak_mib": max_peak_mib(gathered, r.label),
         # extras
         "runner": r.label,
         "ratio_baseline": base.label if base is not None else None,
@@ -228,7 +260,7 @@ def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
             first_steps(runners, lambda r: run_step(r, cfg, link)[0], phase=phase, prefix=prefix, cache=cache,
                         tag=f"ddpbench-cap{cap_label(cap_mb)}", cache_root=cfg.cache_root)
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured), prefix)
-    gathered = gather_rank0({"losses": {r.label: r.losses for r in runners}})
+    gathered = gather_rank0(runner_measures(runners))
     if gathered is None:
         return []
     by_label = {r.label: r for r in runners}

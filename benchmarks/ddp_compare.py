@@ -10,6 +10,14 @@ benchmark] in ``benchmarks.ddp_bench`` and Note [Simulated link] in ``benchmarks
 Run outside torchrun, it relaunches itself under ``torch.distributed.run
 --standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
 to stdout, and writes the JSON rows and the plot.
+
+``--device auto`` (the default) runs on CUDA when ``torch.cuda.is_available()``,
+else on the CPU over gloo. On CUDA each rank takes GPU ``LOCAL_RANK % GPUs``, over
+NCCL when every rank has a GPU of its own and over gloo when ranks must share one
+(rank 0 says which, and why); step times wait for the GPU and every row gets the
+peak GPU memory of its mode (``peak_mib``; Note [Benchmark device] in
+``benchmarks.device``). ``--device cuda`` on a machine without CUDA stops before
+launching anything (exit code 2).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import sys
 import time
 from typing import Sequence
 
-from .cli import add_common_args, new_parser, fill_defaults, job_kwargs, process_group, publish
+from .cli import add_common_args, check_device, new_parser, fill_defaults, job_kwargs, process_group, publish
 from .report import cap_label, fmt, print0, terminal_table, with_iqr
 from .torchrun import here_or_relaunched
 
@@ -69,12 +77,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-root", default=None, help="where fresh inductor cache dirs are made (default: tmp)")
     args = p.parse_args(argv)
     defaults = {"backend": "inductor", "warmup": 3, "steps": 10, "caps": "1,4,25"}
-    return fill_defaults(args, QUICK if args.quick else defaults,
-                         lambda key, value: _floats(value) if key == "caps" else value)
+    fill_defaults(args, QUICK if args.quick else defaults,
+                  lambda key, value: _floats(value) if key == "caps" else value)
+    return check_device(p, args)
 
 
 HEADERS = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms", "pred exp ms",
-           "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "loss diff"]
+           "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "peak MiB",
+           "loss diff"]
 
 
 def _cells(r: dict) -> list:
@@ -86,7 +96,7 @@ def _cells(r: dict) -> list:
         fmt(r["comm_ms"], ".1f"), fmt(r["exposed_comm_ms"], ".1f"), fmt(r.get("predicted_exposed_comm_ms"), ".1f"),
         fmt(r["overlap"], ".2f"), fmt(r.get("alignment"), ".2f"), fmt(r["compile_cold_s"], ".1f"),
         fmt(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), fmt(r["partitions"], "d"), r["ddp_buckets"],
-        r["recompiles"], fmt(r["loss_max_abs_diff"], ".1e"),
+        r["recompiles"], fmt(r.get("peak_mib"), ".0f"), fmt(r["loss_max_abs_diff"], ".1e"),
     ]
 
 
@@ -120,10 +130,11 @@ def _worker(args: argparse.Namespace) -> int:
     from .sweep import format_summary, run_sweep, sweep_summary
 
     cfg = _config(args)
-    with process_group("gloo"):
+    with process_group(cfg.device, "ddp_compare"):
         link = SimulatedLink(cfg.link)
-        print0(f"ddp_compare: {dist.get_world_size()} ranks, backend {cfg.backend}, link {cfg.link.label}, "
-               f"caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}")
+        print0(f"ddp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
+               f"link {cfg.link.label}, caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, "
+               f"modes {list(cfg.modes)}")
         print0(DDP_MODES.describe(cfg.modes))
         t0 = time.perf_counter()
         rows = run_sweep(cfg, link) if cfg.sweep else [row for cap in cfg.caps for row in run_cap(cfg, cap, link)]
@@ -134,7 +145,7 @@ def _worker(args: argparse.Namespace) -> int:
                 print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
-            title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks"
+            title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks on {rows[0]['device']}"
             publish(rows, args, module="benchmarks.ddp_compare", command_env=COMMAND_ENV,
                     plot=lambda path: plot_caps(rows, path, title=title))
     return 0

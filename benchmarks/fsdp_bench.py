@@ -28,10 +28,19 @@ Measured (rank 0's clocks; losses and memory from all ranks):
 - step: wall time of the step; ratio vs per_block is the median of per-round
   ratios, with the IQR.
 - peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over the mode's
-  measured steps (reset before each). On CPU there is no allocator counter per
-  mode; the rows carry each rank's process RSS high-water mark
-  (``ru_maxrss``) at the end, the same for every mode of the job.
+  measured steps (reset before each; the first, compiling step is left out):
+  ``peak_mem_mib_per_rank`` per rank, ``peak_mib`` their max. On CPU there is no
+  allocator counter per mode; ``peak_mem_mib_per_rank`` carries each rank's
+  process RSS high-water mark (``ru_maxrss``) at the end, the same for every
+  mode of the job, and ``peak_mib`` is None.
 - loss_max_abs_diff: max over ranks and steps of |loss - eager's loss|.
+- device: ``cuda: <GPU name>`` or ``cpu``.
+
+On CUDA (Note [Benchmark device] in ``benchmarks.device``): each rank runs on
+``cuda:(LOCAL_RANK % GPUs)`` over NCCL (gloo when ranks share a GPU), the model
+is built on the CPU from the seed and moved to the GPU before sharding, the mesh
+is a CUDA mesh over all ranks, batches are drawn on the CPU and moved, and the
+clock reads around a step follow ``torch.cuda.synchronize()``.
 
 Notes: the simulated link of ``benchmarks.link`` is a DDP comm hook and does not
 apply here: FSDP's collectives run over plain gloo (loopback on one machine) or
@@ -41,17 +50,18 @@ NCCL.
 from __future__ import annotations
 
 import resource
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_opt
 
 from .core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps, gather_rank0, job_columns, \
-    loss_reference, max_loss_diff, measure_rounds, measuring, step_stats
+    loss_reference, max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
+from .device import clock, peak_bytes, reset_peak
 
 __all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "run_fsdp"]
 
@@ -114,53 +124,44 @@ class FSDPRunner(Runner):
     mode: FSDPMode
     model: nn.Module
     plan: fsdp_opt.FSDPPlan
-    peak_bytes: list[int] = field(default_factory=list)  # CUDA only, one per measured step
-
-
-def _on_cuda() -> bool:
-    return torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower()
 
 
 def build_runner(name: str, cfg: FSDPBenchConfig) -> FSDPRunner:
-    """Mode ``name`` on a new GPT (same seed for every mode, so the same weights)."""
+    """Mode ``name`` on a new GPT (same seed for every mode, so the same weights) on this rank's device."""
     mode = FSDP_MODES[name]
-    device = torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
-    model = cfg.new_model().to(device)
-    plan = fsdp_opt.apply(model, **mode.apply_kwargs(cfg))
+    model = cfg.new_model()
+    # The mesh's device is where FSDP2 keeps the shards: the job's, also when gloo carries the
+    # collectives of ranks sharing a GPU (fsdp_opt's default mesh is CUDA only over NCCL).
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),)) if cfg.device == "cuda" else None
+    plan = fsdp_opt.apply(model, mesh=mesh, **mode.apply_kwargs(cfg))
     return FSDPRunner(mode=mode, model=model, plan=plan, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
 
 
-def run_step(r: FSDPRunner, cfg: FSDPBenchConfig) -> float:
-    """One timed training step (forward, backward, SGD step); returns its seconds."""
-    cuda = _on_cuda()
-    x, y = cfg.batch_at(r.step, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+def run_step(r: FSDPRunner, cfg: FSDPBenchConfig) -> tuple[float, int | None]:
+    """One timed training step (forward, backward, SGD step): its seconds and, on CUDA, the
+    peak bytes allocated during it (None on the CPU)."""
+    x, y = cfg.batch_at(r.step)
     dist.barrier()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    t0 = clock(x.device)
+    reset_peak(x.device)
     _, loss = r.model(x, y)
     loss.backward()
     r.opt.step()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    dt = clock(x.device) - t0
+    peak = peak_bytes(x.device)
     r.opt.zero_grad(set_to_none=True)
-    if cuda:
-        r.peak_bytes.append(torch.cuda.max_memory_allocated())
     r.losses.append(float(loss.detach()))
     r.step += 1
-    return dt
+    return dt, peak
 
 
 def run_round(r: FSDPRunner, cfg: FSDPBenchConfig, measured: bool) -> float:
     """One step, its time (and peak memory) kept when ``measured``; the step's seconds."""
-    peaks = len(r.peak_bytes)
-    step_s = run_step(r, cfg)
+    step_s, peak = run_step(r, cfg)
     if measured:
         r.step_s.append(step_s)
-    else:
-        del r.peak_bytes[peaks:]
+        if peak is not None:
+            r.peak_bytes.append(peak)
     return step_s
 
 
@@ -172,7 +173,7 @@ def _rss_hwm_mib() -> float:
 def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | None, gathered: list[dict],
          reference: str | None) -> dict:
     steps = step_stats(r.step_s, base.step_s if base is not None else None)
-    cuda = _on_cuda()
+    cuda = cfg.device == "cuda"
     peak = [g["peak_mib"][r.label] for g in gathered] if cuda else [g["rss_hwm_mib"] for g in gathered]
     return {
         "mode": r.mode.name,
@@ -182,6 +183,7 @@ def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | Non
         "ratio_vs_per_block": steps.ratio,
         "peak_mem_mib_per_rank": peak,
         "peak_mem_kind": "cuda max_memory_allocated" if cuda else "process RSS high-water mark (all modes)",
+        "peak_mib": max_peak_mib(gathered, r.label),
         "loss_max_abs_diff": max_loss_diff(gathered, r.label, reference),
         "units": len(r.plan.units),
         # extras
@@ -206,13 +208,9 @@ def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
     torch.compiler.reset()
     runners = [build_runner(m, cfg) for m in cfg.modes]
     with measuring(runners):
-        first_steps(runners, lambda r: run_step(r, cfg), phase="first step", cache=FRESH, tag="fsdpbench")
+        first_steps(runners, lambda r: run_step(r, cfg)[0], phase="first step", cache=FRESH, tag="fsdpbench")
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, measured))
-    gathered = gather_rank0({
-        "losses": {r.label: r.losses for r in runners},
-        "peak_mib": {r.label: max(r.peak_bytes, default=0) / MiB for r in runners},
-        "rss_hwm_mib": _rss_hwm_mib(),
-    })
+    gathered = gather_rank0({**runner_measures(runners), "rss_hwm_mib": _rss_hwm_mib()})
     if gathered is None:
         return []
     base, reference = next((r for r in runners if r.label == BASELINE), None), loss_reference(runners)

@@ -9,20 +9,25 @@ grouping and explicit prefetch (ours), side by side in one torchrun job (see Not
 Run outside torchrun, it relaunches itself under ``torch.distributed.run
 --standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
 to stdout, and writes the JSON rows, the plot and the README section.
+
+``--device auto`` (the default) runs on CUDA when ``torch.cuda.is_available()``,
+else on the CPU over gloo; ``--device cuda`` without CUDA stops before launching
+anything (exit code 2). On CUDA each rank takes GPU ``LOCAL_RANK % GPUs`` (NCCL
+when every rank has a GPU of its own, else gloo; Note [Benchmark device] in
+``benchmarks.device``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 from . import report
-from .cli import add_common_args, new_parser, fill_defaults, job_kwargs, process_group, publish
+from .cli import add_common_args, check_device, new_parser, fill_defaults, job_kwargs, process_group, publish
 from .report import fmt, markdown_table, print0, terminal_table, update_section, with_iqr
 from .torchrun import here_or_relaunched
 
@@ -58,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     fill_defaults(args, QUICK if args.quick else DEFAULTS)
     if args.from_json and not args.readme:
         p.error("--from-json only renders rows into --readme, and no --readme was given; give --readme README.md too")
-    return args
+    return args if args.from_json else check_device(p, args)  # rendering needs no device
 
 
 def _cells(r: dict) -> list[str]:
@@ -97,6 +102,7 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
     text = (
         f"FSDP2 over plain {r0.get('transport', 'gloo').split()[0]} (the simulated link of the DDP benchmark is a DDP comm "
         f"hook and does not apply to FSDP; on one machine this is loopback), world size {r0.get('world_size', '?')}, "
+        + (f"device `{r0['device']}`, " if r0.get("device") else "") +
         f"{r0.get('model', '')}, {r0.get('param_mib', 0):.1f} MiB of float32 parameters; modes interleaved "
         "round by round. `eager` = FSDP2 without compile, `per_block` = each block compiled, one shard unit per block, "
         "FSDP2's implicit prefetch; `grouped` (ours) = per-block compile, blocks grouped into shard units of "
@@ -139,17 +145,13 @@ def _config(args: argparse.Namespace):
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
 
     from .fsdp_bench import FSDP_MODES, run_fsdp
     from .plot import plot_modes
 
     cfg = _config(args)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    with process_group("nccl" if cuda else "gloo"):
+    with process_group(cfg.device, "fsdp_compare"):
         print0(f"fsdp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
                f"{cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}, "
                f"grouped: shard_unit_mb={cfg.shard_unit_mb:g} prefetch={cfg.prefetch}")
@@ -159,7 +161,8 @@ def _worker(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             print(format_table(rows), flush=True)
             print0(f"fsdp_compare: done in {time.perf_counter() - t0:.0f} s.")
-            title = f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}"
+            title = (f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}, "
+                     f"{rows[0]['device']}")
             publish(rows, args, module="benchmarks.fsdp_compare", command_env=COMMAND_ENV,
                     plot=lambda path: plot_modes(rows, path, title))
             if args.readme:

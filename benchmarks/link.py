@@ -16,24 +16,39 @@ starts on the link at ``start = max(t_ready, link_free_at)`` and is delivered at
 Buckets are served in the order DDP launches them, one at a time.
 
 Algorithm: the hook divides the bucket by the world size and launches the real
-``all_reduce`` (so gradients stay exact), then hands ``(done, real future, result
-future)`` to a single background thread. The thread waits for the real all-reduce
-and sleeps until ``done`` before setting the result, so backward is never blocked
-by the model; DDP waits on the result future at the end of backward, as it would
-on a real network.
+``all_reduce`` (so gradients stay exact), then hands ``(ready, size, real future,
+result future)`` to a single background thread. The thread serves the buckets in
+order: it takes ``t_ready``, schedules the bucket on the link, waits for the real
+all-reduce and sleeps until ``done`` before setting the result, so backward is
+never blocked by the model; DDP waits on the result future at the end of
+backward, as it would on a real network.
+
+CUDA tensors: the CPU queues kernels ahead of the GPU, so the hook's wall time is
+not when the bucket exists. The hook records a CUDA event on the stream that
+filled the bucket, and the thread takes ``t_ready`` once that event has
+completed. The result future is built with ``devices=[the bucket's device]``, as
+``torch.futures.Future`` requires for CUDA values: ``set_result`` then records
+events on the thread's current stream and whoever waits on the future (DDP's
+reducer) makes its own stream wait for them. The thread waits for the real
+all-reduce and sets the result on a side stream of its own, so that the wait is
+not put on the stream backward computes on (which would serialise the rest of
+backward behind the all-reduce and hide no communication at all).
 
 Notes: ``LinkModel`` is the pure time model (unit tested); ``SimulatedLink``
 adds the clock, the thread and per-step accounting (``take_step_stats``). With
-no link (``parse_link("none")``) the hook is plain all-reduce plus accounting.
+no link (``parse_link("none")``) the hook is plain all-reduce plus accounting
+(``real.then(...)``, whose future carries the real one's devices).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -117,6 +132,7 @@ class SimulatedLink:
         self._stats = _StepStats()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # the delivery thread's, one per CUDA device
 
     # -- accounting -------------------------------------------------------------------
     def take_step_stats(self) -> _StepStats:
@@ -143,19 +159,23 @@ class SimulatedLink:
             tensor.div_(dist.get_world_size(group))
         real = dist.all_reduce(tensor, group=group, async_op=True).get_future()
         nbytes = tensor.numel() * tensor.element_size()
-        with self._lock:
-            _, done = self.model.schedule(ready_at, self.link_free_at, nbytes)
-            self.link_free_at = done
-            if count:
+        if count:
+            with self._lock:
                 self._stats.buckets += 1
                 self._stats.nbytes += nbytes
                 self._stats.sizes.append(nbytes)
                 self._stats.link_s += self.model.transfer_s(nbytes)
         if not self.model.enabled:
             return real.then(lambda fut: tensor)
-        result: torch.futures.Future = torch.futures.Future()
+        ready: float | torch.cuda.Event = ready_at
+        devices = None
+        if tensor.is_cuda:  # see the Note: ready when the GPU has filled the bucket; a future that names its device
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+            devices = [tensor.device]
+        result: torch.futures.Future = torch.futures.Future(devices=devices)
         self._ensure_thread()
-        self._queue.put((done, real, result, tensor))
+        self._queue.put((ready, nbytes, real, result, tensor))
         return result
 
     def _ensure_thread(self) -> None:
@@ -164,14 +184,29 @@ class SimulatedLink:
             self._thread.start()
 
     def _deliver(self) -> None:
-        # Serial link: delivery times are increasing in queue order, so FIFO is exact.
+        # Serial link: buckets are served in the order DDP launched them, so FIFO is exact.
         while True:
-            done, real, result, tensor = self._queue.get()
+            ready, nbytes, real, result, tensor = self._queue.get()
             try:
-                real.wait()
-                delay = done - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                result.set_result(tensor)
+                if isinstance(ready, torch.cuda.Event):
+                    ready.synchronize()
+                    ready = time.perf_counter()
+                with self._lock:
+                    _, done = self.model.schedule(ready, self.link_free_at, nbytes)
+                    self.link_free_at = done
+                with self._side_stream(tensor):
+                    real.wait()
+                    delay = done - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    result.set_result(tensor)
             except Exception as e:  # noqa: BLE001 - hand the failure to DDP's wait
                 result.set_exception(e)
+
+    def _side_stream(self, tensor: torch.Tensor) -> ContextManager:
+        """CUDA: the delivery thread's own stream on the bucket's device (see the Note)."""
+        if not tensor.is_cuda:
+            return contextlib.nullcontext()
+        if tensor.device not in self._streams:
+            self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        return torch.cuda.stream(self._streams[tensor.device])

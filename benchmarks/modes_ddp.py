@@ -1,8 +1,10 @@
 """The DDP benchmark's modes, one object each, registered in ``DDP_MODES``, and the
 runner that carries a mode's DDP model through ``benchmarks.core``.
 
-Every mode wraps the same DDP model (same seed, same bucket cap) and gets the
-simulated-link comm hook (Note [Simulated link]); what differs is how it compiles,
+Every mode wraps the same DDP model (same seed, same bucket cap, on the job's
+device: on CUDA the model is moved to the rank's GPU before DDP wraps it, with
+``device_ids=[that GPU]``) and gets the simulated-link comm hook (Note [Simulated
+link]); what differs is how it compiles,
 and so what it can report: partitions, alignment with DDP's buckets, a bucket plan,
 the cost model's prediction, and which caps a sweep runs it at.
 """
@@ -207,8 +209,9 @@ def build_runner(name: str, cfg: Any, cap: float | str, link: SimulatedLink, cos
         takes = [m for m in DDP_MODES.names if DDP_MODES[m].plans_auto]
         raise ValueError(f"cap 'auto' is compile_ddp's cost-model plan, and mode {name!r} has no such option: "
                          f"only {', '.join(takes)} plan(s) with a cost model. Give {name} numeric caps.")
-    model = cfg.new_model()
-    ddp = DDP(model, bucket_cap_mb=None if auto else cap)
+    model = cfg.new_model()  # already on this rank's device
+    device = next(model.parameters()).device
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=None if auto else cap)
     r = DDPRunner(mode=mode, ddp=ddp, fn=ddp, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
     mode.wrap(r, cfg.backend, cap, link, cost_model)
     return r

@@ -24,7 +24,7 @@ START = "<!-- bench:ddp:start -->"
 END = "<!-- bench:ddp:end -->"
 
 
-def _cells(r: dict, predicted: bool) -> list[str]:
+def _cells(r: dict, predicted: bool, peak: bool) -> list[str]:
     """One table line of a row; the ratio names its baseline when that ran at another cap."""
     ratio = with_iqr(r.get("ratio_vs_builtin"), r.get("ratio_q1"), r.get("ratio_q3"))
     if r.get("ratio_baseline") and r.get("runner") and r["mode"] != "builtin" and "@" in r["ratio_baseline"] \
@@ -35,28 +35,31 @@ def _cells(r: dict, predicted: bool) -> list[str]:
         fmt(r.get("exposed_comm_ms"), ".1f"), *([fmt(r.get("predicted_exposed_comm_ms"), ".1f")] if predicted else []),
         fmt(r.get("overlap"), ".2f"), fmt(r.get("compile_cold_s", r.get("compile_s")), ".1f"),
         fmt(r.get("compile_warm_s"), ".1f"), fmt(r.get("partitions"), "d"), fmt(r.get("alignment"), ".2f"),
-        fmt(r.get("loss_max_abs_diff"), ".2e"),
+        *([fmt(r.get("peak_mib"), ".0f")] if peak else []), fmt(r.get("loss_max_abs_diff"), ".2e"),
     ]
 
 
 def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
-    """A Markdown table (one line per mode and cap) and, if given, the plot link."""
+    """A Markdown table (one line per mode and cap) and, if given, the plot link. The
+    predicted and peak-memory columns appear when some row has them (peak: CUDA runs)."""
     predicted = any(r.get("predicted_exposed_comm_ms") is not None for r in rows)
+    peak = any(r.get("peak_mib") is not None for r in rows)
     headers = ["cap MiB", "mode", "backend", "step ms (median)", "ratio vs builtin [IQR]", "exposed comm ms",
                *(["predicted exposed ms"] if predicted else []), "overlap", "cold compile s", "warm compile s",
-               "partitions", "alignment", "max loss diff"]
+               "partitions", "alignment", *(["peak MiB"] if peak else []), "max loss diff"]
     # numeric caps in order, then auto (a sweep's cost-model plan)
     ordered = sorted(rows, key=lambda r: (isinstance(r["bucket_cap_mb"], str), str(r["bucket_cap_mb"])
                                           if isinstance(r["bucket_cap_mb"], str) else r["bucket_cap_mb"],
                                           r.get("mode_order", 0)))
-    table = markdown_table(headers, [_cells(r, predicted) for r in ordered])
+    table = markdown_table(headers, [_cells(r, predicted, peak) for r in ordered])
     parts = []
     sweep = any(r.get("runner") and r["runner"] != r["mode"] for r in rows)
     if rows:
         r0 = rows[0]
         model = f" {r0['model']}, {r0['grad_mib']:.1f} MiB of gradients;" if r0.get("model") and r0.get("grad_mib") else ""
+        device = f" device `{r0['device']}`," if r0.get("device") else ""
         parts.append(
-            f"Link `{r0['link']}`, world size {r0.get('world_size', '?')},{model} "
+            f"Link `{r0['link']}`, world size {r0.get('world_size', '?')},{device}{model} "
             + (f"{r0.get('rounds', '?')} measured rounds in which every (mode, cap) pair, `ours@auto` included, "
                "takes its turn (one interleaved sweep: absolute times compare across caps). "
                "Ratios are medians of per-round ratios to `builtin` at the same cap, `auto`/eager to `builtin@25` "
@@ -73,6 +76,8 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
             "overlap = (compute + comm - step) / min(compute, comm), 1.0 hides all communication. "
             "Alignment = fraction of gradient bytes whose runtime DDP bucket is exactly one partition "
             "(- where not measured: eager has no partitions, PyTorch's splitter keeps its plan to itself). "
+            + ("Peak MiB = `torch.cuda.max_memory_allocated` over a synchronised step, max over ranks and "
+               "measured rounds. " if peak else "")
             + ("" if sweep else
                "Compile seconds = first step minus the median step; cold = fresh inductor cache dir, "
                "warm = `torch._dynamo.reset()` and recompile in the same process with the same cache dir. ")

@@ -20,6 +20,11 @@ Runners (each its own GPT copy, same seed, same batches, own DDP):
 - ``builtin@C`` for every numeric cap;
 - ``eager`` and ``nosplit`` (when in ``--modes``) once, at DDP's default cap 25.
 
+Device: the job's, as in ``run_cap`` (Note [Interleaved DDP benchmark]): on CUDA
+the runners are built through ``modes_ddp.build_runner`` on the rank's GPU, the
+cost model's link and compute rates are measured there, and the rounds take the
+same synchronised clocks and peak memory.
+
 Algorithm: build all runners; compile each with one step (one ``torch.compiler.reset()``
 before the first, no fresh cache dirs, so "cold s" is only indicative: later
 runners reuse what earlier ones compiled; the warm-compile phase of ``run_cap``
@@ -39,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from .core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring
+from .core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring, runner_measures
 from .ddp_bench import BenchConfig, row_for, run_round, run_step
 from .link import SimulatedLink
 from .modes_ddp import DDP_MODES, DEFAULT_CAP, DDPRunner, build_runner
@@ -54,11 +59,12 @@ def sweep_runners(modes: Sequence[str], caps: Sequence[float | str]) -> list[tup
     return [(mode, cap) for mode in modes for cap in DDP_MODES[mode].sweep_caps(caps)]
 
 
-def _cost_model(link: SimulatedLink):
-    """One cost model for every runner that plans with one (``ddp_opt.CostModel``)."""
+def _cost_model(link: SimulatedLink, device):
+    """One cost model for every runner that plans with one (``ddp_opt.CostModel``), measured
+    on ``device`` (the gradients' and the link probe's: the rank's GPU on CUDA)."""
     from ddp_opt import CostModel, measure_link, measure_rates
 
-    cost = CostModel(measure_link(link.probe), measure_rates())
+    cost = CostModel(measure_link(link.probe, device=device), measure_rates(device))
     print0(f"[sweep] cost model: link {cost.link.alpha_s * 1e3:.3g} ms + {cost.link.bandwidth / 1e6:.4g} MB/s "
            f"(measured through the simulated link), matmul {cost.rates.flops / 1e9:.3g} GFLOP/s, copy "
            f"{cost.rates.bytes / 1e9:.3g} GB/s, {cost.rates.op_s * 1e6:.2g} us/op")
@@ -79,7 +85,7 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
     """Build, compile and measure every (mode, cap) pair in one phase; rank 0 gets the rows."""
     torch.compiler.reset()
     # One cost model for every ours runner: auto plans with it, fixed caps are predicted with it.
-    cost = _cost_model(link) if any(DDP_MODES[m].plans_auto for m in cfg.modes) else None
+    cost = _cost_model(link, cfg.torch_device) if any(DDP_MODES[m].plans_auto for m in cfg.modes) else None
     runners: list[DDPRunner] = []
     for mode, cap in sweep_runners(cfg.modes, cfg.caps):
         runners.append(build_runner(mode, cfg, cap, link, cost_model=cost))
@@ -89,7 +95,7 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
         _print_auto_plans(runners)
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured),
                        "[sweep] ")
-    gathered = gather_rank0({"losses": {r.label: r.losses for r in runners}})
+    gathered = gather_rank0(runner_measures(runners))
     if gathered is None:
         return []
     by_label = {r.label: r for r in runners}

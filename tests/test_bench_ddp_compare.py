@@ -1,5 +1,6 @@
-"""The ddp_compare harness end to end on a tiny model: 2 gloo ranks, aot_eager,
-simulated 1ms,100MB/s link. Checks the rows, never the timings."""
+"""The ddp_compare harness end to end on a tiny model: 2 gloo ranks on the CPU
+(``--device cpu``, also where CUDA is available), aot_eager, simulated 1ms,100MB/s
+link. Checks the rows, never the timings. The CUDA path: test_gpu_bench.py."""
 
 import json
 import subprocess
@@ -13,8 +14,8 @@ from benchmarks.ddp_compare import ROW_KEYS, main, parse_args
 REPO = Path(__file__).resolve().parents[1]
 # ~2 MiB of gradients (vocab 1024 x 128 tied embedding + 2 blocks): at cap 1 MiB, 2-3 buckets.
 # Caps below 1 MiB are out: PyTorch's splitter rejects them.
-TINY = ["--backend", "aot_eager", "--layers", "2", "--embd", "128", "--heads", "2", "--vocab", "1024", "--seq", "16",
-        "--batch", "2", "--caps", "1", "--steps", "2", "--warmup", "1", "--link", "1ms,100MB/s"]
+TINY = ["--device", "cpu", "--backend", "aot_eager", "--layers", "2", "--embd", "128", "--heads", "2", "--vocab", "1024",
+        "--seq", "16", "--batch", "2", "--caps", "1", "--steps", "2", "--warmup", "1", "--link", "1ms,100MB/s"]
 
 
 def test_quick_defaults_and_explicit_flags_win():
@@ -29,6 +30,22 @@ def test_quick_defaults_and_explicit_flags_win():
 def test_bad_link_fails_before_launching():
     with pytest.raises(ValueError, match="is not a link description"):
         main(["--link", "fast"])
+
+
+def test_device_cuda_without_cuda_exits_before_launching(monkeypatch, capsys):
+    import torch
+
+    import benchmarks.ddp_compare as ddp_compare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ddp_compare, "here_or_relaunched", lambda *a, **k: pytest.fail("launched anyway"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cuda", "--quick"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cuda was given, but torch.cuda.is_available() is False" in err
+    assert "cannot put its model on a GPU. Pass --device cpu (or leave --device at auto)" in err
+    assert parse_args(["--quick"]).device == "cpu"  # auto, without CUDA
 
 
 def test_bad_mode_and_small_cap_are_named():
@@ -63,6 +80,7 @@ def test_tiny_run_writes_rows_for_every_mode(tmp_path):
     assert [r["mode"] for r in rows] == ["eager", "builtin", "nosplit", "ours", "regional"]
     for r in rows:
         assert set(ROW_KEYS) <= set(r), f"{r['mode']} lacks {set(ROW_KEYS) - set(r)}"
+        assert r["device"] == "cpu" and r["peak_mib"] is None  # no per-mode allocator counter on the CPU
         assert r["backend"] == ("eager" if r["mode"] == "eager" else "aot_eager") and r["link"] == "1ms,100MB/s"
         assert r["bucket_cap_mb"] == 1.0 and r["step_ms_median"] > 0
         assert r["loss_max_abs_diff"] < 1e-4, f"{r['mode']} drifted from eager by {r['loss_max_abs_diff']}"
@@ -74,8 +92,9 @@ def test_tiny_run_writes_rows_for_every_mode(tmp_path):
     regional = by_mode["regional"]
     assert regional["partitions"] == 1 and regional["alignment"] == 1.0
     assert regional["ddp_buckets"] == len(regional["plan_bucket_mib"]) >= 2
-    assert "| ours" in proc.stdout  # the table
+    assert "| ours" in proc.stdout and "peak MiB" in proc.stdout  # the table
     assert "round 2/2" in proc.stderr and "compile" in proc.stderr  # progress
+    assert "process group gloo, device cpu" in proc.stderr
     try:
         import matplotlib  # noqa: F401  (the bench extra; the plot is skipped without it)
     except ImportError:

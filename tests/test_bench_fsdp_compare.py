@@ -1,5 +1,7 @@
 """The fsdp_compare harness: argument defaults, the README section writer, and one
-tiny end-to-end run on 2 gloo ranks with aot_eager. Checks the rows, never the timings."""
+tiny end-to-end run on 2 gloo ranks on the CPU (``--device cpu``, also where CUDA is
+available) with aot_eager. Checks the rows, never the timings. The CUDA path:
+test_gpu_bench.py."""
 
 import json
 import subprocess
@@ -12,8 +14,8 @@ from benchmarks.fsdp_compare import END, ROW_KEYS, START, main, parse_args, repl
 
 REPO = Path(__file__).resolve().parents[1]
 # Two blocks of ~0.19 MiB each: per_block has 2 units, grouped (0.3 MiB target) puts both in 1.
-TINY = ["--backend", "aot_eager", "--layers", "2", "--embd", "64", "--heads", "2", "--vocab", "256", "--seq", "16",
-        "--batch", "2", "--steps", "2", "--warmup", "1", "--shard-unit-mb", "0.3"]
+TINY = ["--device", "cpu", "--backend", "aot_eager", "--layers", "2", "--embd", "64", "--heads", "2", "--vocab", "256",
+        "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1", "--shard-unit-mb", "0.3"]
 
 
 def test_quick_defaults_and_explicit_flags_win():
@@ -27,6 +29,20 @@ def test_quick_defaults_and_explicit_flags_win():
 def test_bad_mode_fails_before_launching():
     with pytest.raises(ValueError, match="valid modes are eager, per_block, grouped"):
         main(["--modes", "eager,fast"])
+
+
+def test_device_cuda_without_cuda_exits_before_launching(monkeypatch, capsys):
+    import torch
+
+    import benchmarks.fsdp_compare as fsdp_compare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(fsdp_compare, "here_or_relaunched", lambda *a, **k: pytest.fail("launched anyway"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cuda"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cuda was given, but torch.cuda.is_available() is False" in err and "Pass --device cpu" in err
 
 
 def test_from_json_needs_readme(capsys):
@@ -59,15 +75,17 @@ def test_tiny_run_writes_rows_table_and_readme_section(tmp_path):
         assert r["loss_max_abs_diff"] < 1e-4, f"{r['mode']} drifted from eager by {r['loss_max_abs_diff']}"
         assert len(r["peak_mem_mib_per_rank"]) == 2 and all(m > 0 for m in r["peak_mem_mib_per_rank"])
         assert r["transport"].startswith("gloo")
+        assert r["device"] == "cpu" and r["peak_mib"] is None  # RSS is per process, not per mode
     by_mode = {r["mode"]: r for r in rows}
     assert by_mode["per_block"]["units"] == 2 and by_mode["grouped"]["units"] == 1
     assert by_mode["grouped"]["prefetch"] == 1 and by_mode["per_block"]["prefetch"] == 0
     assert by_mode["per_block"]["ratio_vs_per_block"] == pytest.approx(1.0)
     assert "| grouped" in proc.stdout  # the table
-    assert "round 2/2" in proc.stderr  # progress
+    assert "round 2/2" in proc.stderr and "process group gloo, device cpu" in proc.stderr  # progress
     text = readme.read_text()
     assert text.startswith(f"# t\n{START}\n") and text.endswith(f"{END}\ntail\n")
     assert "| grouped | aot_eager |" in text and "plain gloo" in text and "RSS high-water mark" in text
+    assert "device `cpu`" in text
     assert results_markdown(rows) in text
 
 

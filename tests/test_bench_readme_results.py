@@ -26,6 +26,16 @@ def test_table_has_one_line_per_row_and_the_plot():
     assert "--caps 1,4" in body
 
 
+def test_peak_memory_column_and_device_only_where_the_rows_have_them():
+    body = results_markdown(ROWS)
+    assert "peak MiB" not in body and "device `" not in body  # rows from before --device, or CPU rows
+    assert "peak MiB" not in results_markdown([dict(r, device="cpu", peak_mib=None) for r in ROWS])
+    gpu = results_markdown([dict(r, device="cuda: NVIDIA H200", peak_mib=800.0 + i) for i, r in enumerate(ROWS)])
+    assert "| alignment | peak MiB | max loss diff |" in gpu and "| 4 | ours | inductor | 103.0 |" in gpu
+    assert "| 807 | 1.00e-06 |" in gpu  # the last row, ours at cap 4
+    assert "world size 2, device `cuda: NVIDIA H200`," in gpu and "`torch.cuda.max_memory_allocated`" in gpu
+
+
 def test_only_the_marked_section_changes(tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# Title\n\nintro text\n\n", "\n\n## Later\nkept as is\n"

@@ -101,9 +101,10 @@ def test_tables_show_the_auto_cap_last_with_its_prediction(tmp_path):
 
 def test_tiny_sweep_runs_auto_next_to_fixed_caps(tmp_path):
     out = tmp_path / "sweep.json"
-    cmd = [sys.executable, "-m", "benchmarks.ddp_compare", "--backend", "aot_eager", "--layers", "2", "--embd", "128",
-           "--heads", "2", "--vocab", "1024", "--seq", "16", "--batch", "2", "--caps", "1,auto", "--steps", "2",
-           "--warmup", "1", "--link", "1ms,100MB/s", "--sweep", "--modes", "eager,builtin,ours", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "2",
+           "--embd", "128", "--heads", "2", "--vocab", "1024", "--seq", "16", "--batch", "2", "--caps", "1,auto",
+           "--steps", "2", "--warmup", "1", "--link", "1ms,100MB/s", "--sweep", "--modes", "eager,builtin,ours",
+           "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())
@@ -113,5 +114,6 @@ def test_tiny_sweep_runs_auto_next_to_fixed_caps(tmp_path):
     assert auto["bucket_cap_mb"] == "auto" and auto["predicted_exposed_comm_ms"] is not None
     assert auto["alignment"] == 1.0 and by["ours@1"]["alignment"] == 1.0
     assert all(r["loss_max_abs_diff"] < 1e-4 for r in rows)
+    assert all(r["device"] == "cpu" and r["peak_mib"] is None for r in rows)
     assert len(auto["step_ms_rounds"]) == 2
     assert "| auto against |" in proc.stdout and "ours@auto plan:" in proc.stderr
