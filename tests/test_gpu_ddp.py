@@ -113,7 +113,9 @@ def test_bf16_autocast_matches_eager_ddp_under_the_same_autocast():
         assert len(compiled.buckets) >= 3
 
 
-def test_fp16_with_a_grad_scaler_matches_eager_ddp_and_takes_every_step():
+def test_fp16_with_a_grad_scaler_matches_eager_ddp_and_takes_every_step(monkeypatch, tmp_path):
+    # Its own Inductor cache: see test_bf16_then_fp16_in_one_process_compiles_fp16_kernels.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     with one_rank_nccl():
         ddp, ref = ddp_pair(cuda0())
         compiled = compile_ddp(ddp, backend="inductor")
@@ -124,3 +126,20 @@ def test_fp16_with_a_grad_scaler_matches_eager_ddp_and_takes_every_step():
         drift = train_side_by_side(compiled, ddp, ref, steps=6, dtype=torch.float16, scaler=2.0**10)
         _assert_low_precision_parity(drift, "fp16 + GradScaler", rel=3e-2)
         assert drift.scales == [(2.0**10, 2.0**10)] * 6, f"a step overflowed: {drift.scales}"
+
+
+@pytest.mark.xfail(torch.__version__ < "2.13", strict=False,
+                   reason="seen on torch 2.11.0+cu130 (H200): after a bf16 autocast compile, dynamo reset and an fp16 "
+                          "compile of the same graph are served the bf16 kernels from the FX graph / AOTAutograd "
+                          "cache ('mat1 and mat2 must have the same dtype, but got BFloat16 and Half'); gone with "
+                          "TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0. Not seen on CPU with 2.13.")
+def test_bf16_then_fp16_in_one_process_compiles_fp16_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with one_rank_nccl():
+        for dtype in (torch.bfloat16, torch.float16):
+            torch._dynamo.reset()
+            ddp, ref = ddp_pair(cuda0())
+            compiled = compile_ddp(ddp, backend="inductor")
+            drift = train_side_by_side(compiled, ddp, ref, steps=2, dtype=dtype,
+                                       scaler=2.0**10 if dtype == torch.float16 else None)
+            _assert_low_precision_parity(drift, f"{dtype} after the other precision", rel=5e-2)
