@@ -92,7 +92,9 @@ def test_simulated_link_hook_on_cuda_gives_exact_gradients_after_the_link():
                 torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step}, {name}: {m}")
                 p.grad, q.grad = None, None
             stats = link.take_step_stats()
-            assert stats.buckets >= 2, stats
+            # The first step runs in one bucket (torch 2.11 on CUDA and 2.13 on CPU alike);
+            # the cap applies from the rebuild after it.
+            assert stats.buckets >= (2 if step else 1), stats
             # a serial link: every bucket holds it for at least alpha
             assert elapsed >= stats.buckets * alpha - 1e-3, f"step {step}: {elapsed:.4f} s for {stats.buckets} buckets"
         del ddp  # the reducer goes before its process group
