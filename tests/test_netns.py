@@ -1,0 +1,112 @@
+"""Two nodes on this machine (benchmarks.netns): the shaped link is made as asked and
+leaves nothing behind (also after an exception, SIGTERM or SIGKILL of its holder), and
+the main job as 2 nodes x 1 rank over it (torchrun c10d rendezvous) trains exactly as
+``--standalone --nproc-per-node 2`` does. Skipped with the reason where namespaces
+cannot be made (not root, no iproute2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.netns import PREFIX, namespaces, parse_rate, rate_bits_per_s, shaped_network, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[1]
+REASON = unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
+
+
+def _ours() -> list[str]:
+    return [n for n in namespaces(PREFIX) if n.startswith(f"{PREFIX}{os.getpid()}n")]
+
+
+def test_rates_in_tc_units_and_a_bad_rate_says_how_to_write_one():
+    assert parse_rate("shaped:800mbit") == "800mbit" and rate_bits_per_s("800mbit") == 8e8
+    assert rate_bits_per_s("1.5gbit") == 1.5e9
+    with pytest.raises(ValueError, match=r"'shaped:100MB/s' is not a link rate: .* e.g. shaped:800mbit"):
+        parse_rate("shaped:100MB/s")
+
+
+@needs_netns
+def test_the_link_is_shaped_as_asked_and_removed_after_an_error():
+    with pytest.raises(KeyboardInterrupt):
+        with shaped_network("200mbit") as net:
+            assert sorted(_ours()) == sorted(n.namespace for n in net.nodes)
+            for i, node in enumerate(net.nodes):
+                qdisc = subprocess.run(net.command(i, ["tc", "qdisc", "show", "dev", node.ifname]),
+                                       capture_output=True, text=True, check=True).stdout
+                assert "tbf" in qdisc and "rate 200Mbit" in qdisc, qdisc
+            raise KeyboardInterrupt  # Ctrl-C inside the block
+    assert _ours() == []
+    assert not any(os.path.exists(f"/etc/netns/{n.namespace}") for n in net.nodes)
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from benchmarks.netns import shaped_network
+with shaped_network("100mbit") as net:
+    print(" ".join(n.namespace for n in net.nodes), flush=True)
+    time.sleep(60)
+"""
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_holder_killed_by_sigterm_or_sigkill_leaves_nothing_behind(sig):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=str(REPO))], stdout=subprocess.PIPE,
+                              text=True)
+    names = holder.stdout.readline().split()
+    assert len(names) == 2 and set(names) <= set(namespaces())
+    holder.send_signal(sig)
+    holder.wait(timeout=30)
+    if sig == signal.SIGKILL:  # nothing could run in the holder: the next network sweeps its namespaces
+        assert set(names) <= set(namespaces())
+        with shaped_network("100mbit"):
+            pass
+    else:
+        assert holder.returncode == 128 + sig
+    assert not set(names) & set(namespaces())
+
+
+SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "train.batch_size=4",
+         "train.seq_len=32", "ddp.bucket_cap_mb=0.05", "train.steps=4"]
+
+
+def _losses(run_dir: Path) -> list:
+    import json
+
+    return json.loads((run_dir / "metrics.json").read_text())["losses"]
+
+
+@needs_netns
+@pytest.mark.slow
+def test_the_main_job_on_two_nodes_over_a_shaped_link_trains_as_on_one(tmp_path, torchrun):
+    ref = torchrun(tmp_path, *SMALL, "hydra.run.dir=standalone", timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with shaped_network("800mbit") as net:
+        procs = [net.popen(i, net.torchrun(i, 29531, 1, ["-m", "launch.train", *SMALL, "hydra.run.dir=nodes"],
+                                           python=sys.executable),
+                           env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+                 for i in (0, 1)]
+        deadline = time.monotonic() + 300
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {i} exit {p.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert "2 rank(s), cpu + gloo" in outs[0][0]
+    assert _losses(tmp_path / "nodes") == _losses(tmp_path / "standalone")
