@@ -18,8 +18,8 @@ from .report import print0, write_json
 if TYPE_CHECKING:
     from .device import Placement
 
-__all__ = ["new_parser", "add_common_args", "fill_defaults", "check_device", "job_kwargs", "process_group",
-           "publish"]
+__all__ = ["new_parser", "add_common_args", "fill_defaults", "check_device", "check_net", "job_kwargs",
+           "process_group", "publish"]
 
 
 def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
@@ -44,6 +44,10 @@ def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_
     p.add_argument("--embd", type=int, default=embd, help=embd_help)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--net", default="local",
+                   help="local: every rank on this machine's loopback (default); shaped:RATE (tc units, e.g. "
+                        "shaped:800mbit = 100 MB/s): two nodes of --nproc/2 ranks, each in its own network namespace, "
+                        "joined by a link shaped to RATE (needs root and iproute2; benchmarks.netns)")
     p.add_argument("--json", default=None, help="write the rows here (a JSON list)")
     p.add_argument("--plot", default=None, help=f"{plot_help} (default: the --json path with .png)")
 
@@ -68,6 +72,32 @@ def check_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
         args.device = resolve_device(args.device)
     except ValueError as e:
         p.error(str(e))
+    return args
+
+
+def check_net(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``--net``: ``local`` or ``shaped:RATE`` with RATE checked; a shaped net needs an even
+    ``--nproc`` and a machine that can make namespaces (checked only by the launcher, not
+    by the ranks it starts, which run inside them). Errors exit here with code 2."""
+    from . import netns
+    from .torchrun import inside_torchrun
+
+    if args.net == "local":
+        return args
+    if not args.net.startswith("shaped:"):
+        p.error(f"--net {args.net!r} is not a network: use local (the default) or shaped:RATE, e.g. shaped:800mbit.")
+    try:
+        args.net = "shaped:" + netns.parse_rate(args.net)
+    except ValueError as e:
+        p.error(f"--net: {e}")
+    if args.nproc < 2 or args.nproc % 2:
+        p.error(f"--net shaped runs two nodes of --nproc/2 ranks each, and --nproc {args.nproc} does not split in "
+                "two: pass an even --nproc (2 = one rank per node).")
+    reason = None if inside_torchrun() else netns.unavailable_reason()
+    if reason is not None:
+        p.error(f"--net {args.net} needs two network namespaces, and they cannot be made here: {reason}. Run as "
+                "root on a machine with iproute2 (ip, tc), or measure over the simulated link instead: --net local "
+                "with --link (ddp_compare), e.g. --link 1ms,100MB/s.")
     return args
 
 
@@ -105,6 +135,7 @@ def publish(rows: Sequence[dict], args: argparse.Namespace, *, module: str, comm
     command = os.environ.get(command_env, f"python -m {module} " + shlex.join(sys.argv[1:]))
     for row in rows:
         row["command"] = command
+        row["net"] = args.net
     if args.json:
         write_json(rows, args.json)
         print0(f"wrote {args.json}")

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Sequence
 
-from .cli import add_common_args, check_device, new_parser, fill_defaults, job_kwargs, process_group, publish
+from .cli import add_common_args, check_device, check_net, new_parser, fill_defaults, job_kwargs, process_group, publish
 from .report import cap_label, fmt, print0, terminal_table, with_iqr
 from .torchrun import here_or_relaunched
 
@@ -62,8 +62,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated modes: eager, builtin, nosplit, ours, regional (default: all but regional)")
     p.add_argument("--baseline", default=None,
                    help="the mode the ratio column divides by, round by round (default builtin)")
-    p.add_argument("--link", default="1ms,100MB/s",
-                   help="simulated link: none, 1ms,1GB/s, 1ms,100MB/s or ALPHA,BANDWIDTH (default 1ms,100MB/s)")
+    p.add_argument("--link", default=None,
+                   help="simulated link (a DDP comm hook): none, 1ms,1GB/s, 1ms,100MB/s or ALPHA,BANDWIDTH (default "
+                        "1ms,100MB/s; none with --net shaped:RATE, where the link is real)")
     p.add_argument("--caps", type=_floats, default=None,
                    help="DDP bucket_cap_mb values to sweep (default 1,4,25); auto = compile_ddp's cost-model plan "
                         "(needs --sweep)")
@@ -79,6 +80,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = {"backend": "inductor", "warmup": 3, "steps": 10, "caps": "1,4,25"}
     fill_defaults(args, QUICK if args.quick else defaults,
                   lambda key, value: _floats(value) if key == "caps" else value)
+    check_net(p, args)
+    if args.link is None:
+        args.link = "none" if args.net != "local" else "1ms,100MB/s"
+    elif args.net != "local" and args.link.strip().lower() != "none":
+        p.error(f"--net {args.net} and --link {args.link} are two links at once: over a shaped network every bucket "
+                "already pays the real link, and the simulated one would delay the modes that use DDP's reducer "
+                "twice. Drop --link (or pass --link none) with --net, or use --net local with --link.")
     return check_device(p, args)
 
 
@@ -133,7 +141,7 @@ def _worker(args: argparse.Namespace) -> int:
     with process_group(cfg.device, "ddp_compare"):
         link = SimulatedLink(cfg.link)
         print0(f"ddp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
-               f"link {cfg.link.label}, caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, "
+               f"net {args.net}, link {cfg.link.label}, caps {list(cfg.caps)}, {cfg.warmup} warmup + {cfg.rounds} measured rounds, "
                f"modes {list(cfg.modes)}")
         print0(DDP_MODES.describe(cfg.modes))
         t0 = time.perf_counter()
@@ -145,7 +153,7 @@ def _worker(args: argparse.Namespace) -> int:
                 print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
-            title = f"{cfg.backend}, link {cfg.link.label}, {dist.get_world_size()} ranks on {rows[0]['device']}"
+            title = f"{cfg.backend}, net {args.net}, link {cfg.link.label}, {dist.get_world_size()} ranks on {rows[0]['device']}"
             publish(rows, args, module="benchmarks.ddp_compare", command_env=COMMAND_ENV,
                     plot=lambda path: plot_caps(rows, path, title=title))
     return 0
@@ -155,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     _config(args)  # fail before launching anything
-    return here_or_relaunched("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args))
+    return here_or_relaunched("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args),
+                              net=args.net)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import report
-from .cli import add_common_args, check_device, new_parser, fill_defaults, job_kwargs, process_group, publish
+from .cli import add_common_args, check_device, check_net, new_parser, fill_defaults, job_kwargs, process_group, publish
 from .report import fmt, markdown_table, print0, terminal_table, update_section, with_iqr
 from .torchrun import here_or_relaunched
 
@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     fill_defaults(args, QUICK if args.quick else DEFAULTS)
     if args.from_json and not args.readme:
         p.error("--from-json only renders rows into --readme, and no --readme was given; give --readme README.md too")
-    return args if args.from_json else check_device(p, args)  # rendering needs no device
+    return args if args.from_json else check_device(p, check_net(p, args))  # rendering needs no device
 
 
 def _cells(r: dict) -> list[str]:
@@ -101,7 +101,9 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
            "the same for every mode (all modes share the process; CPU has no per-mode allocator counter)")
     text = (
         f"FSDP2 over plain {r0.get('transport', 'gloo').split()[0]} (the simulated link of the DDP benchmark is a DDP comm "
-        f"hook and does not apply to FSDP; on one machine this is loopback), world size {r0.get('world_size', '?')}, "
+        + (f"hook and does not apply to FSDP; here two nodes joined by a link shaped to {r0['net'].split(':')[1]}), "
+           if r0.get("net", "local") != "local" else "hook and does not apply to FSDP; on one machine this is loopback), ")
+        + f"world size {r0.get('world_size', '?')}, "
         + (f"device `{r0['device']}`, " if r0.get("device") else "") +
         f"{r0.get('model', '')}, {r0.get('param_mib', 0):.1f} MiB of float32 parameters; modes interleaved "
         "round by round. `eager` = FSDP2 without compile, `per_block` = each block compiled, one shard unit per block, "
@@ -179,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"updated {args.readme}")
         return 0
     _config(args)  # fail before launching anything
-    return here_or_relaunched("benchmarks.fsdp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args))
+    return here_or_relaunched("benchmarks.fsdp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args),
+                              net=args.net)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["inside_torchrun", "relaunch", "here_or_relaunched", "torchrun_command", "run_checked"]
+__all__ = ["inside_torchrun", "relaunch", "relaunch_on_nodes", "here_or_relaunched", "torchrun_command",
+           "run_checked"]
+
+RDZV_PORT = 29541  # node 0's c10d rendezvous port, inside its own namespace
 
 
 def inside_torchrun() -> bool:
@@ -50,11 +54,43 @@ def relaunch(module: str, argv: Sequence[str], nproc: int, command_env: str) -> 
     return subprocess.call(cmd, env=env)
 
 
+def relaunch_on_nodes(module: str, argv: Sequence[str], nproc: int, command_env: str, rate: str) -> int:
+    """Start ``python -m module argv`` as a 2-node torchrun job, ``nproc // 2`` ranks per node,
+    each node in its own network namespace and the nodes joined by a link shaped to ``rate``
+    (Note [A shaped link between namespaces] in ``benchmarks.netns``); return the first
+    non-zero exit code of the two nodes' torchrun, or 0. Both nodes are killed, and the
+    namespaces removed, when this returns, raises or is interrupted."""
+    from .netns import shaped_network
+
+    job = ["-m", module, *_without_nproc(argv)]
+    env = dict(os.environ, **{command_env: shlex.join(["python", "-m", module, *argv])})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+                                                    env.get("PYTHONPATH")) if p)
+    with shaped_network(rate) as net:
+        cmds = [net.torchrun(node, RDZV_PORT, nproc // 2, job, python=sys.executable) for node in (0, 1)]
+        for node, cmd in enumerate(cmds):
+            print(f"launching node {node} ({net.nodes[node].namespace}, {net.nodes[node].addr}, link {rate}): "
+                  f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
+        procs = [net.popen(node, cmd, env=env, start_new_session=True) for node, cmd in enumerate(cmds)]
+        try:
+            codes = [p.wait() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    return next((c for c in codes if c), 0)
+
+
 def here_or_relaunched(module: str, argv: Sequence[str], nproc: int, command_env: str,
-                       worker: Callable[[], int]) -> int:
-    """``worker()`` when this process is a torchrun rank; otherwise ``relaunch`` the module."""
+                       worker: Callable[[], int], net: str = "local") -> int:
+    """``worker()`` when this process is a torchrun rank; otherwise ``relaunch`` the module,
+    on this machine's loopback (``net="local"``) or as two nodes over a shaped link
+    (``net="shaped:RATE"``)."""
     if inside_torchrun():
         return worker()
+    if net != "local":
+        return relaunch_on_nodes(module, argv, nproc, command_env, net.removeprefix("shaped:"))
     return relaunch(module, argv, nproc, command_env)
 
 

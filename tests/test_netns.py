@@ -6,6 +6,7 @@ cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,8 +81,6 @@ SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "mod
 
 
 def _losses(run_dir: Path) -> list:
-    import json
-
     return json.loads((run_dir / "metrics.json").read_text())["losses"]
 
 
@@ -110,3 +109,51 @@ def test_the_main_job_on_two_nodes_over_a_shaped_link_trains_as_on_one(tmp_path,
         assert p.returncode == 0, f"node {i} exit {p.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     assert "2 rank(s), cpu + gloo" in outs[0][0]
     assert _losses(tmp_path / "nodes") == _losses(tmp_path / "standalone")
+
+
+# --- the benchmarks over a shaped link (--net) -------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--net", "shaped:fast"], "--net: 'shaped:fast' is not a link rate"),
+    (["--net", "wan"], "--net 'wan' is not a network: use local (the default) or shaped:RATE"),
+    (["--net", "shaped:800mbit", "--nproc", "3"], "--nproc 3 does not split in two: pass an even --nproc"),
+    (["--net", "shaped:800mbit", "--link", "1ms,100MB/s"], "are two links at once"),
+])
+def test_ddp_compare_net_flags_are_refused_before_launching(argv, message, capsys):
+    from benchmarks.ddp_compare import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--quick", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_namespaces_net_says_why_and_points_at_the_simulated_link(monkeypatch, capsys):
+    from benchmarks import netns
+    from benchmarks.fsdp_compare import parse_args
+
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: "making network namespaces needs root")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--quick", "--net", "shaped:200mbit"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot be made here: making network namespaces needs root" in err
+    assert "--net local with --link" in err
+
+
+@needs_netns
+@pytest.mark.slow
+def test_ddp_compare_runs_as_two_nodes_over_the_shaped_link(tmp_path):
+    out = tmp_path / "rows.json"
+    before = set(namespaces())
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "1",
+         "--embd", "64", "--heads", "2", "--vocab", "256", "--seq", "16", "--batch", "2", "--caps", "1", "--steps",
+         "2", "--warmup", "1", "--modes", "eager,ours", "--net", "shaped:800mbit", "--json", str(out), "--plot", ""],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "launching node 1" in proc.stderr and "net shaped:800mbit, link none" in proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["net"], r["link"]) for r in rows] == [("eager", "shaped:800mbit", "none"),
+                                                                  ("ours", "shaped:800mbit", "none")]
+    assert rows[1]["loss_max_abs_diff"] < 1e-4
+    assert set(namespaces()) <= before  # the launcher removed its two nodes
