@@ -114,6 +114,13 @@ class BenchConfig(GPTJob):
                 "--caps auto needs --sweep: the auto plan is compared with fixed caps inside one interleaved phase "
                 "(ours@auto next to ours@1, builtin@1, ...). Add --sweep, or drop auto from --caps."
             )
+        unhooked = [m for m in self.modes if not DDP_MODES[m].takes_hook]
+        if unhooked and self.link.enabled:
+            raise ValueError(
+                f"mode(s) {', '.join(unhooked)} with --link {self.link.label}: their all-reduces are traced into the "
+                "compiled backward and never reach DDP's comm hook, so the simulated link would charge every mode "
+                "but them. Measure them over a real link (--net shaped:RATE, e.g. shaped:800mbit) or with --link none."
+            )
         numeric = [c for c in self.caps if c != "auto"]
         if "builtin" in self.modes and numeric and min(numeric) < 1:
             raise ValueError(

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from compiler import resolve_backend
 from ddp_opt import compile_ddp, measure_alignment
 
-from ._torch_internals import BuiltinBuckets
+from ._torch_internals import BuiltinBuckets, python_reducer_ddp, python_reducer_step
 from .core import ModeTable, Runner
 from .link import SimulatedLink
 from .report import cap_label
@@ -40,6 +40,8 @@ class DDPRunner(Runner):
     ddp: DDP
     fn: Callable
     cap: float | str | None = None  # set in a sweep, where one mode runs at several caps
+    ddp_cap_mb: float | str | None = None  # the bucket_cap_mb the DDP model was made with
+    compiler: Any = None  # compiled_autograd: the backend its backward graphs compile with
     sync_fb_s: list[float] = field(default_factory=list)  # forward+backward with all-reduce, per measured round
     nosync_fb_s: list[float] = field(default_factory=list)  # the same under no_sync
     link_s: list[float] = field(default_factory=list)
@@ -61,6 +63,11 @@ class DDPMode:
     summary: ClassVar[str]  # one line: what the mode runs
     compiled: ClassVar[bool] = True
     plans_auto: ClassVar[bool] = False  # takes cap "auto" and a cost model
+    takes_hook: ClassVar[bool] = True  # its gradients go through DDP's reducer, and so the simulated link
+
+    def construct(self) -> ContextManager:
+        """What the mode's DDP model is made inside."""
+        return contextlib.nullcontext()
 
     def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
         """Set ``r.fn`` to the callable a step runs; register the link's comm hook."""
@@ -193,7 +200,27 @@ class Regional(_Planned):
         return []  # its buckets are whole blocks: no cap to sweep (BenchConfig rejects it)
 
 
-DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), Regional()],
+class CompiledAutograd(DDPMode):
+    name = "compiled_autograd"
+    summary = ("PyTorch's python reducer: all-reduces traced into the backward by compiled autograd "
+               "(optimize_ddp='python_reducer'), fused by Inductor up to the cap")
+    takes_hook = False  # no DDP reducer: its all-reduces never reach a comm hook
+
+    def construct(self) -> ContextManager:
+        return python_reducer_ddp()
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        r.compiler = functools.partial(resolve_backend(backend))  # its own object, as for builtin
+        r.fn = torch.compile(r.ddp, backend=r.compiler)
+
+    def during_step(self, r: DDPRunner) -> ContextManager:
+        return python_reducer_step(r.compiler, r.ddp_cap_mb)
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        return [c for c in caps if c != "auto"]
+
+
+DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), Regional(), CompiledAutograd()],
                                           default=("eager", "builtin", "nosplit", "ours"))
 
 
@@ -211,7 +238,9 @@ def build_runner(name: str, cfg: Any, cap: float | str, link: SimulatedLink, cos
                          f"only {', '.join(takes)} plan(s) with a cost model. Give {name} numeric caps.")
     model = cfg.new_model()  # already on this rank's device
     device = next(model.parameters()).device
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=None if auto else cap)
-    r = DDPRunner(mode=mode, ddp=ddp, fn=ddp, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
+    with mode.construct():
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=None if auto else cap)
+    r = DDPRunner(mode=mode, ddp=ddp, fn=ddp, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr), ddp_cap_mb=cap)
     mode.wrap(r, cfg.backend, cap, link, cost_model)
     return r

@@ -148,12 +148,24 @@ def test_ddp_compare_runs_as_two_nodes_over_the_shaped_link(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "1",
          "--embd", "64", "--heads", "2", "--vocab", "256", "--seq", "16", "--batch", "2", "--caps", "1", "--steps",
-         "2", "--warmup", "1", "--modes", "eager,ours", "--net", "shaped:800mbit", "--json", str(out), "--plot", ""],
+         "2", "--warmup", "1", "--modes", "eager,ours,compiled_autograd", "--net", "shaped:800mbit", "--json", str(out), "--plot", ""],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "launching node 1" in proc.stderr and "net shaped:800mbit, link none" in proc.stderr
     rows = json.loads(out.read_text())
-    assert [(r["mode"], r["net"], r["link"]) for r in rows] == [("eager", "shaped:800mbit", "none"),
-                                                                  ("ours", "shaped:800mbit", "none")]
-    assert rows[1]["loss_max_abs_diff"] < 1e-4
+    assert [(r["mode"], r["net"], r["link"]) for r in rows] == [
+        ("eager", "shaped:800mbit", "none"), ("ours", "shaped:800mbit", "none"),
+        ("compiled_autograd", "shaped:800mbit", "none")]
+    for r in rows[1:]:  # parity with eager DDP, checked in the run
+        assert r["loss_max_abs_diff"] < 1e-4, r
     assert set(namespaces()) <= before  # the launcher removed its two nodes
+
+
+def test_compiled_autograd_is_refused_with_the_simulated_link_it_would_not_pay():
+    from benchmarks.ddp_bench import BenchConfig
+    from benchmarks.link import parse_link
+
+    with pytest.raises(ValueError, match=r"compiled_autograd with --link 1ms,100MB/s: .* never reach DDP's comm hook"
+                                         r".*--net shaped:RATE"):
+        BenchConfig(modes=("eager", "compiled_autograd"), link=parse_link("1ms,100MB/s"), caps=(1.0,))
+    BenchConfig(modes=("eager", "compiled_autograd"), link=parse_link("none"), caps=(1.0,))
