@@ -15,6 +15,9 @@ Algorithm
       is), then renames the folder to ``step_NNNNNN`` (atomic on POSIX) and
       replaces the ``latest`` marker (written to a temporary file, then
       ``os.replace``d). A barrier on either side keeps ranks in step.
+    - Before the rename, rank 0 also writes ``identity.json`` and, last,
+      ``manifest.json`` with the sha256 of every file (Note [Checkpoint identity
+      and manifest] in ``launch.run_identity``); ``launch.resume`` checks both.
     - Older published checkpoints beyond ``keep_last`` are removed.
     - :func:`latest_checkpoint` only returns a published folder holding DCP's
       ``.metadata`` and ``train_state.json``; ``*.tmp`` folders are never read.
@@ -38,9 +41,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn, optim
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .run_identity import RunIdentity, write_identity, write_manifest
+
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
+__all__ = ["CheckpointInfo", "latest_checkpoint", "published_checkpoints", "save_checkpoint", "load_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _LATEST = "latest"
@@ -97,7 +102,8 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Optimizer, *, keep_last: int = 2) -> str:
+def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Optimizer, *, keep_last: int = 2,
+                    identity: RunIdentity | None = None) -> str:
     """Save model + optimizer state after ``step`` steps (collective: every rank calls it).
 
     Args:
@@ -106,6 +112,8 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
         model: the DDP (or FSDP, or plain) module, not its compiled wrapper.
         optimizer: the optimizer over ``model``'s parameters.
         keep_last: how many published checkpoints to keep.
+        identity: the run's identity, written as ``identity.json`` (Note [Checkpoint
+            identity and manifest] in ``launch.run_identity``).
 
     Returns:
         The published folder.
@@ -124,6 +132,9 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
 
     if rank == 0:
         _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({"step": step}))
+        if identity is not None:
+            write_identity(tmp, identity)
+        write_manifest(tmp)  # last: the sha256 of every file above
         if os.path.isdir(final):  # published earlier by a run that then died before `latest` moved on
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -145,3 +156,8 @@ def load_checkpoint(info: CheckpointInfo, model: nn.Module, optimizer: optim.Opt
         step = int(json.load(f)["step"])
     log.info("resumed from %s (step %d)", info.path, step)
     return step
+
+
+def published_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Every complete, published checkpoint under ``root``, oldest first."""
+    return _published(root)

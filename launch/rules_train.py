@@ -8,15 +8,15 @@ and how to fix it; ``launch.validate`` runs them.
 from __future__ import annotations
 
 import math
-import os
 
 from ._torch_internals import recompile_limit
-from .checkpoint import latest_checkpoint
 from .dist import restarted_by_torchrun
+from .resume import plan_resume
 from .rules import choice, positive, require_cuda
+from .run_identity import run_identity
 from .schema import ConfigError, JobConfig, Lengths, Padding, ParallelMode, Precision, TrainConfig
 
-__all__ = ["check_train", "check_step"]
+__all__ = ["check_train", "check_resume", "check_step"]
 
 
 def check_train(t: TrainConfig, world_size: int) -> None:
@@ -44,29 +44,12 @@ def check_train(t: TrainConfig, world_size: int) -> None:
             f"and every rank takes an equal share. Use a multiple of {world_size}, e.g. "
             f"train.batch_size={max(world_size, t.batch_size // world_size * world_size)}."
         )
-    _resume(t)
 
 
-def _resume(t: TrainConfig) -> None:
-    latest = latest_checkpoint(t.checkpoint_dir)
-    if t.resume or restarted_by_torchrun():
-        if latest is None and not restarted_by_torchrun():
-            raise ConfigError(
-                f"train.resume=true but there is no checkpoint in train.checkpoint_dir={t.checkpoint_dir!r} "
-                f"(looked for {os.path.join(t.checkpoint_dir, 'latest')}). Point train.checkpoint_dir at the "
-                "folder of the run to continue, or set train.resume=false to start fresh."
-            )
-        if latest is not None and latest.step >= t.steps:
-            raise ConfigError(
-                f"train.resume=true but the latest checkpoint ({latest.path}) is already at step {latest.step} "
-                f">= train.steps={t.steps}: there is nothing left to train. Raise train.steps to train further."
-            )
-    elif latest is not None and t.checkpoint_every > 0:
-        raise ConfigError(
-            f"train.checkpoint_dir={t.checkpoint_dir!r} already holds checkpoints of another run (latest: step "
-            f"{latest.step}) and train.resume=false: writing new ones there would mix two runs. Continue it with "
-            "train.resume=true, pick another train.checkpoint_dir, or delete the folder."
-        )
+def check_resume(cfg: JobConfig, world_size: int) -> None:
+    """The checkpoint folder against this run (Note [Resume policy] in ``launch.resume``):
+    a foreign, unreadable or incompatible checkpoint is refused before any process group."""
+    plan_resume(cfg.train, run_identity(cfg, world_size), restarted=restarted_by_torchrun())
 
 
 def check_step(cfg: JobConfig, world_size: int) -> None:

@@ -35,7 +35,7 @@ from compiler import BackendSpec, Diagnoser
 from ddp_opt.cost import describe as describe_plan
 
 from .banner import describe, partition_table
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
@@ -43,8 +43,10 @@ from .optim import OptimizerStep, build_optimizer
 from .parallel import Wrapped, apply_parallel, build_model
 from .precision import grad_scaler
 from .recompiles import CompileCounter
+from .resume import resume
+from .run_identity import run_identity
 from .report import Tally, summary_lines
-from .schema import ConfigError, JobConfig, Padding, ParallelMode, TrainConfig, register_configs, to_job_config
+from .schema import ConfigError, JobConfig, Padding, ParallelMode, register_configs, to_job_config
 from .step import StepRunner, micro_batches
 from .validate import validate
 
@@ -136,7 +138,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     wrapped = apply_parallel(model, cfg, env, wrap_backend=diagnoser.wrap if diagnoser else None)
     optimizer = build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
-    start = _resume(t, wrapped, optimizer)
+    start = _resume(cfg, env, wrapped, optimizer)
     c = cfg.compile
     opt_backend = BackendSpec(c.backend, c.mode, dict(c.options)).resolve() if c.optimizer else None
     runner = StepRunner(wrapped.forward, wrapped.module,
@@ -184,7 +186,8 @@ def loop(job: Job) -> None:
             print0(f"step {step:>5}/{t.steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
                    f"tokens/s {padded_tokens / seconds:10,.0f}")
         if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-            path = save_checkpoint(t.checkpoint_dir, step, job.wrapped.module, job.optimizer, keep_last=t.keep_last)
+            path = save_checkpoint(t.checkpoint_dir, step, job.wrapped.module, job.optimizer, keep_last=t.keep_last,
+                                   identity=run_identity(job.cfg, job.env.world_size))
             job.tally.checkpoints.append(path)
             print0(f"checkpoint: {path}")
 
@@ -249,15 +252,15 @@ def _input_names(model: torch.nn.Module) -> tuple[str, str]:
     return (names + ["inputs", "targets"])[0], (names[1:] + ["targets"])[0]
 
 
-def _resume(t: TrainConfig, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> int:
-    """The step to continue after: the latest checkpoint's when resuming (asked for, or
-    restarted by torchrun), else 0."""
-    info = latest_checkpoint(t.checkpoint_dir) if t.resume or restarted_by_torchrun() else None
+def _resume(cfg: JobConfig, env: DistEnv, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> int:
+    """The step to continue after: the verified checkpoint ``launch.resume`` picks when
+    resuming (asked for, or restarted by torchrun), else 0."""
+    info = resume(cfg.train, run_identity(cfg, env.world_size), wrapped.module, optimizer,
+                  restarted=restarted_by_torchrun())
     if info is None:
         return 0
-    start = load_checkpoint(info, wrapped.module, optimizer)
-    print0(f"resumed from {info.path} at step {start}")
-    return start
+    print0(f"resumed from {info.path} at step {info.step}")
+    return info.step
 
 
 def _step(job: Job, step: int) -> tuple[float, float, float, float]:

@@ -42,6 +42,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _fsdp_settings(cfg.fsdp)
     rules.check_data(cfg.data)
     rules_train.check_train(cfg.train, world_size)
+    rules_train.check_resume(cfg, world_size)
     rules.check_diagnose(cfg)
     rules_train.check_step(cfg, world_size)
 
