@@ -35,7 +35,8 @@ Notes
       gradients makes non-finite parameters, hence a non-finite loss one step
       later (and no checkpoint in between).
     - The extra all-reduce of ``skip`` is one float on the critical path of every
-      step; measured on 2 CPU ranks over gloo in the README ("Non-finite loss").
+      step: a median of 104 us (p90 156 us) on 2 CPU ranks over gloo on one
+      machine, against a ~37 ms step of the 2-layer test model there (~0.3%).
 """
 
 from __future__ import annotations

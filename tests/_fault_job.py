@@ -22,7 +22,8 @@ from launch.train import Job, main
 
 def kill_at(spec: str):
     """A step callback that does ACTION at the start of the step ``spec`` names."""
-    fault_step, fault_rank, action = (spec.split(":") + ["0", "KILL"])[:3]
+    parts = spec.split(":")
+    fault_step, fault_rank, action = parts[0], (parts[1:2] or ["0"])[0], (parts[2:3] or ["KILL"])[0]
 
     def fault(job: Job, step: int) -> None:
         rank = job.env.rank
