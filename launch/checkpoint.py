@@ -19,6 +19,11 @@ Algorithm
       ``manifest.json`` with the sha256 of every file (Note [Checkpoint identity
       and manifest] in ``launch.run_identity``); ``launch.resume`` checks both.
     - Older published checkpoints beyond ``keep_last`` are removed.
+    - Only a finite model is published: before writing, every rank checks its
+      parameters and one all-reduce agrees (``launch.guard.model_finite``); a
+      non-finite model raises ``NonFinite`` and nothing is written. Rotation runs
+      only after a new (finite) checkpoint is published, so it never deletes the
+      last finite one (Note [Finite-loss guard] in ``launch.guard``).
     - :func:`latest_checkpoint` only returns a published folder holding DCP's
       ``.metadata`` and ``train_state.json``; ``*.tmp`` folders are never read.
 
@@ -42,6 +47,7 @@ from torch import nn, optim
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .run_identity import RunIdentity, write_identity, write_manifest
+from .guard import model_finite, nonfinite_model
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +123,12 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
 
     Returns:
         The published folder.
+
+    Raises:
+        NonFinite: a parameter or buffer is inf or NaN on some rank; nothing was written.
     """
+    if not model_finite(model):
+        raise nonfinite_model(step)
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, name + ".tmp"), os.path.join(root, name)

@@ -20,6 +20,27 @@ Note [Reliable exit]
     in a ``finally``) and :func:`exit_now` ends the process with ``os._exit``
     once stdout, stderr and logging are flushed: after teardown nothing is left
     that an interpreter shutdown could usefully do.
+
+Note [Exit on error]
+    An exception on one rank (rank 0 cannot write ``train.checkpoint_dir`` and
+    raises before the barrier that rank 1 already waits in) used to hang about
+    one try in four, until ``train.timeout_s``. The stacks: rank 0's main thread
+    in ``~Reducer -> ~ProcessGroupGloo``, waiting for the process group's mutex
+    while holding the GIL; rank 0's gloo thread waiting for the GIL; rank 1 in
+    the barrier. The exception unwound through ``teardown_distributed`` and the
+    entry point's ``except``; when the traceback was dropped, the last reference
+    to the DDP module went, its reducer's destructor released the process group,
+    and that destructor waited on a gloo thread that needed the GIL the main
+    thread held: a deadlock that no timeout of ours reaches. So on the entry
+    point's path (``launch.train.run(..., exit_on_error=True)``) an error is
+    printed, the streams flushed and the process ended with :func:`exit_now`
+    right in the ``except``, while the traceback still holds the model: no
+    destructor of DDP, the reducer or the process group runs at all. The peers
+    see the socket close (gloo raises at once in their next or current
+    collective) and leave the same way, and torchrun stops those still alive.
+    A stop every rank agreed on at the same step (preemption, a non-finite
+    loss) leaves the same way, with its own exit code and one line from rank 0.
+    ``run()`` called from Python (tests, notebooks) raises as before.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ class Tally:
     step_ms: list[float] = field(default_factory=list)  # the steps after the first
     first_step_s: float | None = None
     checkpoints: list[str] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # steps whose update was skipped (non-finite loss)
     shapes_seen: dict[tuple[int, ...], int] = field(default_factory=dict)
     real_tokens: float = 0.0
     padded_tokens: float = 0.0

@@ -11,12 +11,13 @@ import math
 
 from ._torch_internals import recompile_limit
 from .dist import restarted_by_torchrun
+from .guard import OnNonfinite
 from .resume import plan_resume
 from .rules import choice, positive, require_cuda
 from .run_identity import run_identity
 from .schema import ConfigError, JobConfig, Lengths, Padding, ParallelMode, Precision, TrainConfig
 
-__all__ = ["check_train", "check_resume", "check_step"]
+__all__ = ["check_train", "check_resume", "check_nonfinite", "check_step"]
 
 
 def check_train(t: TrainConfig, world_size: int) -> None:
@@ -44,6 +45,17 @@ def check_train(t: TrainConfig, world_size: int) -> None:
             f"and every rank takes an equal share. Use a multiple of {world_size}, e.g. "
             f"train.batch_size={max(world_size, t.batch_size // world_size * world_size)}."
         )
+    check_nonfinite(t)
+
+
+def check_nonfinite(t: TrainConfig) -> None:
+    """``train.on_nonfinite`` and ``train.max_consecutive_skips`` (Note [Finite-loss guard] in ``launch.guard``)."""
+    choice("train.on_nonfinite", t.on_nonfinite, OnNonfinite,
+           ": it is what a step whose loss is inf or NaN does. Use train.on_nonfinite=stop (end the run, the "
+           "default) or train.on_nonfinite=skip (do not apply that step's update).")
+    positive("train.max_consecutive_skips", t.max_consecutive_skips, "a positive integer",
+             "with train.on_nonfinite=skip the run stops after that many non-finite steps in a row, so that a "
+             "diverged run does not spin", "Set e.g. train.max_consecutive_skips=10.")
 
 
 def check_resume(cfg: JobConfig, world_size: int) -> None:

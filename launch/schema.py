@@ -226,6 +226,11 @@ class TrainConfig:
     grad_accum: int = 1
     # After the warm-up pass, a recompile is an error (the production stance).
     no_recompile_after_warmup: bool = False
+    # A non-finite (inf/NaN) loss (launch.guard, Note [Finite-loss guard]): "stop" ends the run
+    # (exit code 3), "skip" does not apply that step's update. Checkpoints are always finite.
+    on_nonfinite: str = "stop"
+    # With on_nonfinite=skip: stop anyway after this many non-finite steps in a row.
+    max_consecutive_skips: int = 10
 
 
 @dataclass

@@ -58,6 +58,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .batching import PaddedBatch, pad_batch, sequence_lengths, warmup_lengths
+from .guard import all_finite
 from .optim import OptimizerStep
 from .precision import autocast
 from .recompiles import no_recompile
@@ -107,6 +108,8 @@ class StepRunner:
         precision, device: the autocast region (``launch.precision``).
         input_names: the model's argument names for inputs and targets, for errors.
         no_recompile_after_warmup: raise on a recompile after :meth:`warm_up`.
+        skip_nonfinite: when the loss is not finite on some rank, skip the update on
+            every rank (one all-reduce per step; Note [Finite-loss guard] in ``launch.guard``).
     """
 
     forward: Callable[..., Any]
@@ -116,8 +119,10 @@ class StepRunner:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     input_names: tuple[str, str] = ("idx", "targets")
     no_recompile_after_warmup: bool = False
+    skip_nonfinite: bool = False
     warmup_shapes: list[tuple[int, ...]] = field(default_factory=list)
     _warm: bool = False
+    skipped: bool = False  # the last step's update was skipped (non-finite loss, skip_nonfinite)
 
     def step(self, batches: list[PaddedBatch], step: int) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step.
@@ -134,8 +139,20 @@ class StepRunner:
                 scaled = loss / k
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += scaled.detach().float()
-        self.optimizer_step()
+        # Note [Finite-loss guard] in launch.guard: under skip, every rank agrees before the update.
+        self.skipped = self.skip_nonfinite and not all_finite(total)
+        if self.skipped:
+            self._skip_update()
+        else:
+            self.optimizer_step()
         return total
+
+    def _skip_update(self) -> None:
+        """Drop this step's gradients without an optimizer step (nor its moments and step count)."""
+        opt = self.optimizer_step
+        opt.optimizer.zero_grad(set_to_none=not opt.compiled)
+        if opt.scaler is not None:  # as GradScaler.update does on inf gradients: back the scale off
+            opt.scaler.update(opt.scaler.get_scale() * opt.scaler.get_backoff_factor())
 
     def _forward(self, b: PaddedBatch, step: int) -> torch.Tensor:
         inputs = dict(zip(self.input_names, (b.inputs, b.targets)))

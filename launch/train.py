@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -38,10 +39,12 @@ from .banner import describe, partition_table
 from .checkpoint import save_checkpoint
 from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
+from .guard import OnNonfinite, nonfinite_loss
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
 from .optim import OptimizerStep, build_optimizer
 from .parallel import Wrapped, apply_parallel, build_model
 from .precision import grad_scaler
+from .preempt import Preempted, Preemption
 from .recompiles import CompileCounter
 from .resume import resume
 from .run_identity import run_identity
@@ -72,6 +75,7 @@ class Job:
     t_start: float
     step_callbacks: Sequence[StepCallback] = ()
     tally: Tally = field(default_factory=Tally)
+    preemption: Preemption = field(default_factory=Preemption)  # installed by run(): Note [Preemption]
 
     @property
     def compiled(self) -> bool:
@@ -83,35 +87,67 @@ class Job:
 
 
 def run(cfg: JobConfig, output_dir: str | None = None, *,
-        step_callbacks: Sequence[StepCallback] = ()) -> dict[str, Any]:
+        step_callbacks: Sequence[StepCallback] = (), exit_on_error: bool = False) -> dict[str, Any]:
     """Validate, start the process group, train, tear down.
+
+    SIGTERM and SIGINT stop every rank after the same step, with a checkpoint
+    (Note [Preemption] in ``launch.preempt``).
 
     Args:
         cfg: the job config.
         output_dir: where rank 0 writes ``metrics.json`` (Hydra's run directory).
         step_callbacks: called as ``callback(job, step)`` at the start of every step.
+        exit_on_error: on an error once the process group is up, print it and end the
+            process at once (:func:`_leave`; the entry point's choice, Note [Exit on
+            error] in ``launch.dist``) instead of raising it.
 
     Returns:
         The metrics (every rank computes them; rank 0 writes them).
 
     Raises:
         ConfigError: a config value that cannot work, found before any process group starts.
+        NonFinite: the loss or the model stopped being finite (``launch.guard``).
+        Preempted: a rank got SIGTERM/SIGINT; every rank stopped after the same step.
     """
     validate(cfg, world_size=world_size_from_env())
-    with process_group(cfg.parallel, cfg.train.timeout_s) as env:
-        configure_logging(env.rank)
-        metrics = train(cfg, env, step_callbacks)
-        if env.is_main and output_dir:
-            _write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
-        if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):
-            _write_json(cfg.diagnose_json or os.path.join(output_dir, "diagnosis.json"), metrics["diagnosis"],
-                        "diagnosis")
+    with Preemption() as preemption, process_group(cfg.parallel, cfg.train.timeout_s) as env:
+        try:
+            configure_logging(env.rank)
+            metrics = train(cfg, env, step_callbacks, preemption)
+            if env.is_main and output_dir:
+                _write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
+            if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):
+                _write_json(cfg.diagnose_json or os.path.join(output_dir, "diagnosis.json"), metrics["diagnosis"],
+                            "diagnosis")
+        except BaseException as e:
+            if exit_on_error:
+                _leave(e, env)
+            raise
     return metrics
 
 
-def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] = ()) -> dict[str, Any]:
+def _leave(e: BaseException, env: DistEnv) -> None:
+    """Print ``e`` and end the process before any destructor of the model or the process
+    group runs (Note [Exit on error] in ``launch.dist``). A stop every rank agreed on
+    (:class:`Preempted`, :class:`NonFinite`; a :class:`ConfigError`, code 2) is one line
+    from rank 0, with its own exit code; anything else is this rank's traceback and exit
+    code 1."""
+    code = 2 if isinstance(e, ConfigError) else getattr(e, "exit_code", None)
+    if isinstance(code, int):
+        if env.is_main:
+            print(f"{'preempted' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exception(e)
+        code = 1
+    exit_now(code)
+
+
+def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] = (),
+          preemption: Preemption | None = None) -> dict[str, Any]:
     """Train in the process group ``env``; returns the metrics."""
     job = setup(cfg, env, step_callbacks)
+    if preemption is not None:
+        job.preemption = preemption
     warm_up(job)
     loop(job)
     return report(job)
@@ -144,7 +180,8 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     runner = StepRunner(wrapped.forward, wrapped.module,
                         OptimizerStep(optimizer, opt_backend, grad_scaler(t.precision, env.device)),
                         precision=t.precision, device=env.device, input_names=input_names,
-                        no_recompile_after_warmup=t.no_recompile_after_warmup)
+                        no_recompile_after_warmup=t.no_recompile_after_warmup,
+                        skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP)
     counter = CompileCounter(diagnoser) if diagnoser is not None else None
     if counter is not None:
         counter.start()  # graphs and recompiles are counted from here on
@@ -172,12 +209,14 @@ def warm_up(job: Job) -> None:
 
 
 def loop(job: Job) -> None:
-    """Steps ``start + 1 .. train.steps``: step callbacks, the step, its log line, checkpoints."""
+    """Steps ``start + 1 .. train.steps``: step callbacks, the step, its log line, the
+    finite-loss guard, checkpoints, and the stop after a step when a rank was signalled."""
     t = job.cfg.train
+    skipped_in_a_row = 0
     for step in range(job.start + 1, t.steps + 1):
         for callback in job.step_callbacks:
             callback(job, step)
-        loss, real_tokens, padded_tokens, seconds = _step(job, step)
+        loss, real_tokens, padded_tokens, seconds, signalled = _step(job, step)
         first = step == job.start + 1
         job.tally.add_step(step, loss, real_tokens, padded_tokens, seconds, first)
         if first:
@@ -185,11 +224,40 @@ def loop(job: Job) -> None:
         if step % t.log_interval == 0 or step in (job.start + 1, t.steps):
             print0(f"step {step:>5}/{t.steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
                    f"tokens/s {padded_tokens / seconds:10,.0f}")
+        skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row)
+        saved = None
         if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-            path = save_checkpoint(t.checkpoint_dir, step, job.wrapped.module, job.optimizer, keep_last=t.keep_last,
-                                   identity=run_identity(job.cfg, job.env.world_size))
-            job.tally.checkpoints.append(path)
-            print0(f"checkpoint: {path}")
+            saved = _save(job, step)
+        if signalled and step < t.steps:  # Note [Preemption]: every rank got the same flag
+            if t.checkpoint_every and saved is None:
+                saved = _save(job, step)
+            raise Preempted(step, saved)
+
+
+def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int) -> int:
+    """Note [Finite-loss guard] in ``launch.guard``: stop on a non-finite loss, or count
+    a skipped update; returns the skipped steps in a row."""
+    t = job.cfg.train
+    if job.runner.skipped:
+        job.tally.skipped.append(step)
+        skipped_in_a_row += 1
+        print0(f"step {step}: the loss is not finite on some rank, so its update was skipped "
+               f"({skipped_in_a_row} in a row; the run stops at train.max_consecutive_skips={t.max_consecutive_skips})")
+        if skipped_in_a_row >= t.max_consecutive_skips:
+            raise nonfinite_loss(step, loss, skipped_in_a_row)
+        return skipped_in_a_row
+    if not math.isfinite(loss):
+        raise nonfinite_loss(step, loss)
+    return 0
+
+
+def _save(job: Job, step: int) -> str:
+    t = job.cfg.train
+    path = save_checkpoint(t.checkpoint_dir, step, job.wrapped.module, job.optimizer, keep_last=t.keep_last,
+                           identity=run_identity(job.cfg, job.env.world_size))
+    job.tally.checkpoints.append(path)
+    print0(f"checkpoint: {path}")
+    return path
 
 
 def report(job: Job) -> dict[str, Any]:
@@ -223,6 +291,8 @@ def report(job: Job) -> dict[str, Any]:
         "partitions": [asdict(r) for r in wrapped.partition_records()],
         "buckets": [{"size": b.size, "cap": b.cap, "params": list(b.params)} for b in wrapped.buckets()],
         "checkpoints": tally.checkpoints,
+        "skipped_steps": len(tally.skipped),  # updates skipped for a non-finite loss (train.on_nonfinite=skip)
+        "skipped_at": tally.skipped,
         "diagnosis": diagnosis,
         "alignment": alignment.fraction if alignment is not None else None,
         "bucket_plan_prediction": prediction.as_dict() if prediction is not None else None,
@@ -263,9 +333,9 @@ def _resume(cfg: JobConfig, env: DistEnv, wrapped: Wrapped, optimizer: torch.opt
     return info.step
 
 
-def _step(job: Job, step: int) -> tuple[float, float, float, float]:
+def _step(job: Job, step: int) -> tuple[float, float, float, float, bool]:
     """One optimizer step. Returns its loss (mean over ranks), real and padded tokens
-    (summed over ranks) and seconds."""
+    (summed over ranks), seconds, and whether any rank was signalled (Note [Preemption])."""
     cfg, env = job.cfg, job.env
     t, d = cfg.train, cfg.data
     torch.manual_seed(stream_seed(t.seed, env.rank, step))  # dropout etc.: a function of the step
@@ -277,12 +347,14 @@ def _step(job: Job, step: int) -> tuple[float, float, float, float]:
         job.tally.add_shape(tuple(b.inputs.shape))
     t0 = time.perf_counter()
     loss = job.runner.step(batches, step)
-    # The logged loss: mean over ranks; tokens: summed (also a sync point for timing).
+    # The logged loss: mean over ranks (non-finite when one rank's is: Note [Finite-loss guard]);
+    # tokens: summed; signalled: > 0 when a rank got SIGTERM/SIGINT. Also a sync point for timing.
     stats = torch.stack([loss.float(), loss.new_tensor(float(sum(b.real_tokens for b in batches))),
-                         loss.new_tensor(float(sum(b.padded_tokens for b in batches)))])
+                         loss.new_tensor(float(sum(b.padded_tokens for b in batches))),
+                         loss.new_tensor(1.0 if job.preemption.requested else 0.0)])
     dist.all_reduce(stats)
-    loss_sum, real_tokens, padded_tokens = stats.tolist()  # the step's one device-to-host copy
-    return loss_sum / env.world_size, real_tokens, padded_tokens, time.perf_counter() - t0
+    loss_sum, real_tokens, padded_tokens, signalled = stats.tolist()  # the step's one device-to-host copy
+    return loss_sum / env.world_size, real_tokens, padded_tokens, time.perf_counter() - t0, signalled > 0
 
 
 def _after_first_step(job: Job, seconds: float) -> None:
@@ -338,7 +410,7 @@ def _run_task(dcfg: Any, step_callbacks: Sequence[StepCallback]) -> int:
     try:
         cfg = to_job_config(dcfg)
         output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
-        run(cfg, output_dir, step_callbacks=step_callbacks)
+        run(cfg, output_dir, step_callbacks=step_callbacks, exit_on_error=True)
         return 0
     except ConfigError as e:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one message per machine, not one per rank

@@ -1,9 +1,12 @@
 """The main job with a fault installed, for the restart and resume tests:
 
-    torchrun ... tests/_fault_job.py STEP[:RANK] [overrides]
+    torchrun ... tests/_fault_job.py STEP[:RANK[:ACTION]] [overrides]
 
-RANK (default 0) SIGKILLs itself at the start of STEP, on the first attempt only
-(TORCHELASTIC_RESTART_COUNT unset or 0), through the loop's step callbacks;
+At the start of STEP, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset
+or 0), through the loop's step callbacks, RANK (default 0) does ACTION: KILL (the
+default) SIGKILLs itself, TERM or INT sends itself that signal, PAUSE prints
+"paused at step STEP" and waits until the process is signalled (for a test to
+signal the agent or the process group at a known step; 120 s at most);
 everything else is ``python -m launch.train [overrides]``."""
 
 from __future__ import annotations
@@ -11,20 +14,30 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from launch.dist import restarted_by_torchrun
 from launch.train import Job, main
 
 
 def kill_at(spec: str):
-    """A step callback that kills this process at the start of the step ``spec`` names."""
-    fault_step, _, fault_rank = spec.partition(":")
+    """A step callback that does ACTION at the start of the step ``spec`` names."""
+    parts = spec.split(":")
+    fault_step, fault_rank, action = parts[0], (parts[1:2] or ["0"])[0], (parts[2:3] or ["KILL"])[0]
 
     def fault(job: Job, step: int) -> None:
         rank = job.env.rank
-        if step == int(fault_step) and rank == int(fault_rank or 0) and not restarted_by_torchrun():
-            print(f"[rank {rank}] fault {spec}: killing myself at step {step}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step != int(fault_step) or rank != int(fault_rank or 0) or restarted_by_torchrun():
+            return
+        if action == "PAUSE":
+            print(f"[rank {rank}] paused at step {step}", flush=True)
+            deadline = time.monotonic() + 120
+            while not job.preemption.requested and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return
+        what = "killing myself" if action == "KILL" else f"sending myself SIG{action}"
+        print(f"[rank {rank}] fault {spec}: {what} at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), getattr(signal, f"SIG{action}"))
 
     return fault
 

@@ -1,0 +1,171 @@
+"""The main job's finite-loss guard and preemption in one process: ``run(cfg)`` with
+step callbacks that break the loss or signal the process (Note [Finite-loss guard]
+in ``launch.guard``, Note [Preemption] in ``launch.preempt``). The two-rank runs
+under torchrun are in ``test_launch_reliability_runs.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.checkpoint import save_checkpoint
+from launch.guard import NonFinite
+from launch.preempt import EXIT_PREEMPTED, Preempted
+from launch.rules_train import check_nonfinite
+from launch.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
+from launch.train import run
+
+TINY = dict(n_layer=2, n_head=2, n_embd=64)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left(one_thread, clean_dynamo):
+    yield
+    assert not dist.is_initialized(), "run() must tear its process group down"
+
+
+def _job(tmp_path, **train) -> JobConfig:
+    t = dict(steps=6, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt"))
+    t.update(train)
+    return JobConfig(model=ModelConfig(**TINY), compile=CompileConfig(backend="eager"), train=TrainConfig(**t))
+
+
+def _published(tmp_path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
+
+
+def _inf_weights_from(first: int):
+    """From step ``first`` on, a weight is inf: every later loss is NaN."""
+    def callback(job, step):
+        if step == first:
+            with torch.no_grad():
+                next(job.wrapped.module.parameters()).fill_(float("inf"))
+    return callback
+
+
+def _inf_loss_at(steps: set[int]):
+    """At the given steps the forward's loss is inf (the weights stay finite)."""
+    def callback(job, step):
+        runner = job.runner
+        if not hasattr(runner, "_real_forward"):
+            runner._real_forward = runner.forward
+        real = runner._real_forward
+        if step in steps:
+            def forward(*args):
+                logits, loss = real(*args)
+                return logits, loss * float("inf")
+            runner.forward = forward
+        else:
+            runner.forward = real
+    return callback
+
+
+# --- config ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("on_nonfinite", "ignore", r"train\.on_nonfinite='ignore' is not one of stop, skip: .*train\.on_nonfinite=stop"),
+    ("max_consecutive_skips", 0, r"train\.max_consecutive_skips=0 is not valid: .*diverged run does not spin"),
+])
+def test_bad_nonfinite_settings_are_refused_up_front(field, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_nonfinite(TrainConfig(**{field: value}))
+
+
+# --- on_nonfinite=stop ------------------------------------------------------------------
+
+
+def test_stop_ends_the_run_at_the_first_nan_and_keeps_the_finite_checkpoints(tmp_path):
+    # The issue's case: inf from step 5, checkpoint_every=2, keep_last=2.
+    cfg = _job(tmp_path, steps=10, checkpoint_every=2, keep_last=2)
+    with pytest.raises(NonFinite, match=r"^the loss at step 5 is nan, not finite, .*lower train\.lr.*"
+                                        r"train\.on_nonfinite=skip.*resume from it with train\.resume=true"):
+        run(cfg, step_callbacks=[_inf_weights_from(5)])
+    assert _published(tmp_path) == ["step_000002", "step_000004"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_000004"
+
+
+def test_a_non_finite_model_is_never_published(tmp_path, gloo):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(str(tmp_path / "ckpt"), 1, model, optimizer, keep_last=1)
+    with torch.no_grad():
+        model.bias[2] = float("nan")
+    with pytest.raises(NonFinite, match=r"parameters after step 2 are not finite, so checkpoint step 2 was not saved"):
+        save_checkpoint(str(tmp_path / "ckpt"), 2, model, optimizer, keep_last=1)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step_000001"]  # kept, not rotated out
+
+
+# --- on_nonfinite=skip ------------------------------------------------------------------
+
+
+def test_skip_does_not_apply_the_update_of_a_non_finite_step(tmp_path):
+    seen = {}
+
+    def snapshot(job, step):
+        if step in (3, 4):
+            seen[step] = [p.detach().clone() for p in job.wrapped.module.parameters()]
+            seen[f"adam_step_{step}"] = next(iter(job.optimizer.state.values()))["step"].item()
+
+    metrics = run(_job(tmp_path, on_nonfinite="skip"), step_callbacks=[_inf_loss_at({3}), snapshot])
+    assert metrics["skipped_steps"] == 1 and metrics["skipped_at"] == [3]
+    for before, after in zip(seen[3], seen[4]):
+        assert torch.equal(before, after), "step 3's update was applied"
+    assert seen["adam_step_3"] == seen["adam_step_4"] == 2.0  # Adam's step count did not move either
+    assert [s for s, _ in metrics["losses"]] == list(range(1, 7)) and all(
+        torch.isfinite(torch.tensor(loss)) for s, loss in metrics["losses"] if s != 3)
+
+
+def test_skip_stops_after_max_consecutive_skips(tmp_path):
+    cfg = _job(tmp_path, steps=10, on_nonfinite="skip", max_consecutive_skips=3, checkpoint_every=1, keep_last=1)
+    with pytest.raises(NonFinite, match=r"^the loss was not finite for 3 steps in a row, up to step 5 "
+                                        r"\(train\.max_consecutive_skips=3\)"):
+        run(cfg, step_callbacks=[_inf_loss_at(set(range(3, 11)))])
+    # The skipped steps left the weights finite: their checkpoints are published.
+    assert _published(tmp_path) == ["step_000004"]
+
+
+# --- preemption ---------------------------------------------------------------------------
+
+
+def _signal_at(step_: int, sig: int):
+    def callback(job, step):
+        if step == step_:
+            os.kill(os.getpid(), sig)
+    return callback
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_bit_equal(tmp_path, sig):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    reference = run(_job(tmp_path / "ref"))
+    torch._dynamo.reset()
+    with pytest.raises(Preempted, match=rf"^stopped after step 3 on SIGTERM/SIGINT \(preemption\): saved .*"
+                                        rf"step_000003; continue with train\.resume=true \(exit code {EXIT_PREEMPTED}"):
+        run(_job(tmp_path, checkpoint_every=100), step_callbacks=[_signal_at(3, sig)])
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "run() must restore the signal handlers"
+    assert _published(tmp_path) == ["step_000003"]
+    torch._dynamo.reset()
+    resumed = run(_job(tmp_path, checkpoint_every=100, resume=True))
+    assert resumed["start_step"] == 3
+    assert resumed["losses"] == reference["losses"][3:]  # exactly, not within a tolerance
+
+
+def test_a_signal_without_checkpoints_says_nothing_was_saved(tmp_path):
+    with pytest.raises(Preempted, match=r"no checkpoint saved \(train\.checkpoint_every=0\)"):
+        run(_job(tmp_path), step_callbacks=[_signal_at(2, signal.SIGTERM)])
+
+
+def test_cli_bad_on_nonfinite_exits_2_with_one_message(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.train", "train.on_nonfinite=ignore",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("train.on_nonfinite='ignore' is not one of stop, skip") == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
