@@ -89,13 +89,17 @@ def check_memory(cfg: JobConfig, world_size: int) -> None:
         return
     t = cfg.train
     raise ConfigError(
-        f"the job needs about {need.total / GiB:.1f} GiB per rank (parameters {need.parameters / GiB:.1f} GiB, "
-        f"gradients and optimizer state {need.states / GiB:.1f} GiB, activations {need.activations / GiB:.1f} GiB "
+        f"the job needs about {_size(need.total)} per rank (parameters {_size(need.parameters)}, "
+        f"gradients and optimizer state {_size(need.states)}, activations {_size(need.activations)} "
         f"for a micro-batch of {need.micro_batch} x {t.seq_len} tokens) but a rank here has about "
-        f"{have[0] / GiB:.1f} GiB ({have[1]}): it would run out of memory. Lower train.batch_size (or raise "
+        f"{_size(have[0])} ({have[1]}): it would run out of memory. Lower train.batch_size (or raise "
         "train.grad_accum), train.seq_len or the model sizes (model.n_layer, model.n_embd, model.vocab_size), "
         "or run on more ranks."
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:,.1f} GiB" if n >= GiB else f"{n / 2**20:,.1f} MiB"
 
 
 def check_folders(cfg: JobConfig) -> None:

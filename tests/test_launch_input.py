@@ -44,9 +44,9 @@ def test_free_form_sections_take_any_key():
 @pytest.mark.parametrize("override", ["train.batch_size=1000000000", "model.n_layer=10000"])
 def test_sizes_that_cannot_fit_in_memory_are_refused_with_the_estimate(override):
     cfg = _job("compile.backend=aot_eager", override)
-    with pytest.raises(ConfigError, match=r"^the job needs about [\d.]+ GiB per rank \(parameters [\d.]+ GiB, "
-                                          r"gradients and optimizer state [\d.]+ GiB, activations [\d.]+ GiB for a "
-                                          r"micro-batch of \d+ x 64 tokens\) but a rank here has about [\d.]+ GiB "
+    with pytest.raises(ConfigError, match=r"^the job needs about [\d,.]+ GiB per rank \(parameters [\d,.]+ [MG]iB, "
+                                          r"gradients and optimizer state [\d,.]+ [MG]iB, activations [\d,.]+ [MG]iB "
+                                          r"for a micro-batch of \d+ x 64 tokens\) but a rank here has about [\d.]+ GiB "
                                           r"\(MemAvailable [\d.]+ GiB shared by 1 rank\(s\) on this machine\).*Lower "
                                           r"train\.batch_size"):
         validate(cfg, world_size=2)
