@@ -214,3 +214,23 @@ def size_guard(guard: str) -> tuple[str, int] | None:
     """(input name, axis) when ``guard`` is a failed shape guard, else None."""
     m = SIZE_GUARD.search(guard)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+# --- Inductor's on-disk kernels (Note [Damaged cache artifacts]) ----------------------------
+
+
+def inductor_cache_dir() -> str:
+    # torch._inductor.runtime.cache_dir_utils.cache_dir(): TORCHINDUCTOR_CACHE_DIR, else Inductor's default.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def forget_loaded_kernels() -> None:
+    """Drop Inductor's in-process code caches (the kernel loaders it keyed by source
+    hash), so that the next compile looks at the files on disk again."""
+    # torch._inductor.utils.clear_caches(): cache_clear() on every @clear_on_fresh_cache class
+    # (CppCodeCache, CppPythonBindingsCodeCache, PyCodeCache, ...).
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()

@@ -47,7 +47,9 @@ Notes
       from the cached source. ``compile_ddp(cache_dir=...)`` therefore also puts
       Inductor's local cache under ``cache_dir/inductor`` when the process has not
       chosen one (``TORCHINDUCTOR_CACHE_DIR`` unset or at Inductor's default), so a restart on the same
-      machine finds the built kernels too.
+      machine finds the built kernels too. :meth:`CompileCache.load` removes the
+      damaged kernels there first (Note [Damaged cache artifacts] in
+      ``compiler.artifacts``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .artifacts import remove_damaged_kernels
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +198,7 @@ class CompileCache:
         Never raises: a stale, foreign or corrupt entry gives one warning that
         names the file and the reason, and the job compiles from scratch.
         """
+        remove_damaged_kernels(self.dir / "inductor")  # Note [Damaged cache artifacts]
         status, reason, payload = self._check()
         if status == "ok":
             try:

@@ -35,6 +35,9 @@ Algorithm
       served from AOTAutograd's cache comes with its backward already compiled and
       takes no entry (the lazy backward pops entries last first, so an entry for
       a cache hit would hand later partitions the wrong metadata).
+    - If the backend raises on a partition because a kernel file in Inductor's
+      cache is damaged (Note [Damaged cache artifacts]), the damaged kernels are
+      removed and the partition is compiled once more.
     - If the backend raises on a partition, that partition runs eagerly (its FX
       graph, uncompiled) and the others stay compiled; ``fallback="raise"``
       re-raises instead.
@@ -65,6 +68,7 @@ from torch import fx
 
 from . import _torch_internals as _ti
 from ._torch_internals import DYNAMO_CONTROL_FLOW, FakeTensor, FakeTensorMode, aot_cache_enabled
+from . import artifacts
 from .backends import BackendFn
 from .split import SplitGraph, ensure_tuple_output
 
@@ -89,6 +93,9 @@ class PartitionRecord:
     status: str = "pending"
     compile_s: float = 0.0
     error: str | None = None
+    # A damaged cached kernel the compile failed on, removed before compiling again
+    # (Note [Damaged cache artifacts]).
+    repaired: str | None = None
 
 
 class LazyPartition(torch.nn.Module):
@@ -122,7 +129,7 @@ class LazyPartition(torch.nn.Module):
         """Compile with ``args`` (fake or real); on failure fall back to eager."""
         t0 = time.perf_counter()
         try:
-            self._fn = self._backend(self.graph_module, list(args))
+            self._fn = self._compile_repairing(args)
             self.record.status = "compiled"
         except DYNAMO_CONTROL_FLOW:
             raise
@@ -138,6 +145,29 @@ class LazyPartition(torch.nn.Module):
                 self.record.index, self.record.name, self.record.error,
             )
         self.record.compile_s = time.perf_counter() - t0
+
+    def _compile_repairing(self, args: list[Any]) -> Callable[..., Any]:
+        """The backend's compile; when it fails on a damaged kernel file in Inductor's
+        cache, remove the damaged kernels and compile once more (Note [Damaged cache
+        artifacts] in ``compiler.artifacts``)."""
+        try:
+            return self._backend(self.graph_module, list(args))
+        except DYNAMO_CONTROL_FLOW:
+            raise
+        except Exception as e:  # noqa: BLE001 - only a damaged kernel is retried; the rest re-raises
+            damaged = artifacts.damaged_kernel_in(e)
+            if damaged is None:
+                raise
+            root = artifacts.inductor_cache_dir()
+            removed = artifacts.remove_damaged_kernels(root)
+            _ti.forget_loaded_kernels()
+            self.record.repaired = f"{damaged}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            log.warning(
+                "Compiling partition %d (%s) failed on a damaged kernel in Inductor's cache (%s); removed %d "
+                "damaged kernel(s) under %s and compiling the partition again.",
+                self.record.index, self.record.name, damaged, len(removed), root,
+            )
+        return self._backend(self.graph_module, list(args))
 
     def forward(self, *args: Any) -> Any:
         if self._fn is None:

@@ -10,7 +10,7 @@ than a type live in ``launch.validate``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING as MISSING_FACTORY, dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -258,9 +258,42 @@ def to_job_config(dcfg: Any) -> JobConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    _refuse_unknown_keys(OmegaConf.to_container(dcfg, resolve=False), JobConfig, "")
     try:
         cfg = OmegaConf.to_object(dcfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {e.msg}. Set it on the command line, e.g. {e.full_key}=...") from None
     assert isinstance(cfg, JobConfig), type(cfg)
     return cfg
+
+
+# Free-form sections: their keys are the user's own (constructor arguments, Inductor options).
+_FREE_FORM = ("model.kwargs", "data.kwargs", "compile.options")
+
+
+def _refuse_unknown_keys(node: Any, schema: type, prefix: str) -> None:
+    """A ``+key=value`` the schema does not have is a typo that would be silently
+    ignored (OmegaConf lets ``+`` add keys to a structured config): refuse it with the
+    valid keys closest to it."""
+    import difflib
+    from dataclasses import fields, is_dataclass
+
+    known = {f.name: f for f in fields(schema)}
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            if not prefix and key == "hydra":
+                continue
+            close = difflib.get_close_matches(str(key), list(known), n=3, cutoff=0.5)
+            fix = (f"Did you mean {' or '.join(prefix + c for c in close)}? Set it without the `+` "
+                   f"(e.g. {prefix}{close[0]}=...), since it exists already." if close else
+                   "Remove the override.")
+            raise ConfigError(
+                f"{name} is not a setting of this job: a `+` override adds a key, and nothing reads this one, so "
+                f"it would be silently ignored. {fix} Valid keys{' of ' + prefix[:-1] if prefix else ''}: "
+                f"{', '.join(known)}. Arguments of your own model or dataset go under model.kwargs or "
+                "data.kwargs, Inductor options under compile.options."
+            )
+        sub = known[key].default_factory if known[key].default_factory is not MISSING_FACTORY else None
+        if name not in _FREE_FORM and isinstance(value, dict) and sub is not None and is_dataclass(sub):
+            _refuse_unknown_keys(value, sub, f"{name}.")

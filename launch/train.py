@@ -35,6 +35,8 @@ import torch.distributed as dist
 from compiler import BackendSpec, Diagnoser
 from ddp_opt.cost import describe as describe_plan
 
+from .agree import check_same_config
+from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_config_error
 from .banner import describe, partition_table
 from .checkpoint import save_checkpoint
 from .data import TokenSource, build_data, stream_seed
@@ -113,6 +115,7 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
     with Preemption() as preemption, process_group(cfg.parallel, cfg.train.timeout_s) as env:
         try:
             configure_logging(env.rank)
+            check_same_config(cfg)  # ranks given different configs stop here, with the keys that differ
             metrics = train(cfg, env, step_callbacks, preemption)
             if env.is_main and output_dir:
                 _write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
@@ -132,7 +135,9 @@ def _leave(e: BaseException, env: DistEnv) -> None:
     (:class:`Preempted`, :class:`NonFinite`; a :class:`ConfigError`, code 2) is one line
     from rank 0, with its own exit code; anything else is this rank's traceback and exit
     code 1."""
-    code = 2 if isinstance(e, ConfigError) else getattr(e, "exit_code", None)
+    if isinstance(e, ConfigError):  # found in the group (ranks' configs, the checkpoint): as before it
+        exit_now(report_config_error(str(e)))
+    code = getattr(e, "exit_code", None)
     if isinstance(code, int):
         if env.is_main:
             print(f"{'preempted' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
@@ -386,6 +391,8 @@ def main(step_callbacks: Sequence[StepCallback] = ()) -> None:
     """
     import hydra
 
+    if config_error_reported_before():  # torchrun restarted the group after a config error: no retry
+        exit_now(CONFIG_ERROR_EXIT)
     register_configs()
     sys.argv = [sys.argv[0]] + _quiet_other_ranks(sys.argv[1:])
     codes: list[int] = []  # one exit code per task Hydra ran; none when it could not compose the config
@@ -412,10 +419,8 @@ def _run_task(dcfg: Any, step_callbacks: Sequence[StepCallback]) -> int:
         output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
         run(cfg, output_dir, step_callbacks=step_callbacks, exit_on_error=True)
         return 0
-    except ConfigError as e:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one message per machine, not one per rank
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except ConfigError as e:  # one message per machine, printed before torchrun stops the group
+        return report_config_error(str(e))
     except Exception:  # noqa: BLE001 - a real failure: show where, exit 1
         traceback.print_exc()
         sys.stderr.flush()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fsdp_opt
 from compiler import FALLBACKS, SettingError
 
-from . import rules, rules_train
+from . import probe, rules, rules_resources, rules_train
 from .parallel import ddp_compile_config
 from .schema import CompileConfig, ConfigError, FSDPOptions, JobConfig
 
@@ -45,6 +45,9 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     rules_train.check_resume(cfg, world_size)
     rules.check_diagnose(cfg)
     rules_train.check_step(cfg, world_size)
+    rules_resources.check_folders(cfg)
+    rules_resources.check_memory(cfg, world_size)
+    probe.check_custom_parts(cfg, world_size)  # last: it builds the user's model and dataset
 
 
 # --- compile.*: ddp_opt.DDPCompileConfig ---------------------------------------------

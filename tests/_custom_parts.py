@@ -1,0 +1,42 @@
+"""A user's datasets and models that break the job's contract, for the probe tests
+(``data._target_=_custom_parts.<Name>``, ``model._target_=_custom_parts.<Name>``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from launch.data import SyntheticTokens
+
+
+class WrongShape(SyntheticTokens):
+    def batch(self, step, rank, world_size, batch_size, seq_len):
+        x, y = super().batch(step, rank, world_size, batch_size, seq_len)
+        return x[:, :-1], y[:, :-1]
+
+
+class WrongDtype(SyntheticTokens):
+    def batch(self, step, rank, world_size, batch_size, seq_len):
+        x, y = super().batch(step, rank, world_size, batch_size, seq_len)
+        return x.int(), y.int()
+
+
+class PastVocab(SyntheticTokens):
+    """Token ids from a tokenizer with a larger vocabulary than the model's."""
+
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        super().__init__(seed, vocab_size * 2)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 512, dim: int = 16, out: str = "tensor") -> None:
+        super().__init__()
+        self.emb, self.head, self.out = nn.Embedding(512, dim), nn.Linear(dim, vocab), out  # vocab: of the logits
+
+    def forward(self, idx):
+        logits = self.head(self.emb(idx))
+        if self.out == "dict":
+            return {"logits": logits}
+        if self.out == "scalar":
+            return logits.mean()
+        return logits

@@ -1,0 +1,132 @@
+"""Bad input the main job refuses before any process group starts: `+` keys the
+schema does not have, sizes that cannot fit in memory, folders that cannot be
+written, and a custom model or dataset that breaks the job's contract on one tiny
+batch. Each refusal is a ConfigError that says what, why and how to fix it."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from launch.schema import ConfigError, JobConfig, register_configs, to_job_config
+from launch.validate import validate
+
+
+def _job(*overrides: str) -> JobConfig:
+    register_configs()
+    with initialize_config_module("configs", version_base="1.3"):
+        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+
+
+# --- `+` keys ----------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key_is_refused_with_the_valid_keys():
+    with pytest.raises(ConfigError, match=r"^foo is not a setting of this job: .* silently ignored\. "
+                                          r"Remove the override\. Valid keys: model, parallel"):
+        _job("+foo=1")
+
+
+def test_misspelt_nested_key_names_the_key_it_is_close_to():
+    with pytest.raises(ConfigError, match=r"^train\.stepz is not a setting.* Did you mean train\.steps\? Set it "
+                                          r"without the `\+` \(e\.g\. train\.steps=\.\.\.\)"):
+        _job("+train.stepz=5")
+
+
+def test_free_form_sections_take_any_key():
+    cfg = _job("compile.backend=aot_eager", "+compile.options.anything=1", "+data.kwargs.max_stride=3")
+    assert cfg.compile.options == {"anything": 1} and cfg.data.kwargs == {"max_stride": 3}
+
+
+# --- sizes against memory -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override", ["train.batch_size=1000000000", "model.n_layer=10000"])
+def test_sizes_that_cannot_fit_in_memory_are_refused_with_the_estimate(override):
+    cfg = _job("compile.backend=aot_eager", override)
+    with pytest.raises(ConfigError, match=r"^the job needs about [\d,.]+ GiB per rank \(parameters [\d,.]+ [MG]iB, "
+                                          r"gradients and optimizer state [\d,.]+ [MG]iB, activations [\d,.]+ [MG]iB "
+                                          r"for a micro-batch of \d+ x 64 tokens\) but a rank here has about [\d.]+ GiB "
+                                          r"\(MemAvailable [\d.]+ GiB shared by 1 rank\(s\) on this machine\).*Lower "
+                                          r"train\.batch_size"):
+        validate(cfg, world_size=2)
+
+
+def test_memory_estimate_counts_the_gpt_parameters():
+    from launch.parallel import build_model
+    from launch.rules_resources import gpt_parameters
+
+    cfg = _job("model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=100")
+    assert gpt_parameters(cfg) == sum(p.numel() for p in build_model(cfg.model).parameters())
+
+
+# --- folders the job writes -----------------------------------------------------------------
+
+
+def test_cache_dir_that_cannot_be_created_is_refused_and_nothing_is_left(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = _job("compile.backend=aot_eager", f"compile.cache_dir={blocker}/cache")
+    with pytest.raises(ConfigError, match=rf"^compile\.cache_dir='{blocker}/cache' cannot be written: {blocker} is a "
+                                          r"file, not a folder, and the compile cache is written there.*or set "
+                                          r"compile\.cache_dir=null"):
+        validate(cfg)
+    cfg = _job("compile.backend=aot_eager", "compile.cache_dir=/proc/distcompile/cache")
+    with pytest.raises(ConfigError, match=r"cannot be written: cannot create a folder in /proc \("):
+        validate(cfg)
+    fresh = _job("compile.backend=aot_eager", f"compile.cache_dir={tmp_path}/new/cache", "train.checkpoint_every=2",
+                 f"train.checkpoint_dir={tmp_path}/ckpt")
+    validate(fresh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # checked without creating anything
+
+
+# --- a custom dataset and model, tried on one tiny batch ----------------------------------------
+
+CONTRACT = r"batch\(step, rank, world_size, batch_size, seq_len\) must return \(inputs, targets\), int64 tensors"
+
+
+@pytest.mark.parametrize("target,problem", [
+    ("WrongShape", r"the inputs of batch\(\) has shape \(2, 63\), expected \(2, 64\) for batch_size=2, seq_len=64"),
+    ("WrongDtype", r"the inputs of batch\(\) has dtype torch\.int32, expected torch\.int64 token ids"),
+    ("PastVocab", r"the inputs of batch\(\) holds ids from \d+ to \d+, outside \[0, 512\) \(model\.vocab_size=512\)"),
+])
+def test_custom_dataset_breaking_the_contract_is_refused(target, problem):
+    cfg = _job("compile.backend=aot_eager", "data=custom", f"data._target_=_custom_parts.{target}")
+    with pytest.raises(ConfigError, match=rf"^data\._target_='_custom_parts\.{target}': {problem}.*\. {CONTRACT}"):
+        validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("out,problem", [
+    ("dict", r"forward returned a dict with keys \['logits'\], with no logits to train on"),
+    ("scalar", r"forward on a batch of shape \(1, 64\) returned logits of shape \(\) and dtype torch\.float32, "
+               r"expected floating-point logits of shape \(1, 64, 512\)"),
+])
+def test_custom_model_returning_no_logits_is_refused(out, problem):
+    cfg = _job("compile.backend=aot_eager", "model=custom", "model._target_=_custom_parts.TinyLM", "~model.kwargs.cfg",
+               f"+model.kwargs.out={out}")
+    with pytest.raises(ConfigError, match=rf"^model\._target_='_custom_parts\.TinyLM': {problem}"):
+        validate(cfg, world_size=2)
+
+
+def test_custom_model_with_the_wrong_vocabulary_is_refused():
+    cfg = _job("compile.backend=aot_eager", "model=custom", "model._target_=_custom_parts.TinyLM", "~model.kwargs.cfg",
+               "+model.kwargs.vocab=100")
+    with pytest.raises(ConfigError, match=r"returned logits of shape \(1, 64, 100\) .* expected floating-point "
+                                          r"logits of shape \(1, 64, 512\).*set model\.vocab_size to the model's"):
+        validate(cfg, world_size=2)
+
+
+def test_readme_custom_model_command_builds_the_users_model():
+    # README "Configs": model=custom model._target_=my_pkg.MyLM '~model.kwargs.cfg' '+model.kwargs={dim: 32}'
+    cfg = _job("compile.backend=aot_eager", "model=custom", "model._target_=_custom_parts.TinyLM", "~model.kwargs.cfg",
+               "+model.kwargs={dim: 32}")
+    assert cfg.model.kwargs == {"dim": 32}
+    validate(cfg, world_size=2)
+
+
+def test_example_kwargs_left_merged_into_a_users_model_are_named():
+    cfg = _job("compile.backend=aot_eager", "model=custom", "model._target_=_custom_parts.TinyLM",
+               "+model.kwargs={dim: 32}")
+    with pytest.raises(ConfigError, match=r"building the model .* unexpected keyword argument 'cfg'.*\. model\.kwargs still "
+                                          r"holds cfg, .* drop it with '~model\.kwargs\.cfg'\."):
+        validate(cfg, world_size=2)
