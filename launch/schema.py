@@ -226,6 +226,8 @@ class TrainConfig:
     grad_accum: int = 1
     # After the warm-up pass, a recompile is an error (the production stance).
     no_recompile_after_warmup: bool = False
+    # Refuse GPT sizes whose rough memory estimate exceeds this machine's (launch.rules_resources).
+    memory_check: bool = True
 
 
 @dataclass
