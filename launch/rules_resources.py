@@ -80,7 +80,7 @@ def available_memory(on_gpu: bool) -> tuple[int, str] | None:
 def check_memory(cfg: JobConfig, world_size: int) -> None:
     """Refuse GPT sizes whose estimate exceeds what one rank has (a custom model's
     size is unknown here; ``launch.probe`` builds it)."""
-    if cfg.model._target_ or cfg.model.name not in (ModelName.GPT_TINY, ModelName.HF_GPT2):
+    if not cfg.train.memory_check or cfg.model._target_ or cfg.model.name not in (ModelName.GPT_TINY, ModelName.HF_GPT2):
         return
     on_gpu = torch.cuda.is_available() and cfg.parallel.dist_backend != "gloo"
     have = available_memory(on_gpu)
@@ -94,7 +94,8 @@ def check_memory(cfg: JobConfig, world_size: int) -> None:
         f"for a micro-batch of {need.micro_batch} x {t.seq_len} tokens) but a rank here has about "
         f"{_size(have[0])} ({have[1]}): it would run out of memory. Lower train.batch_size (or raise "
         "train.grad_accum), train.seq_len or the model sizes (model.n_layer, model.n_embd, model.vocab_size), "
-        "or run on more ranks."
+        "or run on more ranks. The estimate is rough (float32, no activation checkpointing): if you know the job "
+        "fits, set train.memory_check=false."
     )
 
 

@@ -231,6 +231,8 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     # With on_nonfinite=skip: stop anyway after this many non-finite steps in a row.
     max_consecutive_skips: int = 10
+    # Refuse GPT sizes whose rough memory estimate exceeds this machine's (launch.rules_resources).
+    memory_check: bool = True
 
 
 @dataclass

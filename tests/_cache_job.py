@@ -63,6 +63,7 @@ def main(cache_dir: str, device: str = "cpu") -> None:
             "load": compiled.compile_cache.last_load.status,
             "saved": path.exists() and path.stat().st_mtime_ns != before,
             "partitions": len(compiled.buckets),
+            "statuses": [r.status for r in compiled.ddp_optimizer.records],
             "aot": dict(counters["aot_autograd"]),
             "first_step_s": first_step_s, "losses": losses, "eager_losses": eager_losses,
         }))

@@ -201,6 +201,25 @@ def test_a_restart_in_a_new_process_loads_every_partition_from_the_cache(tmp_pat
     assert warm["losses"] == pytest.approx(cold["eager_losses"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_a_restart_with_damaged_kernels_in_the_cache_rebuilds_them_and_stays_compiled(tmp_path):
+    # Inductor's cache under cache_dir/inductor, as the launcher puts it (Note [Damaged cache artifacts]).
+    from compiler.artifacts import damaged_kernels
+
+    cache, inductor = tmp_path / "cache", tmp_path / "cache" / "inductor"
+    cold = _run_job(cache, inductor)
+    kernels = sorted(inductor.rglob("*.so"))
+    assert cold["statuses"] == ["compiled"] * cold["partitions"] and kernels
+    for path in kernels:  # a copy cut short: each file keeps its first 100 bytes
+        path.write_bytes(path.read_bytes()[:100])
+    assert len(damaged_kernels(inductor)) == len(kernels)
+    warm = _run_job(cache, inductor)
+    assert warm["statuses"] == ["compiled"] * cold["partitions"], "a partition fell back to eager"
+    assert warm["load"] == "loaded" and warm["aot"].get("autograd_cache_hit", 0) == warm["partitions"]
+    assert damaged_kernels(inductor) == [] and sorted(inductor.rglob("*.so")) == kernels  # rebuilt in place
+    assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-5)
+
+
 def test_inductor_cache_moves_under_cache_dir_only_when_the_user_did_not_choose_one(monkeypatch):
     # Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to Inductor's default, so
     # "unset" and "the default" both count as not chosen; any other value is the user's.

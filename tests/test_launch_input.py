@@ -48,8 +48,9 @@ def test_sizes_that_cannot_fit_in_memory_are_refused_with_the_estimate(override)
                                           r"gradients and optimizer state [\d,.]+ [MG]iB, activations [\d,.]+ [MG]iB "
                                           r"for a micro-batch of \d+ x 64 tokens\) but a rank here has about [\d.]+ GiB "
                                           r"\(MemAvailable [\d.]+ GiB shared by 1 rank\(s\) on this machine\).*Lower "
-                                          r"train\.batch_size"):
+                                          r"train\.batch_size.* set train\.memory_check=false\.$"):
         validate(cfg, world_size=2)
+    validate(_job("compile.backend=aot_eager", override, "train.memory_check=false"), world_size=2)
 
 
 def test_memory_estimate_counts_the_gpt_parameters():
