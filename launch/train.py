@@ -95,7 +95,8 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
         The metrics (every rank computes them; rank 0 writes them).
 
     Raises:
-        ConfigError: a config value that cannot work, found before any process group starts.
+        ConfigError: a config value that cannot work, found before any process group starts;
+            or ranks started with different configs, found as it starts (``launch.agree``).
     """
     validate(cfg, world_size=world_size_from_env())
     with process_group(cfg.parallel, cfg.train.timeout_s) as env:
