@@ -225,12 +225,3 @@ def inductor_cache_dir() -> str:
 
     return cache_dir()
 
-
-def forget_loaded_kernels() -> None:
-    """Drop Inductor's in-process code caches (the kernel loaders it keyed by source
-    hash), so that the next compile looks at the files on disk again."""
-    # torch._inductor.utils.clear_caches(): cache_clear() on every @clear_on_fresh_cache class
-    # (CppCodeCache, CppPythonBindingsCodeCache, PyCodeCache, ...).
-    from torch._inductor.utils import clear_caches
-
-    clear_caches()

@@ -17,11 +17,22 @@ Algorithm
       header tables and every loadable segment must lie inside the file.
     - :meth:`compiler.cache.CompileCache.load` removes the damaged kernels under
       ``cache_dir/inductor`` before the first compile (one warning); Inductor then
-      rebuilds each from the source it keeps next to it.
-    - A partition whose compile fails with an error that names a kernel file under
-      Inductor's cache directory that is damaged (or gone) removes the damaged
-      kernels there, forgets the kernels Inductor loaded in this process, and
-      compiles once more before it falls back to eager (``compiler.partition``).
+      rebuilds each from the source it keeps next to it, and every partition stays
+      compiled.
+    - A partition whose compile still fails with an error that names a damaged
+      (or missing) kernel file under Inductor's cache directory (one the load-time
+      check did not see: ``TORCHINDUCTOR_CACHE_DIR`` chosen by the user, or no
+      ``cache_dir``) removes the damaged kernels there and falls back to eager as
+      before; the next start rebuilds them (``compiler.partition``).
+
+Notes
+    Why not compile again in the same process: tried on torch 2.13 (CPU). After a
+    failed load, Inductor's rebuild of the kernel from its cached source fails in
+    that process with a C++ compile error (``at::vec`` not declared: the vector ISA
+    flags are missing from the command); a retry with the FX graph and AOTAutograd
+    caches off compiles the forward, but the partition's backward, compiled lazily
+    at the first backward pass with the caches on, then fails the same way and
+    stops the job. A rebuild in a fresh process (the load-time check) works.
 """
 
 from __future__ import annotations

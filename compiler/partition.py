@@ -37,7 +37,7 @@ Algorithm
       a cache hit would hand later partitions the wrong metadata).
     - If the backend raises on a partition because a kernel file in Inductor's
       cache is damaged (Note [Damaged cache artifacts]), the damaged kernels are
-      removed and the partition is compiled once more.
+      removed, so that the next start rebuilds them.
     - If the backend raises on a partition, that partition runs eagerly (its FX
       graph, uncompiled) and the others stay compiled; ``fallback="raise"``
       re-raises instead.
@@ -93,7 +93,7 @@ class PartitionRecord:
     status: str = "pending"
     compile_s: float = 0.0
     error: str | None = None
-    # A damaged cached kernel the compile failed on, removed before compiling again
+    # A damaged cached kernel the compile failed on, and what was removed
     # (Note [Damaged cache artifacts]).
     repaired: str | None = None
 
@@ -129,11 +129,12 @@ class LazyPartition(torch.nn.Module):
         """Compile with ``args`` (fake or real); on failure fall back to eager."""
         t0 = time.perf_counter()
         try:
-            self._fn = self._compile_repairing(args)
+            self._fn = self._backend(self.graph_module, list(args))
             self.record.status = "compiled"
         except DYNAMO_CONTROL_FLOW:
             raise
         except Exception as e:  # noqa: BLE001 - any backend failure is a fallback case
+            self._remove_damaged_kernels(e)
             if self._fallback == "raise":
                 raise
             self._fn = self.graph_module
@@ -146,28 +147,21 @@ class LazyPartition(torch.nn.Module):
             )
         self.record.compile_s = time.perf_counter() - t0
 
-    def _compile_repairing(self, args: list[Any]) -> Callable[..., Any]:
-        """The backend's compile; when it fails on a damaged kernel file in Inductor's
-        cache, remove the damaged kernels and compile once more (Note [Damaged cache
-        artifacts] in ``compiler.artifacts``)."""
-        try:
-            return self._backend(self.graph_module, list(args))
-        except DYNAMO_CONTROL_FLOW:
-            raise
-        except Exception as e:  # noqa: BLE001 - only a damaged kernel is retried; the rest re-raises
-            damaged = artifacts.damaged_kernel_in(e)
-            if damaged is None:
-                raise
-            root = artifacts.inductor_cache_dir()
-            removed = artifacts.remove_damaged_kernels(root)
-            _ti.forget_loaded_kernels()
-            self.record.repaired = f"{damaged}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            log.warning(
-                "Compiling partition %d (%s) failed on a damaged kernel in Inductor's cache (%s); removed %d "
-                "damaged kernel(s) under %s and compiling the partition again.",
-                self.record.index, self.record.name, damaged, len(removed), root,
-            )
-        return self._backend(self.graph_module, list(args))
+    def _remove_damaged_kernels(self, error: Exception) -> None:
+        """When ``error`` names a damaged kernel file in Inductor's cache, remove the
+        damaged kernels there, so that the next start rebuilds them (Note [Damaged cache
+        artifacts] in ``compiler.artifacts``; why not compile again in this process)."""
+        damaged = artifacts.damaged_kernel_in(error)
+        if damaged is None:
+            return
+        root = artifacts.inductor_cache_dir()
+        removed = artifacts.remove_damaged_kernels(root)
+        self.record.repaired = f"{damaged}: removed {len(removed)} damaged kernel(s) under {root}"
+        log.warning(
+            "Compiling partition %d (%s) failed on a damaged kernel in Inductor's cache (%s); removed %d damaged "
+            "kernel(s) under %s: the next start rebuilds them from their cached source.",
+            self.record.index, self.record.name, damaged, len(removed), root,
+        )
 
     def forward(self, *args: Any) -> Any:
         if self._fn is None:

@@ -107,7 +107,8 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
         The metrics (every rank computes them; rank 0 writes them).
 
     Raises:
-        ConfigError: a config value that cannot work, found before any process group starts.
+        ConfigError: a config value that cannot work, found before any process group starts;
+            or ranks started with different configs, found as it starts (``launch.agree``).
         NonFinite: the loss or the model stopped being finite (``launch.guard``).
         Preempted: a rank got SIGTERM/SIGINT; every rank stopped after the same step.
     """

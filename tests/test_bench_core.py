@@ -20,7 +20,7 @@ from benchmarks.report import cap_label, fmt, markdown_table, with_iqr
 
 
 def test_every_ddp_mode_is_registered_and_describes_itself():
-    assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "regional")
+    assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "regional", "compiled_autograd")
     for name in DDP_MODES.names:
         assert DDP_MODES[name].name == name and DDP_MODES[name].summary
         assert DDP_MODES.describe([name]) == f"  {name}: {DDP_MODES[name].summary}"
@@ -29,11 +29,13 @@ def test_every_ddp_mode_is_registered_and_describes_itself():
     caps = (1.0, 4.0, "auto")
     assert {n: DDP_MODES[n].sweep_caps(caps) for n in DDP_MODES.names} == {
         "eager": [DEFAULT_CAP], "builtin": [1.0, 4.0], "nosplit": [DEFAULT_CAP], "ours": [1.0, 4.0, "auto"],
-        "regional": []}
+        "regional": [], "compiled_autograd": [1.0, 4.0]}
+    assert [n for n in DDP_MODES.names if not DDP_MODES[n].takes_hook] == ["compiled_autograd"]
 
 
 def test_an_unknown_mode_names_the_valid_ones():
-    with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours, regional. Leave --modes out"):
+    with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours, regional, compiled_autograd. "
+                                         "Leave --modes out"):
         DDP_MODES["fast"]
     with pytest.raises(ValueError, match="valid modes are eager, per_block, grouped"):
         FSDP_MODES.check(())
@@ -101,10 +103,10 @@ def test_report_cells_and_tables():
 def test_publish_stamps_the_command_and_writes_json(tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_TEST_COMMAND", "python -m benchmarks.x --quick")
     rows = [{"mode": "eager"}]
-    args = argparse.Namespace(json=str(tmp_path / "out" / "rows.json"), plot=None)
+    args = argparse.Namespace(json=str(tmp_path / "out" / "rows.json"), plot=None, net="shaped:200mbit")
     publish(rows, args, module="benchmarks.x", command_env="BENCH_TEST_COMMAND", plot=lambda path: None)
     assert json.loads((tmp_path / "out" / "rows.json").read_text()) == [
-        {"mode": "eager", "command": "python -m benchmarks.x --quick"}]
+        {"mode": "eager", "command": "python -m benchmarks.x --quick", "net": "shaped:200mbit"}]
 
 
 def test_builtin_bucket_log_reads_the_splitters_count_and_restores_the_logger():

@@ -1,5 +1,5 @@
 """Damaged kernels in Inductor's on-disk cache (Note [Damaged cache artifacts]): found
-without loading them, removed, and a partition that failed on one compiles once more."""
+without loading them and removed, also by a partition whose compile failed on one."""
 
 from __future__ import annotations
 
@@ -60,15 +60,20 @@ def _failing_once(error: BaseException):
     return backend, calls
 
 
-def test_a_partition_that_failed_on_a_damaged_kernel_is_repaired_and_compiled_again(tmp_path, monkeypatch, caplog):
+def test_a_partition_that_failed_on_a_damaged_kernel_removes_the_damaged_kernels(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     damaged = _kernel(tmp_path, "cpp_fused_0.so", keep=100)
+    other = _kernel(tmp_path, "cpp_fused_1.so", keep=50)
+    whole = _kernel(tmp_path, "cpp_fused_2.so")
     backend, calls = _failing_once(ImportError(f"{damaged}: file too short"))
     record = PartitionRecord(0, "submod_0")
     LazyPartition(_graph(), backend, record).compile([torch.ones(2)])
-    assert (record.status, len(calls), damaged.exists()) == ("compiled", 2, False)
-    assert record.repaired.startswith(f"{damaged}: ImportError:")
+    # Eager for this run (see the Note for why not again in this process); the next start rebuilds.
+    assert (record.status, len(calls)) == ("eager", 1)
+    assert (damaged.exists(), other.exists(), whole.exists()) == (False, False, True)
+    assert record.repaired == f"{damaged}: removed 2 damaged kernel(s) under {tmp_path}"
     assert any("failed on a damaged kernel in Inductor's cache" in r.getMessage() and str(damaged) in r.getMessage()
+               and "the next start rebuilds them" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
 
 
