@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from launch.data import SyntheticTokens
