@@ -36,7 +36,7 @@ from compiler import BackendSpec, Diagnoser
 from ddp_opt.cost import describe as describe_plan
 
 from .agree import check_same_config
-from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_config_error
+from .bad_input import report_config_error
 from .banner import describe, partition_table
 from .checkpoint import save_checkpoint
 from .data import TokenSource, build_data, stream_seed
@@ -51,9 +51,10 @@ from .recompiles import CompileCounter
 from .resume import resume
 from .run_identity import run_identity
 from .report import Tally, summary_lines
-from .schema import ConfigError, JobConfig, Padding, ParallelMode, register_configs, to_job_config
+from .schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
 from .step import StepRunner, micro_batches
 from .validate import validate
+from .shell import main  # noqa: E402,F401 - python -m launch.train's entry point (the Hydra shell)
 
 __all__ = ["Job", "StepCallback", "run", "train", "setup", "warm_up", "loop", "report", "main", "to_job_config"]
 
@@ -378,62 +379,6 @@ def _write_json(path: str, data: Any, what: str) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print0(f"{what}: {path}")
-
-
-# --- the Hydra shell -----------------------------------------------------------------
-
-
-def main(step_callbacks: Sequence[StepCallback] = ()) -> None:
-    """Entry point of ``python -m launch.train``; ends the process (Note [Reliable exit]).
-
-    Args:
-        step_callbacks: passed on to :func:`run` (an entry module of one's own can
-            install them, as ``tests/_fault_job.py`` does).
-    """
-    import hydra
-
-    if config_error_reported_before():  # torchrun restarted the group after a config error: no retry
-        exit_now(CONFIG_ERROR_EXIT)
-    register_configs()
-    sys.argv = [sys.argv[0]] + _quiet_other_ranks(sys.argv[1:])
-    codes: list[int] = []  # one exit code per task Hydra ran; none when it could not compose the config
-
-    def task(dcfg: Any) -> None:
-        codes.append(_run_task(dcfg, step_callbacks))
-
-    try:
-        hydra.main(version_base="1.3", config_path="../configs", config_name="config")(task)()
-        code = codes[-1] if codes else 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code == 1 and not codes:
-            code = 2  # Hydra could not compose the config (it printed why): bad input
-    exit_now(code)
-
-
-def _run_task(dcfg: Any, step_callbacks: Sequence[StepCallback]) -> int:
-    """One Hydra task; returns the exit code: 0 done, 2 bad config (one message), 1 failure."""
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        cfg = to_job_config(dcfg)
-        output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
-        run(cfg, output_dir, step_callbacks=step_callbacks, exit_on_error=True)
-        return 0
-    except ConfigError as e:  # one message per machine, printed before torchrun stops the group
-        return report_config_error(str(e))
-    except Exception:  # noqa: BLE001 - a real failure: show where, exit 1
-        traceback.print_exc()
-        sys.stderr.flush()
-        return 1
-
-
-def _quiet_other_ranks(argv: list[str]) -> list[str]:
-    """Ranks other than 0 write no Hydra run directory and no log file: the run
-    directory's name comes from the clock, which ranks may read a second apart."""
-    if os.environ.get("RANK", "0") == "0" or any(a in ("-m", "--multirun") for a in argv):
-        return argv
-    return argv + ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""The Hydra shell of ``python -m launch.train``: compose the config, convert it to a
+``JobConfig``, call ``launch.train.run``, turn a ``ConfigError`` into one message and
+exit code 2 (``launch.bad_input``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Sequence
+
+from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_config_error
+from .dist import exit_now
+from .schema import ConfigError, register_configs, to_job_config
+
+__all__ = ["main"]
+
+
+
+def main(step_callbacks: Sequence[Any] = ()) -> None:
+    """Entry point of ``python -m launch.train``; ends the process (Note [Reliable exit]).
+
+    Args:
+        step_callbacks: passed on to :func:`run` (an entry module of one's own can
+            install them, as ``tests/_fault_job.py`` does).
+    """
+    import hydra
+
+    if config_error_reported_before():  # torchrun restarted the group after a config error: no retry
+        exit_now(CONFIG_ERROR_EXIT)
+    register_configs()
+    sys.argv = [sys.argv[0]] + _quiet_other_ranks(sys.argv[1:])
+    codes: list[int] = []  # one exit code per task Hydra ran; none when it could not compose the config
+
+    def task(dcfg: Any) -> None:
+        codes.append(_run_task(dcfg, step_callbacks))
+
+    try:
+        hydra.main(version_base="1.3", config_path="../configs", config_name="config")(task)()
+        code = codes[-1] if codes else 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code == 1 and not codes:
+            code = 2  # Hydra could not compose the config (it printed why): bad input
+    exit_now(code)
+
+
+def _run_task(dcfg: Any, step_callbacks: Sequence[Any]) -> int:
+    """One Hydra task; returns the exit code: 0 done, 2 bad config (one message), 1 failure."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        cfg = to_job_config(dcfg)
+        output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+        from .train import run  # launch.train imports this module: import at call time
+
+        run(cfg, output_dir, step_callbacks=step_callbacks, exit_on_error=True)
+        return 0
+    except ConfigError as e:  # one message per machine, printed before torchrun stops the group
+        return report_config_error(str(e))
+    except Exception:  # noqa: BLE001 - a real failure: show where, exit 1
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+
+
+def _quiet_other_ranks(argv: list[str]) -> list[str]:
+    """Ranks other than 0 write no Hydra run directory and no log file: the run
+    directory's name comes from the clock, which ranks may read a second apart."""
+    if os.environ.get("RANK", "0") == "0" or any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    return argv + ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+
+
