@@ -11,31 +11,21 @@ the configs themselves gathered, to name the keys that differ.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict
 from typing import Any
 
 import torch.distributed as dist
 
+from .run_identity import digest_of, flat_config
 from .schema import ConfigError, JobConfig
 
 __all__ = ["config_digest", "check_same_config", "differing_keys"]
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: tree}
-
-
 def config_digest(cfg: JobConfig) -> tuple[str, dict[str, str]]:
-    """The config as flat ``key -> repr(value)`` and its sha256."""
-    flat = {k: repr(v) for k, v in _flat(asdict(cfg)).items()}
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest(), flat
+    """The config as flat ``key -> JSON text of the value`` and its sha256."""
+    flat = {k: json.dumps(v) for k, v in flat_config(cfg).items()}
+    return digest_of(flat), flat
 
 
 def differing_keys(configs: list[dict[str, str]]) -> dict[str, list[str]]:

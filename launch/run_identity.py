@@ -49,6 +49,8 @@ __all__ = [
     "CheckpointError",
     "RunIdentity",
     "run_identity",
+    "flat_config",
+    "digest_of",
     "write_identity",
     "read_identity",
     "differences",
@@ -103,7 +105,23 @@ class RunIdentity:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()
+        return digest_of(self.fields)
+
+
+def flat_config(cfg: JobConfig) -> dict[str, Any]:
+    """The whole config as dotted keys (``model.n_layer``, ``model.kwargs.dim``) to
+    JSON-safe values; an empty dict stays one key."""
+    def flat(tree: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(tree, dict) and tree:
+            return {k: v for name, sub in tree.items() for k, v in flat(sub, f"{prefix}{name}.").items()}
+        return {prefix[:-1]: _canonical(tree)}
+
+    return flat(dataclasses.asdict(cfg), "")
+
+
+def digest_of(fields: dict[str, Any]) -> str:
+    """The sha256 of flat config ``fields`` (key order does not matter)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> RunIdentity:
@@ -114,14 +132,7 @@ def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> 
         world_size: the number of ranks.
         run_id: torchrun's ``TORCHELASTIC_RUN_ID``; default: read from the environment.
     """
-    fields: dict[str, Any] = {"world_size": world_size}
-    for section, value in dataclasses.asdict(cfg).items():
-        items = value.items() if isinstance(value, dict) and dataclasses.is_dataclass(getattr(cfg, section)) \
-            else [(None, value)]
-        for name, v in items:
-            key = section if name is None else f"{section}.{name}"
-            if not _resumable(key):
-                fields[key] = _canonical(v)
+    fields = {"world_size": world_size, **{k: v for k, v in flat_config(cfg).items() if not _resumable(k)}}
     return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"))
 
 

@@ -7,9 +7,10 @@
 wrapping, the optimizer and the data; :func:`warm_up` compiles every input shape
 first; :func:`loop` trains; :func:`report` prints the summary and returns the
 metrics. :func:`run` validates the config and holds the process group around it.
-:func:`main` is a thin Hydra shell: compose, convert to :class:`JobConfig`, call
-:func:`run`, turn a :class:`ConfigError` into one message on stderr and exit
-code 2. Tests call :func:`run` directly.
+:func:`main` (in ``launch.shell``, importable from here) is a thin Hydra shell:
+compose, convert to :class:`JobConfig`, call :func:`run`, turn a
+:class:`ConfigError` into one message on stderr and exit code 2. Tests call
+:func:`run` directly.
 
 The loop calls each of ``step_callbacks`` at the start of every step, with the
 job and the step: the hook point for what a test (or a user's entry module, as
@@ -41,20 +42,20 @@ from .banner import describe, partition_table
 from .checkpoint import save_checkpoint
 from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
-from .guard import OnNonfinite, nonfinite_loss
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
+from .guard import OnNonfinite, nonfinite_loss
 from .optim import OptimizerStep, build_optimizer
 from .parallel import Wrapped, apply_parallel, build_model
 from .precision import grad_scaler
 from .preempt import Preempted, Preemption
 from .recompiles import CompileCounter
+from .report import Tally, summary_lines
 from .resume import resume
 from .run_identity import run_identity
-from .report import Tally, summary_lines
 from .schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
+from .shell import main  # noqa: F401 - the entry point of python -m launch.train, kept importable from here
 from .step import StepRunner, micro_batches
 from .validate import validate
-from .shell import main  # noqa: E402,F401 - python -m launch.train's entry point (the Hydra shell)
 
 __all__ = ["Job", "StepCallback", "run", "train", "setup", "warm_up", "loop", "report", "main", "to_job_config"]
 
