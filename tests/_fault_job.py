@@ -6,7 +6,8 @@ At the start of STEP, on the first attempt only (TORCHELASTIC_RESTART_COUNT unse
 or 0), through the loop's step callbacks, RANK (default 0) does ACTION: KILL (the
 default) SIGKILLs itself, TERM or INT sends itself that signal, PAUSE prints
 "paused at step STEP" and waits until the process is signalled (for a test to
-signal the agent or the process group at a known step; 120 s at most);
+signal the agent or the process group at a known step; 120 s at most), RAISE
+raises a RuntimeError (an error on one rank while the others go on);
 everything else is ``python -m launch.train [overrides]``."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def kill_at(spec: str):
             while not job.preemption.requested and time.monotonic() < deadline:
                 time.sleep(0.05)
             return
+        if action == "RAISE":
+            raise RuntimeError(f"fault {spec}: injected error on rank {rank} at step {step}")
         what = "killing myself" if action == "KILL" else f"sending myself SIG{action}"
         print(f"[rank {rank}] fault {spec}: {what} at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), getattr(signal, f"SIG{action}"))

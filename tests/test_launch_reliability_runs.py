@@ -127,19 +127,19 @@ def test_sigint_to_the_process_group_saves(tmp_path):
     _assert_stopped_and_saved(job, tmp_path)
 
 
-@pytest.mark.xfail(strict=False, reason="since the merge of the up-front folder check (launch.validate), a checkpoint_dir "
-                   "under a file is refused before the process group starts, so this case no longer raises on rank 0 "
-                   "mid-run; the test needs another in-run error (open)")
 def test_an_error_on_rank_0_ends_the_job_promptly_every_time(tmp_path, torchrun):
-    # Rank 0 cannot create train.checkpoint_dir (under a file) at the first save, after step 2,
-    # and raises while rank 1 waits in the checkpoint's barrier: 3 of 11 tries used to hang.
-    (tmp_path / "blocker").write_text("")
+    # Rank 0 raises at the start of step 3 (after the step-2 checkpoint) while rank 1 goes on into
+    # step 3's collectives: the exception path used to hang in ~Reducer -> ~ProcessGroupGloo about one
+    # try in four (the issue saw it with an unwritable checkpoint_dir, which the up-front folder check
+    # now refuses before the group starts, so the error is injected by a step callback instead).
     for attempt in range(3):
         t0 = time.monotonic()
         proc = torchrun(tmp_path, *SMALL, "train.steps=4", "train.checkpoint_every=2",
-                        "train.checkpoint_dir=blocker/ckpt", f"hydra.run.dir=try{attempt}", timeout=50)
+                        f"train.checkpoint_dir=ckpt{attempt}", f"hydra.run.dir=try{attempt}", fault="3:0:RAISE",
+                        timeout=50)
         took = time.monotonic() - t0
         print(f"try {attempt}: exit {proc.returncode} in {took:.1f}s")
         assert proc.returncode == 1, proc.stderr
-        assert proc.stderr.count("NotADirectoryError: [Errno 20] Not a directory") == 1, proc.stderr[-4000:]
+        assert proc.stderr.count("RuntimeError: fault 3:0:RAISE: injected error on rank 0 at step 3") == 1, \
+            proc.stderr[-4000:]
         assert "step     2/4" in proc.stdout and "step     3/4" not in proc.stdout
