@@ -39,6 +39,13 @@ Measured (rank 0's clocks; losses from all ranks):
 - comm: the link's modelled seconds for the buckets actually reduced (from the
   hook). overlap = (compute + comm - step) / min(compute, comm) with
   step = compute + exposed, i.e. (comm - exposed) / min(compute, comm).
+- fwd, bwd, opt: forward and backward of the ``no_sync`` step (a clock read
+  between them) and the optimizer step of the synchronised step. After the
+  rounds, one all-reduce of all the gradient bytes in one flat tensor is timed
+  over the same link (``comm``); every row then gets the job's physical limit
+  ``fwd + max(bwd, comm) + opt`` (the fastest parts of any mode),
+  ``step_over_limit`` and ``ratio_vs_best_peer`` (Note [Physical limit of a
+  step] in ``benchmarks.limit``).
 - loss_max_abs_diff: max over ranks and synchronised steps of |loss - eager's
   loss at the same step|.
 - recompiles: dynamo graphs compiled after the warm step.
@@ -74,12 +81,13 @@ from ._torch_internals import graphs_compiled
 from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from .device import clock, peak_bytes, reset_peak
+from .limit import add_limit_columns, measure_comm
 from .link import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
-from .report import cap_label, nan_to_none
+from .report import cap_label, nan_to_none, print0
 from .stats import median, overlap_efficiency
 
-__all__ = ["BenchConfig", "Timed", "run_cap", "run_step", "run_round", "row_for"]
+__all__ = ["BenchConfig", "Timed", "run_cap", "run_step", "run_round", "row_for", "link_comm_s", "finish_rows"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class BenchConfig(GPTJob):
 
     modes: tuple[str, ...] = DDP_MODES.default
     link: LinkModel = field(default_factory=LinkModel)
+    net: str = "local"  # the network the ranks talk over (--net): local, or shaped:RATE between two namespaces
     caps: tuple[float | str, ...] = (1.0, 4.0, 25.0)  # "auto": ours with compile_ddp(bucket_cap_mb="auto")
     cache_root: str | None = None
     sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.sweep)
@@ -136,6 +145,7 @@ class Timed(NamedTuple):
 
     step_s: float
     fb_s: float  # forward + backward
+    fwd_s: float  # forward alone (the first part of fb_s)
     link: object  # the link's stats of the step (``SimulatedLink.take_step_stats``)
     peak_bytes: int | None  # CUDA, synchronised steps: peak allocated during the step; None otherwise
 
@@ -157,6 +167,7 @@ def run_step(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, *, sync: bool 
             reset_peak(device)
         with contextlib.nullcontext() if sync else r.ddp.no_sync():
             _, loss = r.fn(x, y)
+            tf = clock(device)
             loss.backward()
         t1 = clock(device)
         if sync:
@@ -169,15 +180,17 @@ def run_step(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, *, sync: bool 
     if sync:
         r.losses.append(float(loss.detach()))
         r.step += 1
-    return Timed(t2 - t0, t1 - t0, stats, peak)
+    return Timed(t2 - t0, t1 - t0, tf - t0, stats, peak)
 
 
 def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: bool) -> float:
     """A synchronised step and a ``no_sync`` step, recorded when ``measured``; the step's seconds."""
-    step_s, sync_fb, stats, peak = run_step(r, cfg, link, sync=True)
-    _, nosync_fb, _, _ = run_step(r, cfg, link, sync=False)
+    step_s, sync_fb, _, stats, peak = run_step(r, cfg, link, sync=True)
+    _, nosync_fb, nosync_fwd, _, _ = run_step(r, cfg, link, sync=False)
     if measured:
         r.step_s.append(step_s)
+        r.opt_s.append(step_s - sync_fb)
+        r.nosync_fwd_s.append(nosync_fwd)
         if peak is not None:
             r.peak_bytes.append(peak)
         r.sync_fb_s.append(sync_fb)
@@ -218,6 +231,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
     return {
         "mode": r.mode.name,
         "backend": cfg.backend if compiled else "eager",
+        "net": cfg.net,
         "link": cfg.link.label,
         "bucket_cap_mb": cap_mb,
         "step_ms_median": steps.median_s * 1e3,
@@ -242,8 +256,12 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "first_step_cold_s": first[0],
         "first_step_warm_s": first[1],
         "compute_ms": compute * 1e3,
+        # the parts of the physical limit (benchmarks.limit)
+        "fwd_ms": median(r.nosync_fwd_s) * 1e3,
+        "bwd_ms": median([fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)]) * 1e3,
+        "opt_ms": median(r.opt_s) * 1e3,
         "sync_fb_ms": sync_fb * 1e3,
-        "comm_ms": comm * 1e3,
+        "comm_ms": comm * 1e3 if cfg.link.enabled else None,  # the simulated link's charge; None without one
         "exposed_comm_ms": exposed * 1e3,
         **_prediction(r),
         "ddp_buckets": int(median(r.buckets_per_step)),
@@ -257,6 +275,31 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
     }
 
 
+def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink, prefix: str = "") -> float:
+    """The link time of all gradient bytes in one message (the ``comm`` of Note [Physical limit of
+    a step] in ``benchmarks.limit``), measured on every rank; rank 0 says what it measured."""
+    nbytes = sum(p.numel() * p.element_size() for p in runners[0].ddp.module.parameters())
+    comm_s = measure_comm(nbytes, cfg.torch_device, link.model.transfer_s, repeats=max(3, min(cfg.rounds, 5)))
+    print0(f"{prefix}link: {nbytes / 2**20:.1f} MiB of gradients in one all-reduce took {comm_s * 1e3:.1f} ms "
+           f"(median; the comm part of the physical limit)")
+    return comm_s
+
+
+def finish_rows(rows: list[dict], comm_s: float, prefix: str = "") -> list[dict]:
+    """The rows with the physical limit, ``step_over_limit`` and the ratio to the best peer; over a
+    real link (no simulated one) also ``comm_ms`` and ``overlap`` from the measured link time."""
+    if rows:
+        parts = add_limit_columns(rows, comm_s)
+        for r in rows:
+            if r["comm_ms"] is None and r["net"] != "local":
+                r["comm_ms"] = comm_s * 1e3
+                r["overlap"] = nan_to_none(overlap_efficiency(r["compute_ms"], r["comm_ms"],
+                                                              r["compute_ms"] + r["exposed_comm_ms"]))
+        print0(f"{prefix}physical limit {parts.limit_s * 1e3:.1f} ms = fwd {parts.fwd_s * 1e3:.1f} + max(bwd "
+               f"{parts.bwd_s * 1e3:.1f}, comm {parts.comm_s * 1e3:.1f}) + opt {parts.opt_s * 1e3:.1f}")
+    return rows
+
+
 def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
     """Build, compile and measure every mode at one bucket cap; rank 0 gets the rows."""
     torch.compiler.reset()
@@ -267,9 +310,11 @@ def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
             first_steps(runners, lambda r: run_step(r, cfg, link)[0], phase=phase, prefix=prefix, cache=cache,
                         tag=f"ddpbench-cap{cap_label(cap_mb)}", cache_root=cfg.cache_root)
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured), prefix)
+    comm_s = link_comm_s(cfg, runners, link, prefix)
     gathered = gather_rank0(runner_measures(runners))
     if gathered is None:
         return []
     by_label = {r.label: r for r in runners}
     base, reference = by_label.get(cfg.baseline or "builtin"), loss_reference(runners)
-    return [row_for(r, cfg, cap_mb, order, base, gathered, reference) for order, r in enumerate(runners)]
+    return finish_rows([row_for(r, cfg, cap_mb, order, base, gathered, reference)
+                        for order, r in enumerate(runners)], comm_s, prefix)

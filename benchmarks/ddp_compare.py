@@ -33,10 +33,10 @@ from .torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
 
-# The keys issue #4 asks for; rows carry more (IQRs, compute/comm, recompiles, ...).
+# The keys every row carries (issues #4 and #16); rows carry more (IQRs, compute/comm, limit parts, ...).
 ROW_KEYS = (
-    "mode", "backend", "link", "bucket_cap_mb", "step_ms_median", "ratio_vs_builtin",
-    "overlap", "compile_s", "partitions", "loss_max_abs_diff",
+    "mode", "backend", "net", "link", "bucket_cap_mb", "step_ms_median", "ratio_vs_builtin", "ratio_vs_best_peer",
+    "limit_ms", "step_over_limit", "overlap", "compile_s", "partitions", "loss_max_abs_diff",
 )
 
 COMMAND_ENV = "BENCH_DDP_COMMAND"  # the user's command line, handed to the workers by relaunch
@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return check_device(p, args)
 
 
-HEADERS = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "compute ms", "comm ms", "exposed ms", "pred exp ms",
+HEADERS = ["cap MiB", "mode", "step ms", "vs builtin [IQR]", "vs best peer", "step/limit", "compute ms", "comm ms", "exposed ms", "pred exp ms",
            "overlap", "align", "cold s", "warm s", "warm aot h/m/b", "parts", "buckets", "recomp", "peak MiB",
            "loss diff"]
 
@@ -100,7 +100,8 @@ def _cells(r: dict) -> list:
     if r.get("ratio_q1") is not None and r.get("ratio_baseline") and r["ratio_baseline"] != "builtin":
         ratio += f" vs {r['ratio_baseline']}"
     return [
-        cap_label(r["bucket_cap_mb"]), r["mode"], fmt(r["step_ms_median"], ".1f"), ratio, fmt(r["compute_ms"], ".1f"),
+        cap_label(r["bucket_cap_mb"]), r["mode"], fmt(r["step_ms_median"], ".1f"), ratio,
+        fmt(r.get("ratio_vs_best_peer"), ".3f"), fmt(r.get("step_over_limit"), ".2f"), fmt(r["compute_ms"], ".1f"),
         fmt(r["comm_ms"], ".1f"), fmt(r["exposed_comm_ms"], ".1f"), fmt(r.get("predicted_exposed_comm_ms"), ".1f"),
         fmt(r["overlap"], ".2f"), fmt(r.get("alignment"), ".2f"), fmt(r["compile_cold_s"], ".1f"),
         fmt(r["compile_warm_s"], ".1f"), _cache_cell(r.get("warm_cache")), fmt(r["partitions"], "d"), r["ddp_buckets"],
@@ -124,8 +125,8 @@ def _config(args: argparse.Namespace):
     from .ddp_bench import BenchConfig
     from .link import parse_link
 
-    return BenchConfig(**job_kwargs(args), link=parse_link(args.link), caps=args.caps, cache_root=args.cache_root,
-                       sweep=args.sweep, baseline=args.baseline)
+    return BenchConfig(**job_kwargs(args), link=parse_link(args.link), net=args.net, caps=args.caps,
+                       cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline)
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -44,6 +44,8 @@ class DDPRunner(Runner):
     compiler: Any = None  # compiled_autograd: the backend its backward graphs compile with
     sync_fb_s: list[float] = field(default_factory=list)  # forward+backward with all-reduce, per measured round
     nosync_fb_s: list[float] = field(default_factory=list)  # the same under no_sync
+    nosync_fwd_s: list[float] = field(default_factory=list)  # its forward alone
+    opt_s: list[float] = field(default_factory=list)  # the optimizer step of the synchronised step
     link_s: list[float] = field(default_factory=list)
     buckets_per_step: list[int] = field(default_factory=list)
     bucket_bytes: list[int] = field(default_factory=list)  # DDP's buckets in launch order, last sync step

@@ -24,7 +24,7 @@ START = "<!-- bench:ddp:start -->"
 END = "<!-- bench:ddp:end -->"
 
 
-def _cells(r: dict, predicted: bool, peak: bool) -> list[str]:
+def _cells(r: dict, predicted: bool, peak: bool, limit: bool) -> list[str]:
     """One table line of a row; the ratio names its baseline when that ran at another cap."""
     ratio = with_iqr(r.get("ratio_vs_builtin"), r.get("ratio_q1"), r.get("ratio_q3"))
     if r.get("ratio_baseline") and r.get("runner") and r["mode"] != "builtin" and "@" in r["ratio_baseline"] \
@@ -32,6 +32,8 @@ def _cells(r: dict, predicted: bool, peak: bool) -> list[str]:
         ratio += f" vs {r['ratio_baseline']}"
     return [
         cap_label(r["bucket_cap_mb"]), r["mode"], r["backend"], fmt(r["step_ms_median"], ".1f"), ratio,
+        *([with_iqr(r.get("ratio_vs_best_peer"), r.get("ratio_vs_best_peer_q1"), r.get("ratio_vs_best_peer_q3")),
+           fmt(r.get("step_over_limit"), ".2f")] if limit else []),
         fmt(r.get("exposed_comm_ms"), ".1f"), *([fmt(r.get("predicted_exposed_comm_ms"), ".1f")] if predicted else []),
         fmt(r.get("overlap"), ".2f"), fmt(r.get("compile_cold_s", r.get("compile_s")), ".1f"),
         fmt(r.get("compile_warm_s"), ".1f"), fmt(r.get("partitions"), "d"), fmt(r.get("alignment"), ".2f"),
@@ -44,22 +46,27 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
     predicted and peak-memory columns appear when some row has them (peak: CUDA runs)."""
     predicted = any(r.get("predicted_exposed_comm_ms") is not None for r in rows)
     peak = any(r.get("peak_mib") is not None for r in rows)
-    headers = ["cap MiB", "mode", "backend", "step ms (median)", "ratio vs builtin [IQR]", "exposed comm ms",
+    limit = any(r.get("limit_ms") is not None for r in rows)
+    headers = ["cap MiB", "mode", "backend", "step ms (median)", "ratio vs builtin [IQR]",
+               *(["vs best peer [IQR]", "step / limit"] if limit else []), "exposed comm ms",
                *(["predicted exposed ms"] if predicted else []), "overlap", "cold compile s", "warm compile s",
                "partitions", "alignment", *(["peak MiB"] if peak else []), "max loss diff"]
     # numeric caps in order, then auto (a sweep's cost-model plan)
     ordered = sorted(rows, key=lambda r: (isinstance(r["bucket_cap_mb"], str), str(r["bucket_cap_mb"])
                                           if isinstance(r["bucket_cap_mb"], str) else r["bucket_cap_mb"],
                                           r.get("mode_order", 0)))
-    table = markdown_table(headers, [_cells(r, predicted, peak) for r in ordered])
+    table = markdown_table(headers, [_cells(r, predicted, peak, limit) for r in ordered])
     parts = []
     sweep = any(r.get("runner") and r["runner"] != r["mode"] for r in rows)
     if rows:
         r0 = rows[0]
         model = f" {r0['model']}, {r0['grad_mib']:.1f} MiB of gradients;" if r0.get("model") and r0.get("grad_mib") else ""
         device = f" device `{r0['device']}`," if r0.get("device") else ""
+        net = r0.get("net", "local")
+        where = (f"Network `{net}` (two nodes in their own network namespaces, the link between them shaped with "
+                 f"`tc tbf`; no simulated link)" if net != "local" else f"Link `{r0['link']}`")
         parts.append(
-            f"Link `{r0['link']}`, world size {r0.get('world_size', '?')},{device}{model} "
+            f"{where}, world size {r0.get('world_size', '?')},{device}{model} "
             + (f"{r0.get('rounds', '?')} measured rounds in which every (mode, cap) pair, `ours@auto` included, "
                "takes its turn (one interleaved sweep: absolute times compare across caps). "
                "Ratios are medians of per-round ratios to `builtin` at the same cap, `auto`/eager to `builtin@25` "
@@ -76,6 +83,13 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
             "overlap = (compute + comm - step) / min(compute, comm), 1.0 hides all communication. "
             "Alignment = fraction of gradient bytes whose runtime DDP bucket is exactly one partition "
             "(- where not measured: eager has no partitions, PyTorch's splitter keeps its plan to itself). "
+            + (f"Physical limit {r0['limit_ms']:.1f} ms = fwd {r0['limit_fwd_ms']:.1f} + max(bwd "
+               f"{r0['limit_bwd_ms']:.1f}, comm {r0['limit_comm_ms']:.1f}) + opt {r0['limit_opt_ms']:.1f} "
+               "(the fastest forward, backward and optimizer step of any mode, and one all-reduce of all the "
+               "gradient bytes over the same link; Note [Physical limit of a step] in `benchmarks.limit`); "
+               "step / limit = 1.0 is a perfect step. Best peer = the fastest of eager DDP, PyTorch's splitter "
+               f"and compiled autograd's reducer at any cap (here `{r0.get('best_peer')}`); its ratio is the "
+               "median of per-round ratios. " if limit else "")
             + ("Peak MiB = `torch.cuda.max_memory_allocated` over a synchronised step, max over ranks and "
                "measured rounds. " if peak else "")
             + ("" if sweep else

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from .core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring, runner_measures
-from .ddp_bench import BenchConfig, row_for, run_round, run_step
+from .ddp_bench import BenchConfig, finish_rows, link_comm_s, row_for, run_round, run_step
 from .link import SimulatedLink
 from .modes_ddp import DDP_MODES, DEFAULT_CAP, DDPRunner, build_runner
 from .report import cap_label, fmt, markdown_table, print0
@@ -95,6 +95,7 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
         _print_auto_plans(runners)
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured),
                        "[sweep] ")
+    comm_s = link_comm_s(cfg, runners, link, "[sweep] ")
     gathered = gather_rank0(runner_measures(runners))
     if gathered is None:
         return []
@@ -105,7 +106,7 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
         # builtin at the runner's cap; builtin's default cap for auto (and when builtin@C did not run)
         base = by_label.get(f"builtin@{cap_label(r.cap)}") or by_label.get(f"builtin@{cap_label(DEFAULT_CAP)}")
         rows.append(row_for(r, cfg, r.cap, order, base, gathered, reference))
-    return rows
+    return finish_rows(rows, comm_s, "[sweep] ")
 
 
 def _paired(a: dict, b: dict) -> tuple[float, float, float]:
@@ -124,7 +125,7 @@ def sweep_summary(rows: Sequence[dict]) -> dict | None:
         return None
     fixed = [r for r in rows if r["mode"] == "ours" and r["bucket_cap_mb"] != "auto"]
     builtin = [r for r in rows if r["mode"] == "builtin"]
-    out: dict = {"link": auto["link"], "auto_step_ms": auto["step_ms_median"], "auto_overlap": auto.get("overlap"),
+    out: dict = {"link": auto["link"] if auto.get("net", "local") == "local" else auto["net"], "auto_step_ms": auto["step_ms_median"], "auto_overlap": auto.get("overlap"),
                  "auto_alignment": auto.get("alignment"), "auto_partitions": auto.get("partitions"),
                  "auto_predicted_exposed_comm_ms": auto.get("predicted_exposed_comm_ms"),
                  "auto_exposed_comm_ms": auto.get("exposed_comm_ms")}

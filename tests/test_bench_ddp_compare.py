@@ -88,6 +88,19 @@ def test_tiny_run_writes_rows_for_every_mode(tmp_path):
     assert by_mode["ours"]["partitions"] > 1 and by_mode["nosplit"]["partitions"] == 1
     assert 0.0 <= by_mode["ours"]["alignment"] <= 1.0 and by_mode["eager"]["alignment"] is None
     assert by_mode["builtin"]["ratio_vs_builtin"] == pytest.approx(1.0)
+    # the physical limit: one for the job, every step at or above it; the best peer's ratio to itself is 1
+    limits = {r["limit_ms"] for r in rows}
+    assert len(limits) == 1 and all(r["net"] == "local" for r in rows)
+    limit = rows[0]
+    assert limit["limit_ms"] == pytest.approx(limit["limit_fwd_ms"] + max(limit["limit_bwd_ms"], limit["limit_comm_ms"])
+                                              + limit["limit_opt_ms"])
+    assert limit["limit_fwd_ms"] == pytest.approx(min(r["fwd_ms"] for r in rows))
+    # the simulated link charges one message of all the gradient bytes its latency plus bytes / bandwidth
+    assert limit["limit_comm_ms"] >= 1.0 + limit["grad_mib"] * 2**20 / 100e6 * 1e3 - 1e-6
+    assert all(r["step_over_limit"] == pytest.approx(r["step_ms_median"] / r["limit_ms"]) for r in rows)
+    peer = by_mode[limit["best_peer"]]
+    assert peer["mode"] in ("eager", "builtin") and peer["ratio_vs_best_peer"] == pytest.approx(1.0)
+    assert peer["step_ms_median"] == min(r["step_ms_median"] for r in rows if r["mode"] in ("eager", "builtin"))
     # regional: one block graph; DDP's runtime buckets are its planned buckets of whole blocks
     regional = by_mode["regional"]
     assert regional["partitions"] == 1 and regional["alignment"] == 1.0

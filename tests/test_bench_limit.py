@@ -1,0 +1,49 @@
+"""The physical limit's arithmetic and the best-peer ratio (benchmarks.limit), on hand-made rows."""
+
+import pytest
+
+from benchmarks.limit import LimitParts, add_limit_columns, limit_parts
+
+
+def _row(mode, runner, steps, fwd, bwd, opt):
+    return {"mode": mode, "runner": runner, "step_ms_rounds": steps, "step_ms_median": sorted(steps)[len(steps) // 2],
+            "fwd_ms": fwd, "bwd_ms": bwd, "opt_ms": opt}
+
+
+def test_limit_is_forward_plus_the_longer_of_backward_and_link_plus_optimizer():
+    assert LimitParts(fwd_s=0.01, bwd_s=0.03, opt_s=0.002, comm_s=0.05).limit_s == pytest.approx(0.062)
+    assert LimitParts(fwd_s=0.01, bwd_s=0.03, opt_s=0.002, comm_s=0.02).limit_s == pytest.approx(0.042)
+    cols = LimitParts(0.01, 0.03, 0.002, 0.05).columns()
+    assert cols["link_bound"] is True and cols["limit_comm_ms"] == pytest.approx(50.0)
+
+
+def test_limit_takes_the_fastest_compute_of_any_mode():
+    rows = [_row("eager", "eager", [100, 110, 120], fwd=12, bwd=30, opt=3),
+            _row("ours", "ours@4", [80, 90, 85], fwd=10, bwd=25, opt=4)]
+    parts = limit_parts(rows, comm_s=0.040)
+    assert (parts.fwd_s, parts.bwd_s, parts.opt_s) == pytest.approx((0.010, 0.025, 0.003))
+    assert parts.limit_s == pytest.approx(0.053)
+    with pytest.raises(ValueError, match="at least one mode"):
+        limit_parts([], comm_s=0.04)
+
+
+def test_rows_get_step_over_limit_and_the_ratio_to_the_fastest_peer():
+    rows = [_row("eager", "eager", [120, 130, 140], 10, 20, 2),
+            _row("builtin", "builtin@1", [100, 100, 100], 10, 20, 2),
+            _row("builtin", "builtin@25", [110, 110, 110], 10, 20, 2),
+            _row("ours", "ours@auto", [90, 95, 100], 10, 20, 2)]
+    add_limit_columns(rows, comm_s=0.050)
+    assert all(r["limit_ms"] == pytest.approx(62.0) for r in rows)
+    ours = rows[-1]
+    assert ours["best_peer"] == "builtin@1"
+    assert ours["ratio_vs_best_peer"] == pytest.approx(0.95)  # median of 0.90, 0.95, 1.00
+    assert (ours["ratio_vs_best_peer_q1"], ours["ratio_vs_best_peer_q3"]) == pytest.approx((0.925, 0.975))
+    assert ours["step_over_limit"] == pytest.approx(95 / 62)
+    assert rows[1]["ratio_vs_best_peer"] == pytest.approx(1.0)
+
+
+def test_without_a_peer_there_is_no_peer_ratio_but_still_a_limit():
+    rows = [_row("ours", "ours@1", [90, 95, 100], 10, 20, 2), _row("nosplit", "nosplit", [100, 100, 100], 9, 22, 2)]
+    add_limit_columns(rows, comm_s=0.010)
+    assert rows[0]["best_peer"] is None and rows[0]["ratio_vs_best_peer"] is None
+    assert rows[0]["limit_ms"] == pytest.approx(9 + 20 + 2)
