@@ -210,3 +210,23 @@ def test_settings_that_cannot_go_with_a_token_file_are_refused(positions, overri
 
 def test_a_good_file_passes(positions):
     validate(_tokens(positions, "model.vocab_size=20000"), world_size=2)
+
+
+# --- resume, end to end -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_resumed_run_on_a_token_file_repeats_the_losses(tmp_path, one_thread, clean_dynamo):
+    from launch.train import run
+
+    path = _write(tmp_path / "t.bin", np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200, np.uint8))
+
+    def job(*more: str) -> JobConfig:
+        return _job("compile=eager", "parallel=none", "data=tokens", f"data.path={path}", "model.vocab_size=256",
+                    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.seq_len=32", "train.steps=6",
+                    "train.checkpoint_every=3", f"train.checkpoint_dir={tmp_path / 'ckpt'}", *more)
+
+    whole = run(job())["losses"]
+    (tmp_path / "ckpt" / "step_000006").rename(tmp_path / "old_step_6")  # resume from step 3
+    resumed = run(job("train.resume=true"))
+    assert resumed["start_step"] == 3 and resumed["losses"] == whole[3:], (whole, resumed["losses"])
