@@ -29,6 +29,7 @@ def describe(cfg: JobConfig) -> str:
     ddp = " ".join(f"{k}={getattr(d, k)}" for k in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list")
                    if getattr(d, k) is not None) or "defaults (25 MiB, first 1 MiB)"
     data = cfg.data.name + (f" target={cfg.data._target_}" if cfg.data._target_ else "")
+    data += f" path={cfg.data.path} val_fraction={cfg.data.val_fraction}" if cfg.data.path else ""
     data += f" lengths={cfg.data.lengths} padding={cfg.data.padding}" + (
         f" pad_multiple={cfg.data.pad_multiple}" if cfg.data.padding == Padding.MULTIPLE else "")
     ckpt = f"every {t.checkpoint_every} steps -> {t.checkpoint_dir}" if t.checkpoint_every else "off"

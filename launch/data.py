@@ -3,7 +3,8 @@
 The default is synthetic: each batch is a pure function of (seed, rank, step), so
 a run is reproducible and a resumed run replays exactly the batches the
 interrupted one would have seen, with no data-loader state in the checkpoint.
-A user's dataset plugs in by ``data._target_`` and follows the same contract.
+A token file (``data=tokens``, ``launch.tokens``) and a user's dataset
+(``data._target_``) follow the same contract.
 """
 
 from __future__ import annotations
@@ -59,9 +60,14 @@ class SyntheticTokens:
 
 
 def build_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> TokenSource:
-    """The dataset the config names: synthetic, or ``_target_(**kwargs)``."""
+    """The dataset the config names: synthetic, a token file (``data=tokens``,
+    ``launch.tokens``), or ``_target_(**kwargs)``."""
     if cfg._target_:
         from hydra.utils import instantiate
 
         return instantiate({"_target_": cfg._target_, **cfg.kwargs})
+    if cfg.name == "tokens":
+        from .tokens import TokenFile  # launch.tokens imports this module
+
+        return TokenFile(cfg.path, seed=seed, dtype=cfg.dtype, val_fraction=cfg.val_fraction, vocab_size=vocab_size)
     return SyntheticTokens(seed, vocab_size, **cfg.kwargs)

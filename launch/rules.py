@@ -252,7 +252,18 @@ def check_fsdp(f: FSDPOptions, p: ParallelConfig) -> None:
 
 
 def check_data(d: DataConfig) -> None:
-    if d.name == "synthetic" and not d._target_:
+    """The data source's settings (a token file itself is ``launch.tokens.check_token_data``'s)."""
+    if d.name != "tokens" and d.path is not None:
+        raise ConfigError(
+            f"data.path={d.path!r} is set but data={d.name}: only data=tokens reads a token file, so it would be "
+            "silently ignored. Use data=tokens data.path=..., or drop data.path."
+        )
+    if d.name == "tokens" and d._target_:
+        raise ConfigError(
+            f"data=tokens with data._target_={d._target_!r}: data=tokens reads data.path itself, and _target_ "
+            "would replace it. Drop data._target_, or use data=custom for your own dataset."
+        )
+    if d.name in ("synthetic", "tokens") and not d._target_:
         return
     if not d._target_:
         raise ConfigError(

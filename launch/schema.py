@@ -189,8 +189,9 @@ class FSDPOptions:
 @dataclass
 class DataConfig:
     """``data`` group. ``synthetic``: tokens that are a pure function of
-    (seed, rank, step). A user dataset: ``_target_(**kwargs)`` returning an object
-    with ``batch(step, rank, world_size, batch_size, seq_len) -> (inputs, targets)``."""
+    (seed, rank, step). ``tokens``: a token file (``path``). A user dataset:
+    ``_target_(**kwargs)`` returning an object with
+    ``batch(step, rank, world_size, batch_size, seq_len) -> (inputs, targets)``."""
 
     name: str = "synthetic"
     _target_: Optional[str] = None
@@ -202,6 +203,13 @@ class DataConfig:
     # pad_multiple (every shape compiled in warm-up); dynamic: mark_dynamic.
     padding: str = "max"
     pad_multiple: int = 8
+    # data=tokens (launch.tokens, Note [Token files]): a flat file of token ids, as
+    # `python -m launch.prepare_data` writes. dtype: uint16 | uint32, null: from the
+    # file's sidecar PATH.json, else uint16. The last val_fraction of the file is the
+    # validation region (eval_batch), never trained on.
+    path: Optional[str] = None
+    dtype: Optional[str] = None
+    val_fraction: float = 0.1
 
 
 @dataclass

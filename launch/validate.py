@@ -15,7 +15,7 @@ from __future__ import annotations
 import fsdp_opt
 from compiler import FALLBACKS, SettingError
 
-from . import probe, rules, rules_resources, rules_train
+from . import probe, rules, rules_resources, rules_train, tokens
 from .parallel import ddp_compile_config
 from .schema import CompileConfig, ConfigError, FSDPOptions, JobConfig
 
@@ -42,6 +42,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _fsdp_settings(cfg.fsdp)
     rules.check_data(cfg.data)
     rules_train.check_train(cfg.train, world_size)
+    tokens.check_token_data(cfg, world_size)  # after check_train: it needs a valid train.seq_len
     rules_train.check_resume(cfg, world_size)
     rules.check_diagnose(cfg)
     rules_train.check_step(cfg, world_size)

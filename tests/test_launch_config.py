@@ -43,9 +43,13 @@ def test_defaults_compose_to_typed_job_config():
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
-def test_every_group_option_composes(group, option):
+def test_every_group_option_composes(group, option, tmp_path):
     assert _options(group), f"configs/{group}/ has no options"
-    cfg = _job(f"{group}={option}")
+    more = []
+    if (group, option) == ("data", "tokens"):  # data.path is required: a small token file
+        (tmp_path / "tokens.bin").write_bytes(bytes(4000))
+        more = [f"data.path={tmp_path / 'tokens.bin'}"]
+    cfg = _job(f"{group}={option}", *more)
     section = getattr(cfg, group)
     if hasattr(section, "name"):
         assert section.name == option
