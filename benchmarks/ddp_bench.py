@@ -81,7 +81,7 @@ from ._torch_internals import graphs_compiled
 from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from .device import clock, peak_bytes, reset_peak
-from .limit import add_limit_columns, measure_comm
+from .limit import add_limit_columns, limit_parts, measure_comm
 from .link import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
 from .report import cap_label, nan_to_none, print0
@@ -289,7 +289,8 @@ def finish_rows(rows: list[dict], comm_s: float, prefix: str = "") -> list[dict]
     """The rows with the physical limit, ``step_over_limit`` and the ratio to the best peer; over a
     real link (no simulated one) also ``comm_ms`` and ``overlap`` from the measured link time."""
     if rows:
-        parts = add_limit_columns(rows, comm_s)
+        parts = limit_parts(rows, comm_s)
+        add_limit_columns(rows, parts)
         for r in rows:
             if r["comm_ms"] is None and r["net"] != "local":
                 r["comm_ms"] = comm_s * 1e3

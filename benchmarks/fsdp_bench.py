@@ -34,6 +34,14 @@ Measured (rank 0's clocks; losses and memory from all ranks):
   process RSS high-water mark (``ru_maxrss``) at the end, the same for every
   mode of the job, and ``peak_mib`` is None.
 - loss_max_abs_diff: max over ranks and steps of |loss - eager's loss|.
+- fwd, bwd, opt: the step split by clock reads after forward and backward.
+  Unsharded copies of the model (``compute_runners``: eager and/or per-block
+  compiled, no FSDP, no communication) take their turns in the same rounds;
+  after the rounds one all-gather and one reduce-scatter of all the parameter
+  bytes are timed over the job's link. Every row then gets the physical limit
+  ``max(fwd + bwd, 2 ag + rs, fwd + rs) + opt``, ``step_over_limit`` and
+  ``ratio_vs_best_peer`` (eager or per_block; Note [Physical limit of a step] in
+  ``benchmarks.limit``).
 - device: ``cuda: <GPU name>`` or ``cpu``.
 
 On CUDA (Note [Benchmark device] in ``benchmarks.device``): each rank runs on
@@ -50,7 +58,7 @@ NCCL.
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -62,8 +70,11 @@ import fsdp_opt
 from .core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps, gather_rank0, job_columns, \
     loss_reference, max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from .device import clock, peak_bytes, reset_peak
+from .limit import FSDP_PEER_MODES, FSDPLimitParts, add_limit_columns, measure_fsdp_comm
+from .report import print0
+from .stats import median
 
-__all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "run_fsdp"]
+__all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "compute_runners", "run_fsdp"]
 
 MiB = 2**20
 BASELINE = "per_block"  # the mode the ratio column (ratio_vs_per_block) divides by, round by round
@@ -123,7 +134,26 @@ class FSDPRunner(Runner):
 
     mode: FSDPMode
     model: nn.Module
-    plan: fsdp_opt.FSDPPlan
+    plan: fsdp_opt.FSDPPlan | None  # None: an unsharded compute reference (``compute_runners``)
+    fwd_s: list[float] = field(default_factory=list)  # per measured round: forward,
+    bwd_s: list[float] = field(default_factory=list)  # backward (FSDP's collectives included)
+    opt_s: list[float] = field(default_factory=list)  # and the optimizer step
+
+
+def compute_runners(cfg: FSDPBenchConfig) -> list[FSDPRunner]:
+    """The unsharded copies of the model whose forward and backward, with no communication at
+    all, are the compute of the physical limit (Note [Physical limit of a step] in
+    ``benchmarks.limit``): eager when an uncompiled mode runs, per-block compiled when a
+    compiled one does."""
+    out = []
+    for compiled in sorted({FSDP_MODES[m].compiled for m in cfg.modes}):
+        model = cfg.new_model()
+        if compiled:
+            for block in model.blocks:
+                block.compile(backend=cfg.backend)
+        mode = FSDPMode(f"unsharded_{'per_block' if compiled else 'eager'}", "no FSDP: the limit's compute", compiled)
+        out.append(FSDPRunner(mode=mode, model=model, plan=None, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr)))
+    return out
 
 
 def build_runner(name: str, cfg: FSDPBenchConfig) -> FSDPRunner:
@@ -137,32 +167,37 @@ def build_runner(name: str, cfg: FSDPBenchConfig) -> FSDPRunner:
     return FSDPRunner(mode=mode, model=model, plan=plan, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
 
 
-def run_step(r: FSDPRunner, cfg: FSDPBenchConfig) -> tuple[float, int | None]:
-    """One timed training step (forward, backward, SGD step): its seconds and, on CUDA, the
-    peak bytes allocated during it (None on the CPU)."""
+def run_step(r: FSDPRunner, cfg: FSDPBenchConfig) -> tuple[tuple[float, float, float], int | None]:
+    """One timed training step (forward, backward, SGD step): the seconds of its three parts and,
+    on CUDA, the peak bytes allocated during it (None on the CPU)."""
     x, y = cfg.batch_at(r.step)
     dist.barrier()
     t0 = clock(x.device)
     reset_peak(x.device)
     _, loss = r.model(x, y)
+    t1 = clock(x.device)
     loss.backward()
+    t2 = clock(x.device)
     r.opt.step()
-    dt = clock(x.device) - t0
+    t3 = clock(x.device)
     peak = peak_bytes(x.device)
     r.opt.zero_grad(set_to_none=True)
     r.losses.append(float(loss.detach()))
     r.step += 1
-    return dt, peak
+    return (t1 - t0, t2 - t1, t3 - t2), peak
 
 
 def run_round(r: FSDPRunner, cfg: FSDPBenchConfig, measured: bool) -> float:
-    """One step, its time (and peak memory) kept when ``measured``; the step's seconds."""
-    step_s, peak = run_step(r, cfg)
+    """One step, its time, parts (and peak memory) kept when ``measured``; the step's seconds."""
+    (fwd, bwd, opt), peak = run_step(r, cfg)
     if measured:
-        r.step_s.append(step_s)
+        r.step_s.append(fwd + bwd + opt)
+        r.fwd_s.append(fwd)
+        r.bwd_s.append(bwd)
+        r.opt_s.append(opt)
         if peak is not None:
             r.peak_bytes.append(peak)
-    return step_s
+    return fwd + bwd + opt
 
 
 def _rss_hwm_mib() -> float:
@@ -194,6 +229,10 @@ def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | Non
         "compile_s": compile_seconds(r.first_step_s[0], steps.median_s, r.mode.compiled),
         "first_step_s": r.first_step_s[0],
         "mode_order": order,
+        "fwd_ms": median(r.fwd_s) * 1e3,
+        "bwd_ms": median(r.bwd_s) * 1e3,
+        "opt_ms": median(r.opt_s) * 1e3,
+        "step_ms_rounds": [t * 1e3 for t in r.step_s],
         "step_ms_q1": steps.q1_s * 1e3,
         "step_ms_q3": steps.q3_s * 1e3,
         "ratio_q1": steps.ratio_q1,
@@ -207,11 +246,21 @@ def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
     """Build, compile and measure every mode; rank 0 gets the rows, other ranks []."""
     torch.compiler.reset()
     runners = [build_runner(m, cfg) for m in cfg.modes]
-    with measuring(runners):
-        first_steps(runners, lambda r: run_step(r, cfg)[0], phase="first step", cache=FRESH, tag="fsdpbench")
-        measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, measured))
+    reference = compute_runners(cfg)
+    with measuring(runners + reference):
+        first_steps(runners + reference, lambda r: sum(run_step(r, cfg)[0]), phase="first step", cache=FRESH, tag="fsdpbench")
+        measure_rounds(runners + reference, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, measured))
+    nbytes = sum(p.numel() * p.element_size() for p in reference[0].model.parameters())
+    ag_s, rs_s = measure_fsdp_comm(nbytes, cfg.torch_device, repeats=max(3, min(cfg.rounds, 5)))
     gathered = gather_rank0({**runner_measures(runners), "rss_hwm_mib": _rss_hwm_mib()})
     if gathered is None:
         return []
-    base, reference = next((r for r in runners if r.label == BASELINE), None), loss_reference(runners)
-    return [_row(r, cfg, order, base, gathered, reference) for order, r in enumerate(runners)]
+    base, losses = next((r for r in runners if r.label == BASELINE), None), loss_reference(runners)
+    rows = [_row(r, cfg, order, base, gathered, losses) for order, r in enumerate(runners)]
+    parts = FSDPLimitParts(fwd_s=min(median(r.fwd_s) for r in reference), bwd_s=min(median(r.bwd_s) for r in reference),
+                           opt_s=min(median(r.opt_s) for r in runners), ag_s=ag_s, rs_s=rs_s)
+    add_limit_columns(rows, parts, FSDP_PEER_MODES)
+    print0(f"physical limit {parts.limit_s * 1e3:.1f} ms = max(fwd {parts.fwd_s * 1e3:.1f} + bwd {parts.bwd_s * 1e3:.1f}, "
+           f"2 x all-gather {parts.ag_s * 1e3:.1f} + reduce-scatter {parts.rs_s * 1e3:.1f}, fwd + reduce-scatter) + "
+           f"opt {parts.opt_s * 1e3:.1f} ({nbytes / MiB:.1f} MiB of parameters)")
+    return rows

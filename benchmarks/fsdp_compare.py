@@ -34,9 +34,9 @@ from .torchrun import here_or_relaunched
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "update_readme",
            "ROW_KEYS", "START", "END"]
 
-# The keys issue #7 asks for; rows carry more (IQRs, unit sizes, compile seconds, ...).
-ROW_KEYS = ("mode", "backend", "step_ms_median", "ratio_vs_per_block", "peak_mem_mib_per_rank",
-            "loss_max_abs_diff", "units")
+# The keys issues #7 and #16 ask for; rows carry more (IQRs, unit sizes, compile seconds, limit parts, ...).
+ROW_KEYS = ("mode", "backend", "net", "step_ms_median", "ratio_vs_per_block", "ratio_vs_best_peer", "limit_ms",
+            "step_over_limit", "peak_mem_mib_per_rank", "loss_max_abs_diff", "units")
 
 START = "<!-- bench:fsdp:start -->"
 END = "<!-- bench:fsdp:end -->"
@@ -70,7 +70,9 @@ def _cells(r: dict) -> list[str]:
     peak = "/".join(f"{m:.0f}" for m in r["peak_mem_mib_per_rank"]) if r.get("peak_mem_mib_per_rank") else "-"
     units = f"{r['units']} ({_unit_sizes(r.get('unit_mib') or [])})"
     ratio = with_iqr(r.get("ratio_vs_per_block"), r.get("ratio_q1"), r.get("ratio_q3"))
-    return [r["mode"], r["backend"], fmt(r["step_ms_median"], ".1f"), ratio, fmt(r.get("compile_s"), ".1f"),
+    peer = with_iqr(r.get("ratio_vs_best_peer"), r.get("ratio_vs_best_peer_q1"), r.get("ratio_vs_best_peer_q3"))
+    return [r["mode"], r["backend"], fmt(r["step_ms_median"], ".1f"), ratio, peer, fmt(r.get("step_over_limit"), ".2f"),
+            fmt(r.get("compile_s"), ".1f"),
             peak, fmt(r.get("loss_max_abs_diff"), ".1e"), units, fmt(r.get("prefetch"), "d")]
 
 
@@ -80,7 +82,7 @@ def _unit_sizes(mib: Sequence[float]) -> str:
     return "/".join(f"{m:.2f}" for m in mib)
 
 
-HEADERS = ["mode", "backend", "step ms", "vs per_block [IQR]", "compile s", "peak MiB/rank", "loss diff",
+HEADERS = ["mode", "backend", "step ms", "vs per_block [IQR]", "vs best peer [IQR]", "step / limit", "compile s", "peak MiB/rank", "loss diff",
            "units (MiB each)", "prefetch"]
 
 
@@ -112,6 +114,13 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
         "brackets; below 1 is faster). compile s = first step minus the median step (cold: `torch._dynamo.reset()` and a fresh "
         f"inductor cache dir before each compiled mode); loss diff = max over ranks and steps of |loss - eager's loss|; {mem}. "
         "Absolute times drift between tables with the machine's load; compare modes within a table."
+        + (f" Physical limit {r0['limit_ms']:.1f} ms = max(fwd {r0['limit_fwd_ms']:.1f} + bwd {r0['limit_bwd_ms']:.1f}, "
+           f"2 x all-gather {r0['limit_allgather_ms']:.1f} + reduce-scatter {r0['limit_reduce_scatter_ms']:.1f}, "
+           f"fwd + reduce-scatter) + opt {r0['limit_opt_ms']:.1f}: fwd and bwd of an unsharded copy with no "
+           "communication, one all-gather and one reduce-scatter of all the parameter bytes over the same link, the "
+           "fastest sharded optimizer step (Note [Physical limit of a step] in `benchmarks.limit`); step / limit = "
+           f"1.0 is a perfect step. Best peer = the faster of `eager` and `per_block` (here `{r0.get('best_peer')}`)."
+           if r0.get("limit_ms") is not None else "")
     )
     parts = [text] if describe else []
     run = f"{r0.get('rounds', '?')} measured rounds after {r0.get('warmup', '?')} warmup"

@@ -42,6 +42,25 @@ with compute for the same cores. And the limit assumes the optimizer runs after
 the last bucket: an optimizer applied bucket by bucket as buckets arrive could
 beat it by at most ``opt``.
 
+FSDP2 (``benchmarks.fsdp_bench``, every unit resharded after forward): a step
+must all-gather every parameter for forward and again for backward (``ag``
+each), reduce-scatter every gradient (``rs``), compute forward and backward on
+the full parameters, and step the optimizer on its shard. The collectives share
+one link and the computations one device, and no gradient exists before
+forward ends, so
+
+    step >= max(fwd + bwd, 2 ag + rs, fwd + rs) + opt  =:  limit
+
+with ``ag`` and ``rs`` one ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+of all the parameter bytes in one flat tensor over the job's link (medians, a
+barrier before each), fwd and bwd the medians of an unsharded copy of the model
+with no communication at all (per-block compiled when a compiled mode runs,
+eager otherwise; the smaller of the two when both run), and opt the smallest
+median optimizer step of the FSDP modes' own steps (a sharded step: no
+communication). This bound lets the two phases' collectives overlap anything,
+so it is looser than ``max(fwd, ag) + max(bwd, ag + rs) + opt``, which assumes
+backward's all-gathers cannot start during forward.
+
 Best peer: among the peers' rows (eager DDP, PyTorch's splitter, compiled
 autograd's reducer, every cap each), the one with the least median step;
 ``ratio_vs_best_peer`` is the median of per-round ratios to it (with IQR), as
@@ -55,9 +74,11 @@ from typing import Sequence
 
 from .stats import median, ratio_summary
 
-__all__ = ["LimitParts", "limit_parts", "add_limit_columns", "measure_comm", "PEER_MODES"]
+__all__ = ["LimitParts", "FSDPLimitParts", "limit_parts", "add_limit_columns", "measure_comm", "measure_fsdp_comm",
+           "PEER_MODES", "FSDP_PEER_MODES"]
 
 PEER_MODES = ("eager", "builtin", "compiled_autograd")  # what users run today (the modes we must beat)
+FSDP_PEER_MODES = ("eager", "per_block")  # FSDP2 as is, and torchtitan's per-block compile recipe
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,27 @@ class LimitParts:
                 "link_bound": self.comm_s > self.bwd_s}
 
 
+@dataclass(frozen=True)
+class FSDPLimitParts:
+    """Seconds of each part of an FSDP2 step's limit (Note [Physical limit of a step])."""
+
+    fwd_s: float
+    bwd_s: float
+    opt_s: float
+    ag_s: float  # one all-gather of every parameter
+    rs_s: float  # one reduce-scatter of every gradient
+
+    @property
+    def limit_s(self) -> float:
+        return max(self.fwd_s + self.bwd_s, 2 * self.ag_s + self.rs_s, self.fwd_s + self.rs_s) + self.opt_s
+
+    def columns(self) -> dict:
+        return {"limit_ms": self.limit_s * 1e3, "limit_fwd_ms": self.fwd_s * 1e3, "limit_bwd_ms": self.bwd_s * 1e3,
+                "limit_opt_ms": self.opt_s * 1e3, "limit_allgather_ms": self.ag_s * 1e3,
+                "limit_reduce_scatter_ms": self.rs_s * 1e3,
+                "link_bound": 2 * self.ag_s + self.rs_s > self.fwd_s + self.bwd_s}
+
+
 def limit_parts(rows: Sequence[dict], comm_s: float) -> LimitParts:
     """The limit of the rows' job: the fastest forward, backward and optimizer step of any
     row (their ``fwd_ms``, ``bwd_ms``, ``opt_ms`` medians) and the measured ``comm_s``."""
@@ -93,10 +135,10 @@ def _best_peer(rows: Sequence[dict], peers: Sequence[str]) -> dict | None:
     return min(candidates, key=lambda r: r["step_ms_median"]) if candidates else None
 
 
-def add_limit_columns(rows: list[dict], comm_s: float, peers: Sequence[str] = PEER_MODES) -> LimitParts:
+def add_limit_columns(rows: list[dict], parts: LimitParts | FSDPLimitParts,
+                      peers: Sequence[str] = PEER_MODES) -> None:
     """Give every row ``limit_ms`` (and its parts), ``step_over_limit``, ``best_peer`` and
-    ``ratio_vs_best_peer`` with its IQR (None where no peer ran); returns the limit."""
-    parts = limit_parts(rows, comm_s)
+    ``ratio_vs_best_peer`` with its IQR (None where no peer ran)."""
     best = _best_peer(rows, peers)
     for r in rows:
         r.update(parts.columns())
@@ -104,23 +146,44 @@ def add_limit_columns(rows: list[dict], comm_s: float, peers: Sequence[str] = PE
         r["best_peer"] = best.get("runner", best["mode"]) if best is not None else None
         ratio = ratio_summary(r["step_ms_rounds"], best["step_ms_rounds"]) if best is not None else (None,) * 3
         r["ratio_vs_best_peer"], r["ratio_vs_best_peer_q1"], r["ratio_vs_best_peer_q3"] = ratio
-    return parts
 
 
-def measure_comm(nbytes: int, device, transfer_s, repeats: int) -> float:
-    """Median seconds (rank 0's clock) of ``repeats`` all-reduces of one flat float32 tensor of
-    ``nbytes`` on the default group, each after a barrier; each time at least
-    ``transfer_s(nbytes)`` (a simulated link's charge; ``lambda n: 0.0`` for a real link)."""
-    import torch
+def _timed(collective, device, repeats: int, at_least: float = 0.0) -> float:
+    """Median seconds (rank 0's clock) of ``repeats`` calls of ``collective()``, a barrier before each."""
     import torch.distributed as dist
 
     from .device import clock
 
-    flat = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     times = []
     for _ in range(max(repeats, 1)):
         dist.barrier()
-        t0 = clock(flat.device)
-        dist.all_reduce(flat)
-        times.append(max(clock(flat.device) - t0, transfer_s(nbytes)))
+        t0 = clock(device)
+        collective()
+        times.append(max(clock(device) - t0, at_least))
     return median(times)
+
+
+def measure_comm(nbytes: int, device, transfer_s, repeats: int) -> float:
+    """Median seconds of all-reducing one flat float32 tensor of ``nbytes`` on the default group;
+    each time at least ``transfer_s(nbytes)`` (a simulated link's charge; ``lambda n: 0.0`` for a
+    real link)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    return _timed(lambda: dist.all_reduce(flat), flat.device, repeats, transfer_s(nbytes))
+
+
+def measure_fsdp_comm(nbytes: int, device, repeats: int) -> tuple[float, float]:
+    """Median seconds of one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor`` of
+    ``nbytes`` of float32 (the whole, gathered size) on the default group."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    shard = max(nbytes // 4 // world, 1)
+    full = torch.zeros(shard * world, dtype=torch.float32, device=device)
+    part = torch.zeros(shard, dtype=torch.float32, device=device)
+    ag = _timed(lambda: dist.all_gather_into_tensor(full, part), full.device, repeats)
+    rs = _timed(lambda: dist.reduce_scatter_tensor(part, full), full.device, repeats)
+    return ag, rs

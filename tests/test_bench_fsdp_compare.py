@@ -80,12 +80,23 @@ def test_tiny_run_writes_rows_table_and_readme_section(tmp_path):
     assert by_mode["per_block"]["units"] == 2 and by_mode["grouped"]["units"] == 1
     assert by_mode["grouped"]["prefetch"] == 1 and by_mode["per_block"]["prefetch"] == 0
     assert by_mode["per_block"]["ratio_vs_per_block"] == pytest.approx(1.0)
+    # the physical limit, one for the job: unsharded compute, the link's all-gathers and reduce-scatter, opt
+    r0 = rows[0]
+    assert len({r["limit_ms"] for r in rows}) == 1 and r0["limit_allgather_ms"] > 0 and r0["limit_reduce_scatter_ms"] > 0
+    assert r0["limit_ms"] == pytest.approx(max(r0["limit_fwd_ms"] + r0["limit_bwd_ms"],
+                                               2 * r0["limit_allgather_ms"] + r0["limit_reduce_scatter_ms"],
+                                               r0["limit_fwd_ms"] + r0["limit_reduce_scatter_ms"]) + r0["limit_opt_ms"])
+    assert r0["limit_opt_ms"] == pytest.approx(min(r["opt_ms"] for r in rows))
+    assert all(r["step_over_limit"] == pytest.approx(r["step_ms_median"] / r["limit_ms"]) for r in rows)
+    peer = by_mode[r0["best_peer"]]
+    assert peer["mode"] in ("eager", "per_block") and peer["ratio_vs_best_peer"] == pytest.approx(1.0)
+    assert "unsharded_per_block" in proc.stderr and "physical limit" in proc.stderr  # the reference took its turns
     assert "| grouped" in proc.stdout  # the table
     assert "round 2/2" in proc.stderr and "process group gloo, device cpu" in proc.stderr  # progress
     text = readme.read_text()
     assert text.startswith(f"# t\n{START}\n") and text.endswith(f"{END}\ntail\n")
     assert "| grouped | aot_eager |" in text and "plain gloo" in text and "RSS high-water mark" in text
-    assert "device `cpu`" in text
+    assert "device `cpu`" in text and "Physical limit" in text
     assert results_markdown(rows) in text
 
 
@@ -97,4 +108,4 @@ def test_from_json_rewrites_readme_without_running(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"{START}\n{END}\n")
     assert main(["--from-json", str(tmp_path / "rows.json"), "--readme", str(readme)]) == 0
-    assert "| eager | eager | 10.0 | 0.900 [0.800, 1.000] | 0.0 | 100/101 | 0.0e+00 | 2 (0.50 each) | 0 |" in readme.read_text()
+    assert "| eager | eager | 10.0 | 0.900 [0.800, 1.000] | - | - | 0.0 | 100/101 | 0.0e+00 | 2 (0.50 each) | 0 |" in readme.read_text()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.limit import LimitParts, add_limit_columns, limit_parts
+from benchmarks.limit import FSDPLimitParts, LimitParts, add_limit_columns, limit_parts
 
 
 def _row(mode, runner, steps, fwd, bwd, opt):
@@ -32,7 +32,7 @@ def test_rows_get_step_over_limit_and_the_ratio_to_the_fastest_peer():
             _row("builtin", "builtin@1", [100, 100, 100], 10, 20, 2),
             _row("builtin", "builtin@25", [110, 110, 110], 10, 20, 2),
             _row("ours", "ours@auto", [90, 95, 100], 10, 20, 2)]
-    add_limit_columns(rows, comm_s=0.050)
+    add_limit_columns(rows, limit_parts(rows, comm_s=0.050))
     assert all(r["limit_ms"] == pytest.approx(62.0) for r in rows)
     ours = rows[-1]
     assert ours["best_peer"] == "builtin@1"
@@ -44,6 +44,19 @@ def test_rows_get_step_over_limit_and_the_ratio_to_the_fastest_peer():
 
 def test_without_a_peer_there_is_no_peer_ratio_but_still_a_limit():
     rows = [_row("ours", "ours@1", [90, 95, 100], 10, 20, 2), _row("nosplit", "nosplit", [100, 100, 100], 9, 22, 2)]
-    add_limit_columns(rows, comm_s=0.010)
+    add_limit_columns(rows, limit_parts(rows, comm_s=0.010))
     assert rows[0]["best_peer"] is None and rows[0]["ratio_vs_best_peer"] is None
     assert rows[0]["limit_ms"] == pytest.approx(9 + 20 + 2)
+
+
+def test_fsdp_limit_charges_two_all_gathers_and_a_reduce_scatter_and_no_scatter_before_forward_ends():
+    compute_bound = FSDPLimitParts(fwd_s=0.03, bwd_s=0.06, opt_s=0.001, ag_s=0.02, rs_s=0.02)
+    assert compute_bound.limit_s == pytest.approx(0.091) and compute_bound.columns()["link_bound"] is False
+    link_bound = FSDPLimitParts(fwd_s=0.03, bwd_s=0.06, opt_s=0.001, ag_s=0.05, rs_s=0.05)
+    assert link_bound.limit_s == pytest.approx(0.151) and link_bound.columns()["link_bound"] is True
+    late_scatter = FSDPLimitParts(fwd_s=0.08, bwd_s=0.01, opt_s=0.0, ag_s=0.01, rs_s=0.05)
+    assert late_scatter.limit_s == pytest.approx(0.13)  # the reduce-scatter cannot start before forward ends
+    rows = [_row("per_block", "per_block", [200, 210, 220], 0, 0, 0), _row("grouped", "grouped", [190, 190, 190], 0, 0, 0)]
+    add_limit_columns(rows, link_bound, peers=("eager", "per_block"))
+    assert rows[1]["best_peer"] == "per_block" and rows[1]["ratio_vs_best_peer"] == pytest.approx(190 / 210)
+    assert rows[1]["limit_allgather_ms"] == pytest.approx(50.0)

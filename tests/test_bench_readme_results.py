@@ -55,3 +55,16 @@ def test_only_the_marked_section_changes(tmp_path):
 def test_markers_must_be_there_once_and_in_order(text):
     with pytest.raises(ValueError, match="Expected exactly one"):
         replace_section(text, "body")
+
+
+def test_limit_and_best_peer_columns_and_the_shaped_network_where_the_rows_have_them():
+    assert "step / limit" not in results_markdown(ROWS)  # rows from before the limit
+    limit = dict(limit_ms=80.0, limit_fwd_ms=20.0, limit_bwd_ms=50.0, limit_comm_ms=55.0, limit_opt_ms=5.0,
+                 best_peer="builtin@1", net="shaped:800mbit", link="none")
+    rows = [dict(r, **limit, step_over_limit=r["step_ms_median"] / 80.0, ratio_vs_best_peer=0.97,
+                 ratio_vs_best_peer_q1=0.95, ratio_vs_best_peer_q3=0.99) for r in ROWS]
+    body = results_markdown(rows)
+    assert "| ratio vs builtin [IQR] | vs best peer [IQR] | step / limit | exposed comm ms |" in body
+    assert "| 4 | ours | inductor | 103.0 | 1.030 [0.990, 1.020] | 0.970 [0.950, 0.990] | 1.29 |" in body
+    assert "Network `shaped:800mbit` (two nodes" in body
+    assert "Physical limit 80.0 ms = fwd 20.0 + max(bwd 50.0, comm 55.0) + opt 5.0" in body and "`builtin@1`" in body
