@@ -8,6 +8,12 @@ point only sets that and a short default length. Run it under torchrun for a
 multi-rank job, like the main job:
 
     torchrun --standalone --nproc-per-node 2 -m launch.doctor compile=aot_eager
+
+With ``profile.steps=[5,6]`` the report also links a Chrome trace of those steps
+and a timeline picture of the last one, each partition's backward and each
+bucket's all-reduce on its own row, with the exposed communication marked
+(``launch.profile``, Note [Overlap timeline] in ``launch.timeline``); without it,
+the report says how to get them.
 """
 
 from __future__ import annotations

@@ -7,19 +7,25 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from .dist import print0
 from .recompiles import CompileCounts
 
-__all__ = ["Tally", "summary_lines", "format_shapes"]
+__all__ = ["Tally", "curve_name", "summary_lines", "format_shapes", "write_json"]
 
 
 @dataclass
 class Tally:
     """One run's measurements. Token counts are summed over ranks; ``timed_*``
-    leave out the first step, which pays for compiles."""
+    leave out the first step, which pays for compiles.
+
+    Every field that is a list of ``(step, number)`` pairs is a per-step curve
+    (:meth:`curves`): TensorBoard and the curves picture (``launch.tensorboard``)
+    show each of them, whatever it is, under :func:`curve_name` of the field."""
 
     losses: list[tuple[int, float]] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)  # the steps after the first
@@ -33,6 +39,8 @@ class Tally:
     timed_padded_tokens: float = 0.0
     warmup_s: float | None = None
     warmup_counts: CompileCounts | None = None
+    step_s: list[tuple[int, float]] = field(default_factory=list)  # every step's seconds, the first included
+    tokens_per_s: list[tuple[int, float]] = field(default_factory=list)  # every step's tokens/s (with padding)
 
     def add_shape(self, shape: tuple[int, ...]) -> None:
         self.shapes_seen[shape] = self.shapes_seen.get(shape, 0) + 1
@@ -40,6 +48,8 @@ class Tally:
     def add_step(self, step: int, loss: float, real_tokens: float, padded_tokens: float, seconds: float,
                  first: bool) -> None:
         self.losses.append((step, loss))
+        self.step_s.append((step, seconds))
+        self.tokens_per_s.append((step, padded_tokens / seconds if seconds > 0 else 0.0))
         self.real_tokens += real_tokens
         self.padded_tokens += padded_tokens
         if first:
@@ -48,6 +58,18 @@ class Tally:
             self.step_ms.append(seconds * 1e3)
             self.timed_real_tokens += real_tokens
             self.timed_padded_tokens += padded_tokens
+
+    def curves(self) -> dict[str, list[tuple[int, float]]]:
+        """The per-step curves by :func:`curve_name`: every field holding ``(step, number)`` pairs."""
+        out = {}
+        for name, value in vars(self).items():
+            if isinstance(value, list) and value and _is_point(value[0]) and _is_point(value[-1]):
+                out[curve_name(name)] = value
+        return out
+
+    def curves_at(self, step: int) -> dict[str, float]:
+        """Each curve's value at ``step``, for the curves that have one (the latest point)."""
+        return {name: float(points[-1][1]) for name, points in self.curves().items() if points[-1][0] == step}
 
     @property
     def median_step_ms(self) -> float:
@@ -81,6 +103,21 @@ class Tally:
         }
 
 
+def curve_name(field_name: str) -> str:
+    """A curve's name from its Tally field: plurals made singular (``losses`` -> ``loss``,
+    ``lrs`` -> ``lr``), names ending in a unit (``step_s``, ``tokens_per_s``) kept."""
+    if field_name.endswith("_s"):
+        return field_name
+    if field_name.endswith("sses"):
+        return field_name[:-2]
+    return field_name[:-1] if field_name.endswith("s") else field_name
+
+
+def _is_point(p: object) -> bool:
+    return (isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], int)
+            and isinstance(p[1], (int, float)) and not isinstance(p[1], bool))
+
+
 def format_shapes(shapes_seen: dict[tuple[int, ...], int], most: int = 8) -> str:
     items = sorted(shapes_seen.items())
     text = ", ".join(f"{tuple(s)} x{n}" for s, n in items[:most])
@@ -104,3 +141,10 @@ def summary_lines(metrics: dict[str, Any], shapes_seen: dict[tuple[int, ...], in
         f"recompiles {recompiles}, first step {metrics['first_step_s'] or 0:.1f}s, wall {metrics['wall_s']:.1f}s"
     )
     return lines
+
+
+def write_json(path: str, data: Any, what: str) -> None:
+    """Write ``data`` to ``path`` and say so (rank 0's files of the run directory)."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print0(f"{what}: {path}")

@@ -71,6 +71,7 @@ RESUMABLE = frozenset({
     "compile.", "ddp.", "parallel.dist_backend",  # how the same math is compiled, bucketed, communicated
     "fsdp.shard_unit_mb", "fsdp.prefetch", "fsdp.reshard_after_forward", "fsdp.checkpointing",
     "diagnose", "diagnose_json",
+    "log.", "profile.",  # what is written about the run, not what it computes
 })
 
 

@@ -34,6 +34,8 @@ __all__ = [
     "FSDPOptions",
     "DataConfig",
     "TrainConfig",
+    "LogConfig",
+    "ProfileConfig",
     "JobConfig",
     # Hydra boundary
     "register_configs",
@@ -244,6 +246,25 @@ class TrainConfig:
 
 
 @dataclass
+class LogConfig:
+    """``log`` section: what rank 0 writes into the run directory besides metrics.json
+    (``launch.tensorboard``): ``log.tensorboard=true`` on the command line."""
+
+    # TensorBoard event files (every per-step curve of the run: loss, step time, tokens/s, ...)
+    # and, at the end, curves.png (needs matplotlib; skipped with a warning without it).
+    tensorboard: bool = False
+
+
+@dataclass
+class ProfileConfig:
+    """``profile`` section (``launch.profile``, Note [Overlap timeline]): ``profile.steps=[4,5]``
+    wraps steps 4..5 in torch.profiler and writes trace.json and timeline.png."""
+
+    # The inclusive step range [first, last] to profile; null: no profiling.
+    steps: Optional[List[int]] = None
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -252,6 +273,8 @@ class JobConfig:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # Diagnose the compile (compiler.diagnose): rank 0 prints a report at the end
     # and writes it as JSON (diagnose_json, or diagnosis.json in the run directory).
     diagnose: bool = False

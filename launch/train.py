@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import math
 import os
 import sys
@@ -44,12 +43,13 @@ from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
 from .guard import OnNonfinite, nonfinite_loss
+from .observe import Observer
 from .optim import OptimizerStep, build_optimizer
 from .parallel import Wrapped, apply_parallel, build_model
 from .precision import grad_scaler
 from .preempt import Preempted, Preemption
 from .recompiles import CompileCounter
-from .report import Tally, summary_lines
+from .report import Tally, summary_lines, write_json
 from .resume import resume
 from .run_identity import run_identity
 from .schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
@@ -80,6 +80,7 @@ class Job:
     step_callbacks: Sequence[StepCallback] = ()
     tally: Tally = field(default_factory=Tally)
     preemption: Preemption = field(default_factory=Preemption)  # installed by run(): Note [Preemption]
+    observer: Observer = field(default_factory=Observer.inert)  # TensorBoard, profiler: installed by train()
 
     @property
     def compiled(self) -> bool:
@@ -119,11 +120,11 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
         try:
             configure_logging(env.rank)
             check_same_config(cfg)  # ranks given different configs stop here, with the keys that differ
-            metrics = train(cfg, env, step_callbacks, preemption)
+            metrics = train(cfg, env, step_callbacks, preemption, output_dir)
             if env.is_main and output_dir:
-                _write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
+                write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
             if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):
-                _write_json(cfg.diagnose_json or os.path.join(output_dir, "diagnosis.json"), metrics["diagnosis"],
+                write_json(cfg.diagnose_json or os.path.join(output_dir, "diagnosis.json"), metrics["diagnosis"],
                             "diagnosis")
         except BaseException as e:
             if exit_on_error:
@@ -151,14 +152,15 @@ def _leave(e: BaseException, env: DistEnv) -> None:
 
 
 def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] = (),
-          preemption: Preemption | None = None) -> dict[str, Any]:
+          preemption: Preemption | None = None, output_dir: str | None = None) -> dict[str, Any]:
     """Train in the process group ``env``; returns the metrics."""
     job = setup(cfg, env, step_callbacks)
     if preemption is not None:
         job.preemption = preemption
-    warm_up(job)
-    loop(job)
-    return report(job)
+    with Observer(cfg, env, output_dir) as job.observer:
+        warm_up(job)
+        loop(job)
+        return job.observer.finish(job.tally, report(job))
 
 
 # --- the phases ----------------------------------------------------------------------
@@ -224,6 +226,7 @@ def loop(job: Job) -> None:
     for step in range(job.start + 1, t.steps + 1):
         for callback in job.step_callbacks:
             callback(job, step)
+        job.observer.before_step(step)
         loss, real_tokens, padded_tokens, seconds, signalled = _step(job, step)
         first = step == job.start + 1
         job.tally.add_step(step, loss, real_tokens, padded_tokens, seconds, first)
@@ -232,6 +235,7 @@ def loop(job: Job) -> None:
         if step % t.log_interval == 0 or step in (job.start + 1, t.steps):
             print0(f"step {step:>5}/{t.steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
                    f"tokens/s {padded_tokens / seconds:10,.0f}")
+        job.observer.after_step(job.tally, step)
         skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row)
         saved = None
         if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
@@ -374,12 +378,6 @@ def _after_first_step(job: Job, seconds: float) -> None:
     table = partition_table(job.wrapped)
     if table is not None:
         print0(table)
-
-
-def _write_json(path: str, data: Any, what: str) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    print0(f"{what}: {path}")
 
 
 if __name__ == "__main__":

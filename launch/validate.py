@@ -7,7 +7,8 @@ message and exits with code 2.
 A rule is written once. Where a library config checks it, this module builds
 that config and tells its refusal in the launcher's spelling (``compile.backend=``
 rather than ``compile_ddp(backend=...)``); the launcher's own rules are in
-``launch.rules`` and ``launch.rules_train``.
+``launch.rules`` and ``launch.rules_train``, those of what the run writes about
+itself next to the code that writes it (``launch.tensorboard``, ``launch.profile``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import fsdp_opt
 from compiler import FALLBACKS, SettingError
 
 from . import probe, rules, rules_resources, rules_train, tokens
+from .profile import check_profile
+from .tensorboard import check_log
 from .parallel import ddp_compile_config
 from .schema import CompileConfig, ConfigError, FSDPOptions, JobConfig
 
@@ -45,6 +48,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     tokens.check_token_data(cfg, world_size)  # after check_train: it needs a valid train.seq_len
     rules_train.check_resume(cfg, world_size)
     rules.check_diagnose(cfg)
+    check_log(cfg)
+    check_profile(cfg)
     rules_train.check_step(cfg, world_size)
     rules_resources.check_folders(cfg)
     rules_resources.check_memory(cfg, world_size)
