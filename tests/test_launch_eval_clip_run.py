@@ -104,3 +104,12 @@ def test_a_grad_scaler_s_gradients_are_unscaled_before_clipping():
     assert not torch.isfinite(scaled()).item()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert scaled.scaler.get_scale() == 512.0
+
+
+def test_fsdp_with_per_block_compile_clips_and_evaluates(tmp_path):
+    # one rank: the DTensor gradient norm and the eager evaluation of the FSDP2 model whose
+    # blocks are compiled (two ranks, eager FSDP2: tests/test_launch_clip_multirank.py)
+    metrics = run(_job(tmp_path, parallel="fsdp", max_grad_norm=0.5, eval_every=2, eval_batches=1, steps=3))
+    assert [s for s, _ in metrics["grad_norms"]] == [1, 2, 3] and all(n > 0.5 for _, n in metrics["grad_norms"])
+    assert [s for s, _ in metrics["eval_losses"]] == [2, 3]
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in metrics["eval_losses"])
