@@ -5,7 +5,6 @@ getting the same lr and loss at every step as an uninterrupted one."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
