@@ -50,7 +50,7 @@ def _graphs(fn) -> tuple[int, list[torch.Tensor]]:
     return counters["stats"]["unique_graphs"] - before, out
 
 
-def _train(tensor_lr: bool | None, schedule: Schedule, steps: int) -> list[torch.Tensor]:
+def _train(tensor_lr: bool | None, schedule: Schedule, steps: int) -> dict[str, torch.Tensor]:
     """AdamW on a fresh GPT (same init each time), compiled step unless ``tensor_lr`` is None."""
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -63,7 +63,7 @@ def _train(tensor_lr: bool | None, schedule: Schedule, steps: int) -> list[torch
         opt()
         group = opt.optimizer.param_groups[0]  # outside the compiled call: a float and the group's own flags
         assert isinstance(group["lr"], float) and group["lr"] == schedule.lr_at(step) and group["foreach"] is True
-    return [p.detach().clone() for p in model.parameters()]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_compiled_step_with_a_changing_lr_compiles_once_and_matches_eager():
@@ -72,9 +72,11 @@ def test_compiled_step_with_a_changing_lr_compiles_once_and_matches_eager():
     assert graphs == 1, f"the compiled optimizer step compiled {graphs} graphs for {steps} lrs"
     eager = _train(None, schedule, steps)
     # The tensor lr is float32 where the eager step multiplies by a Python float: a few ulps apart,
-    # which Adam carries on (the parity tolerances of Note [Compiled optimizer step]).
-    for i, (p, q) in enumerate(zip(compiled, eager)):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-4, msg=lambda m: f"parameter {i} after {steps} steps: {m}")
+    # which Adam carries on; the attention's key bias (analytically zero gradient) shows them most
+    # (the parity tolerances of Note [Compiled optimizer step]).
+    for name, p in compiled.items():
+        tol = dict(rtol=0.0, atol=1e-4) if name.endswith("qkv.bias") else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p, eager[name], **tol, msg=lambda m: f"{name} after {steps} steps: {m}")
     torch._dynamo.reset()
     # the control: a float lr is a constant to dynamo, so every new value recompiles the step
     graphs_float, _ = _graphs(lambda: _train(False, schedule, 4))
