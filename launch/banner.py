@@ -42,7 +42,12 @@ def describe(cfg: JobConfig) -> str:
         ("data", data),
         ("train", f"steps={t.steps} batch={t.batch_size} seq={t.seq_len} lr={t.lr} seed={t.seed} "
                   f"resume={t.resume} precision={t.precision} grad_accum={t.grad_accum}"
-                  + (" no_recompile_after_warmup" if t.no_recompile_after_warmup else "")),
+                  + (" no_recompile_after_warmup" if t.no_recompile_after_warmup else "")
+                  + (f" lr_schedule={t.lr_schedule} warmup_steps={t.warmup_steps}"
+                     + (f" min_lr={t.min_lr}" if t.lr_schedule != "constant" else "")
+                     if t.lr_schedule != "constant" or t.warmup_steps else "")
+                  + (f" max_grad_norm={t.max_grad_norm}" if t.max_grad_norm else "")
+                  + (f" eval_every={t.eval_every} eval_batches={t.eval_batches}" if t.eval_every else "")),
         ("checkpoint", ckpt),
     ]
     return "\n".join(f"  {k:<10} {v}" for k, v in lines)

@@ -10,9 +10,10 @@ Algorithm
     - Every rank writes its shards with ``dcp.save`` into ``step_NNNNNN.tmp``.
       Model and optimizer state come from ``get_state_dict``, so the same code
       serves DDP (replicated) and FSDP (sharded) models.
-    - Rank 0 adds ``train_state.json`` (the step; the data stream and the RNG are
-      pure functions of (seed, rank, step), so the step is all the position there
-      is), then renames the folder to ``step_NNNNNN`` (atomic on POSIX) and
+    - Rank 0 adds ``train_state.json`` (the step; the data stream, the RNG and
+      the lr schedule are pure functions of (seed, rank, step), so the step is
+      all the position there is; the schedule's settings are recorded too), then
+      renames the folder to ``step_NNNNNN`` (atomic on POSIX) and
       replaces the ``latest`` marker (written to a temporary file, then
       ``os.replace``d). A barrier on either side keeps ranks in step.
     - Before the rename, rank 0 also writes ``identity.json`` and, last,
@@ -109,7 +110,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Optimizer, *, keep_last: int = 2,
-                    identity: RunIdentity | None = None) -> str:
+                    identity: RunIdentity | None = None, train_state: dict | None = None) -> str:
     """Save model + optimizer state after ``step`` steps (collective: every rank calls it).
 
     Args:
@@ -120,6 +121,8 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
         keep_last: how many published checkpoints to keep.
         identity: the run's identity, written as ``identity.json`` (Note [Checkpoint
             identity and manifest] in ``launch.run_identity``).
+        train_state: more of the loop's state for ``train_state.json``, next to the step
+            (the lr schedule's: ``launch.schedule``).
 
     Returns:
         The published folder.
@@ -142,7 +145,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
     dist.barrier()  # every rank's shards are written
 
     if rank == 0:
-        _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({"step": step}))
+        _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({**(train_state or {}), "step": step}))
         if identity is not None:
             write_identity(tmp, identity)
         write_manifest(tmp)  # last: the sha256 of every file above

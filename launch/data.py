@@ -23,7 +23,10 @@ class TokenSource(Protocol):
     """What the training loop asks of a dataset.
 
     ``batch`` must depend only on its arguments (and the object's constructor
-    arguments): that is what makes a resumed run bit-for-bit the same.
+    arguments): that is what makes a resumed run bit-for-bit the same. For
+    ``train.eval_every > 0`` a dataset also provides ``eval_batch(index, rank,
+    world_size, batch_size, seq_len)``: held-out batches, never trained on, with
+    the same contract (``launch.evaluate``).
     """
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
@@ -57,6 +60,12 @@ class SyntheticTokens:
         t = torch.arange(seq_len + 1).unsqueeze(0)
         tokens = (start + stride * t) % self.vocab_size
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def eval_batch(self, index: int, rank: int, world_size: int, batch_size: int, seq_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch ``index`` (0-based): the batch of step ``-(index + 1)``, a step
+        training never takes (Note [Evaluation] in ``launch.evaluate``)."""
+        return self.batch(-(index + 1), rank, world_size, batch_size, seq_len)
 
 
 def build_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> TokenSource:

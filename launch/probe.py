@@ -52,8 +52,37 @@ def _probe_data(cfg: JobConfig, rank: int, world_size: int, b: int) -> tuple[tor
     except Exception as e:  # noqa: BLE001 - the user's code: say which call failed
         raise ConfigError(f"{what}: building the dataset or its batch(1, {rank}, {world_size}, {b}, {t.seq_len}) "
                           f"failed with {type(e).__name__}: {_one_line(e)}. Fix the dataset (or data.kwargs): {contract}.") from e
+    x, y = _check_pair(cfg, out, b, "batch()", contract)
+    if t.eval_every > 0:
+        _probe_eval(cfg, data, rank, world_size, b)
+    return x, y
+
+
+def _probe_eval(cfg: JobConfig, data: Any, rank: int, world_size: int, b: int) -> None:
+    """``train.eval_every > 0`` with a user dataset needs its ``eval_batch`` (Note [Evaluation] in ``launch.evaluate``)."""
+    what, seq = f"data._target_={cfg.data._target_!r}", cfg.train.seq_len
+    contract = ("eval_batch(index, rank, world_size, batch_size, seq_len) must return held-out (inputs, targets), "
+                "int64 tensors of shape (batch_size, seq_len) with ids in [0, model.vocab_size)")
+    if not callable(getattr(data, "eval_batch", None)):
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} with {what}: the dataset has no eval_batch method, so there "
+            "are no held-out batches to evaluate on (training batches would not tell how the model does on unseen "
+            f"data). Add {contract}; or set train.eval_every=0 to switch evaluation off."
+        )
+    try:
+        out = data.eval_batch(0, rank, world_size, b, seq)
+    except Exception as e:  # noqa: BLE001 - the user's code
+        raise ConfigError(f"{what}: eval_batch(0, {rank}, {world_size}, {b}, {seq}) failed with "
+                          f"{type(e).__name__}: {_one_line(e)}. Fix the dataset: {contract}.") from e
+    _check_pair(cfg, out, b, "eval_batch()", contract)
+
+
+def _check_pair(cfg: JobConfig, out: Any, b: int, call: str, contract: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` of the dataset's ``call`` must be (inputs, targets) of the job's shape, dtype and vocabulary."""
+    t, vocab = cfg.train, cfg.model.vocab_size
+    what = f"data._target_={cfg.data._target_!r}"
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
-        raise ConfigError(f"{what}: batch() returned {_describe(out)}, not a pair of tensors. {contract}.")
+        raise ConfigError(f"{what}: {call} returned {_describe(out)}, not a pair of tensors. {contract}.")
     for name, x in zip(("inputs", "targets"), out):
         problem = None
         if tuple(x.shape) != (b, t.seq_len):
@@ -66,7 +95,7 @@ def _probe_data(cfg: JobConfig, rank: int, world_size: int, b: int) -> tuple[tor
                 problem = (f"holds ids from {int(valid.min())} to {int(valid.max())}, outside [0, {vocab}) "
                            f"(model.vocab_size={vocab}); the embedding would index out of range")
         if problem:
-            raise ConfigError(f"{what}: the {name} of batch() {problem}. {contract}; set model.vocab_size to your "
+            raise ConfigError(f"{what}: the {name} of {call} {problem}. {contract}; set model.vocab_size to your "
                               "tokenizer's vocabulary if that is what differs.")
     return out[0], out[1]
 

@@ -15,7 +15,7 @@ from typing import Any
 from .dist import print0
 from .recompiles import CompileCounts
 
-__all__ = ["Tally", "curve_name", "summary_lines", "format_shapes", "write_json"]
+__all__ = ["Tally", "curve_name", "summary_lines", "format_shapes", "step_line", "write_json"]
 
 
 @dataclass
@@ -41,6 +41,9 @@ class Tally:
     warmup_counts: CompileCounts | None = None
     step_s: list[tuple[int, float]] = field(default_factory=list)  # every step's seconds, the first included
     tokens_per_s: list[tuple[int, float]] = field(default_factory=list)  # every step's tokens/s (with padding)
+    lrs: list[tuple[int, float]] = field(default_factory=list)  # each step's lr (launch.schedule)
+    grad_norms: list[tuple[int, float]] = field(default_factory=list)  # before clipping (train.max_grad_norm)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # held-out (train.eval_every)
 
     def add_shape(self, shape: tuple[int, ...]) -> None:
         self.shapes_seen[shape] = self.shapes_seen.get(shape, 0) + 1
@@ -71,6 +74,13 @@ class Tally:
         """Each curve's value at ``step``, for the curves that have one (the latest point)."""
         return {name: float(points[-1][1]) for name, points in self.curves().items() if points[-1][0] == step}
 
+    def add_curves(self, step: int, lr: float, grad_norm: float | None, eval_loss: float | None) -> None:
+        self.lrs.append((step, lr))
+        if grad_norm is not None:
+            self.grad_norms.append((step, grad_norm))
+        if eval_loss is not None:
+            self.eval_losses.append((step, eval_loss))
+
     @property
     def median_step_ms(self) -> float:
         """The median step after the first; the first step's time when there is no other."""
@@ -100,6 +110,9 @@ class Tally:
             "padding_waste": 1.0 - real / padded if padded else 0.0,
             "tokens_per_s": timed_padded / timed_s if timed_s else None,
             "real_tokens_per_s": timed_real / timed_s if timed_s else None,
+            "lrs": self.lrs,
+            "grad_norms": self.grad_norms,
+            "eval_losses": self.eval_losses,
         }
 
 
@@ -116,6 +129,16 @@ def curve_name(field_name: str) -> str:
 def _is_point(p: object) -> bool:
     return (isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], int)
             and isinstance(p[1], (int, float)) and not isinstance(p[1], bool))
+
+
+def step_line(step: int, steps: int, loss: float, seconds: float, padded_tokens: float, lr: float,
+              grad_norm: float | None = None, eval_loss: float | None = None) -> str:
+    """The line rank 0 prints after a step: the gradient norm with train.max_grad_norm, the
+    held-out loss after an evaluation."""
+    return (f"step {step:>5}/{steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
+            f"tokens/s {padded_tokens / seconds:10,.0f}  lr {lr:.3e}"
+            + (f"  grad_norm {grad_norm:.4f}" if grad_norm is not None else "")
+            + (f"  eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
 
 
 def format_shapes(shapes_seen: dict[tuple[int, ...], int], most: int = 8) -> str:

@@ -54,6 +54,7 @@ from torch import nn, optim
 from .checkpoint import CheckpointInfo, load_checkpoint, published_checkpoints
 from .dist import print0
 from .run_identity import CheckpointError, RunIdentity, differences, read_identity, verify_manifest
+from .schedule import Schedule, resume_note
 from .schema import ConfigError, TrainConfig
 
 __all__ = ["ResumePlan", "plan_resume", "resume"]
@@ -215,8 +216,9 @@ def _apply_hyperparameters(t: TrainConfig, optimizer: optim.Optimizer, step: int
 
 
 def resume(t: TrainConfig, now: RunIdentity, model: nn.Module, optimizer: optim.Optimizer, *,
-           restarted: bool) -> CheckpointInfo | None:
-    """Load the checkpoint :func:`plan_resume` picks, verified first (collective).
+           restarted: bool, schedule: Schedule | None = None) -> CheckpointInfo | None:
+    """Load the checkpoint :func:`plan_resume` picks, verified first (collective). With the
+    run's lr ``schedule``, a line says when it differs from the checkpoint's (``launch.schedule``).
 
     Returns:
         The checkpoint loaded, or None to start at step 0.
@@ -250,7 +252,7 @@ def resume(t: TrainConfig, now: RunIdentity, model: nn.Module, optimizer: optim.
     info = plan.candidates[index]
     _check_shapes(info, model, optimizer)
     step = load_checkpoint(info, model, optimizer)
-    line = _apply_hyperparameters(t, optimizer, step)
-    if line:
-        print0(line)
+    for line in (_apply_hyperparameters(t, optimizer, step), schedule and resume_note(info.path, step, schedule)):
+        if line:
+            print0(line)
     return CheckpointInfo(step, info.path)

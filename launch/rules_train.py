@@ -1,6 +1,7 @@
 """The launcher's config rules for the training run: sizes and intervals of
 ``train``, checkpoints and resume, and the step techniques (padding, precision,
-gradient accumulation, compiled optimizer). Each ``check_*`` raises
+gradient accumulation, compiled optimizer), the lr schedule, gradient clipping and
+evaluation. Each ``check_*`` raises
 :class:`~launch.schema.ConfigError` naming the setting, why its value cannot work
 and how to fix it; ``launch.validate`` runs them.
 """
@@ -15,9 +16,9 @@ from .guard import OnNonfinite
 from .resume import plan_resume
 from .rules import choice, positive, require_cuda
 from .run_identity import run_identity
-from .schema import ConfigError, JobConfig, Lengths, Padding, ParallelMode, Precision, TrainConfig
+from .schema import ConfigError, JobConfig, Lengths, LRSchedule, Padding, ParallelMode, Precision, TrainConfig
 
-__all__ = ["check_train", "check_resume", "check_nonfinite", "check_step"]
+__all__ = ["check_train", "check_resume", "check_nonfinite", "check_step", "check_schedule", "check_clip_and_eval"]
 
 
 def check_train(t: TrainConfig, world_size: int) -> None:
@@ -46,6 +47,58 @@ def check_train(t: TrainConfig, world_size: int) -> None:
             f"train.batch_size={max(world_size, t.batch_size // world_size * world_size)}."
         )
     check_nonfinite(t)
+    check_schedule(t)
+    check_clip_and_eval(t)
+
+
+def check_schedule(t: TrainConfig) -> None:
+    """``train.lr_schedule``, ``train.warmup_steps`` and ``train.min_lr`` (Note [LR schedule] in ``launch.schedule``)."""
+    choice("train.lr_schedule", t.lr_schedule, LRSchedule,
+           ": it is the lr after the warm-up. Use train.lr_schedule=constant (train.lr throughout, the default), "
+           "cosine or linear (decay from train.lr to train.min_lr at the last step).")
+    if isinstance(t.warmup_steps, bool) or t.warmup_steps < 0:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} is negative: it is the number of steps whose lr rises linearly to "
+            "train.lr. Set e.g. train.warmup_steps=100, or 0 for no warm-up."
+        )
+    decays = t.lr_schedule != LRSchedule.CONSTANT
+    if t.warmup_steps > t.steps or (decays and t.warmup_steps == t.steps):
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} with train.steps={t.steps}: "
+            + (f"the {t.lr_schedule} decay starts after the warm-up and ends at the last step, so it needs at least "
+               "one step after the warm-up" if decays else "the warm-up would not reach train.lr before the run ends")
+            + f". Lower train.warmup_steps below {t.steps}, or raise train.steps."
+        )
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ConfigError(
+            f"train.min_lr={t.min_lr} is not in [0, train.lr={t.lr}]: it is the lr the {t.lr_schedule} schedule "
+            "decays to at the last step. Set e.g. train.min_lr=0.0 or a tenth of train.lr."
+        )
+    if t.min_lr and not decays:
+        raise ConfigError(
+            f"train.min_lr={t.min_lr} with train.lr_schedule=constant: only cosine and linear decay to min_lr, so it "
+            "would be silently ignored. Use train.lr_schedule=cosine (or linear), or drop train.min_lr."
+        )
+
+
+def check_clip_and_eval(t: TrainConfig) -> None:
+    """``train.max_grad_norm`` (Note [Gradient clipping] in ``launch.optim``), ``train.eval_every`` and
+    ``train.eval_batches`` (Note [Evaluation] in ``launch.evaluate``; a user dataset's ``eval_batch`` is
+    ``launch.probe``'s check)."""
+    if not (t.max_grad_norm >= 0 and math.isfinite(t.max_grad_norm)):
+        raise ConfigError(
+            f"train.max_grad_norm={t.max_grad_norm} is not valid: the gradients' total L2 norm is clipped to it, so "
+            "it must be a positive number. Set e.g. train.max_grad_norm=1.0, or 0 to switch clipping off."
+        )
+    if isinstance(t.eval_every, bool) or t.eval_every < 0:
+        raise ConfigError(
+            f"train.eval_every={t.eval_every} is negative: it is a step interval. Set e.g. train.eval_every=100, "
+            "or 0 to switch evaluation off."
+        )
+    if t.eval_every:
+        positive("train.eval_batches", t.eval_batches, "a positive integer",
+                 "each evaluation averages the loss of that many held-out batches per rank",
+                 "Set e.g. train.eval_batches=4, or train.eval_every=0 to switch evaluation off.")
 
 
 def check_nonfinite(t: TrainConfig) -> None:

@@ -16,8 +16,10 @@ Algorithm
       Its digest is the sha256 of that dict as canonical JSON. Values that may
       change on resume are left out (:data:`RESUMABLE`): how long to train,
       logging, checkpoint cadence, timeouts, how the same math is compiled or
-      bucketed, and ``train.lr`` / ``train.weight_decay``, which the resumed
-      optimizer takes from the config (``launch.resume``).
+      bucketed, evaluation, and ``train.lr`` / ``train.weight_decay``, which the
+      resumed optimizer takes from the config (``launch.resume``). Trajectory keys
+      added later (:data:`ADDED_LATER`: the lr schedule, gradient clipping) are
+      left out at their defaults, so older checkpoints keep their digest.
     - ``identity.json`` holds the fields, the digest and torchrun's
       ``TORCHELASTIC_RUN_ID`` (not part of the digest: it tells one torchrun
       invocation from another with the same config, so that a restart only
@@ -44,6 +46,7 @@ from .schema import ConfigError, JobConfig
 
 __all__ = [
     "RESUMABLE",
+    "ADDED_LATER",
     "IDENTITY_FILE",
     "MANIFEST_FILE",
     "CheckpointError",
@@ -72,7 +75,14 @@ RESUMABLE = frozenset({
     "fsdp.shard_unit_mb", "fsdp.prefetch", "fsdp.reshard_after_forward", "fsdp.checkpointing",
     "diagnose", "diagnose_json",
     "log.", "profile.",  # what is written about the run, not what it computes
+    "train.eval_every", "train.eval_batches",  # evaluation reads the model, it does not change it
 })
+
+# Trajectory keys added after checkpoints carried identities: left out of the identity at
+# these values (their defaults, which behave as before the key existed), so that a
+# checkpoint written before the key still resumes and keeps its digest.
+ADDED_LATER = {"train.lr_schedule": "constant", "train.warmup_steps": 0, "train.min_lr": 0.0,
+               "train.max_grad_norm": 0.0}
 
 
 class CheckpointError(ConfigError):
@@ -133,7 +143,8 @@ def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> 
         world_size: the number of ranks.
         run_id: torchrun's ``TORCHELASTIC_RUN_ID``; default: read from the environment.
     """
-    fields = {"world_size": world_size, **{k: v for k, v in flat_config(cfg).items() if not _resumable(k)}}
+    fields = {"world_size": world_size, **{k: v for k, v in flat_config(cfg).items()
+                                           if not _resumable(k) and not (k in ADDED_LATER and v == ADDED_LATER[k])}}
     return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"))
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "Precision",
     "Lengths",
     "Padding",
+    "LRSchedule",
     # schemas, one per config group
     "ModelConfig",
     "ParallelConfig",
@@ -86,6 +87,11 @@ class Lengths(str, Enum):
 class Padding(str, Enum):
     """``data.padding`` (Note [Padding strategies] in ``launch.batching``)."""
     MAX, MULTIPLE, DYNAMIC = "max", "multiple", "dynamic"
+
+
+class LRSchedule(str, Enum):
+    """``train.lr_schedule`` after the warm-up (Note [LR schedule] in ``launch.schedule``)."""
+    CONSTANT, COSINE, LINEAR = "constant", "cosine", "linear"
 
 
 # typing.Optional/List/Dict rather than `X | None`: OmegaConf reads these
@@ -243,6 +249,18 @@ class TrainConfig:
     max_consecutive_skips: int = 10
     # Refuse GPT sizes whose rough memory estimate exceeds this machine's (launch.rules_resources).
     memory_check: bool = True
+    # An LRSchedule (Note [LR schedule] in launch.schedule): after warmup_steps of linear warm-up
+    # (lr * step / warmup_steps), constant at lr, or a cosine or linear decay to min_lr at step `steps`.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # cosine and linear only
+    # Clip the gradients' total L2 norm to this before each optimizer step (after unscaling, fp16);
+    # 0: no clipping (launch.optim, Note [Gradient clipping]).
+    max_grad_norm: float = 0.0
+    # Evaluate on held-out batches every eval_every steps (and after the last); 0: never
+    # (launch.evaluate, Note [Evaluation]). eval_batches: batches per rank, averaged over ranks.
+    eval_every: int = 0
+    eval_batches: int = 4
 
 
 @dataclass

@@ -123,6 +123,7 @@ class StepRunner:
     warmup_shapes: list[tuple[int, ...]] = field(default_factory=list)
     _warm: bool = False
     skipped: bool = False  # the last step's update was skipped (non-finite loss, skip_nonfinite)
+    grad_norm: torch.Tensor | None = None  # the last step's gradient norm before clipping (train.max_grad_norm)
 
     def step(self, batches: list[PaddedBatch], step: int) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step.
@@ -141,10 +142,11 @@ class StepRunner:
             total += scaled.detach().float()
         # Note [Finite-loss guard] in launch.guard: under skip, every rank agrees before the update.
         self.skipped = self.skip_nonfinite and not all_finite(total)
+        self.grad_norm = None
         if self.skipped:
             self._skip_update()
         else:
-            self.optimizer_step()
+            self.grad_norm = self.optimizer_step()  # clips first (Note [Gradient clipping] in launch.optim)
         return total
 
     def _skip_update(self) -> None:

@@ -42,6 +42,7 @@ from .checkpoint import save_checkpoint
 from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
+from .evaluate import Evaluator, build_evaluator
 from .guard import OnNonfinite, nonfinite_loss
 from .observe import Observer
 from .optim import OptimizerStep, build_optimizer
@@ -49,9 +50,10 @@ from .parallel import Wrapped, apply_parallel, build_model
 from .precision import grad_scaler
 from .preempt import Preempted, Preemption
 from .recompiles import CompileCounter
-from .report import Tally, summary_lines, write_json
+from .report import Tally, step_line, summary_lines, write_json
 from .resume import resume
 from .run_identity import run_identity
+from .schedule import Schedule
 from .schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
 from .shell import main  # noqa: F401 - the entry point of python -m launch.train, kept importable from here
 from .step import StepRunner, micro_batches
@@ -81,6 +83,8 @@ class Job:
     tally: Tally = field(default_factory=Tally)
     preemption: Preemption = field(default_factory=Preemption)  # installed by run(): Note [Preemption]
     observer: Observer = field(default_factory=Observer.inert)  # TensorBoard, profiler: installed by train()
+    schedule: Schedule = field(default_factory=Schedule)  # the lr of each step: Note [LR schedule]
+    evaluator: Evaluator | None = None  # train.eval_every: Note [Evaluation]
 
     @property
     def compiled(self) -> bool:
@@ -184,18 +188,21 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     wrapped = apply_parallel(model, cfg, env, wrap_backend=diagnoser.wrap if diagnoser else None)
     optimizer = build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
-    start = _resume(cfg, env, wrapped, optimizer)
+    schedule = Schedule.of(t)
+    start = _resume(cfg, env, wrapped, optimizer, schedule)
     c = cfg.compile
     opt_backend = BackendSpec(c.backend, c.mode, dict(c.options)).resolve() if c.optimizer else None
     runner = StepRunner(wrapped.forward, wrapped.module,
-                        OptimizerStep(optimizer, opt_backend, grad_scaler(t.precision, env.device)),
+                        OptimizerStep(optimizer, opt_backend, grad_scaler(t.precision, env.device),
+                                      max_grad_norm=t.max_grad_norm, tensor_lr=schedule.varies),
                         precision=t.precision, device=env.device, input_names=input_names,
                         no_recompile_after_warmup=t.no_recompile_after_warmup,
                         skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP)
     counter = CompileCounter(diagnoser) if diagnoser is not None else None
     if counter is not None:
         counter.start()  # graphs and recompiles are counted from here on
-    return Job(cfg, env, wrapped, optimizer, data, runner, diagnoser, counter, start, t_start, step_callbacks)
+    return Job(cfg, env, wrapped, optimizer, data, runner, diagnoser, counter, start, t_start, step_callbacks,
+               schedule=schedule, evaluator=build_evaluator(wrapped.module, data, t, env))
 
 
 def warm_up(job: Job) -> None:
@@ -227,14 +234,16 @@ def loop(job: Job) -> None:
         for callback in job.step_callbacks:
             callback(job, step)
         job.observer.before_step(step)
-        loss, real_tokens, padded_tokens, seconds, signalled = _step(job, step)
+        loss, real_tokens, padded_tokens, seconds, signalled, grad_norm = _step(job, step)
         first = step == job.start + 1
         job.tally.add_step(step, loss, real_tokens, padded_tokens, seconds, first)
         if first:
             _after_first_step(job, seconds)
-        if step % t.log_interval == 0 or step in (job.start + 1, t.steps):
-            print0(f"step {step:>5}/{t.steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
-                   f"tokens/s {padded_tokens / seconds:10,.0f}")
+        eval_loss = job.evaluator() if job.evaluator is not None and job.evaluator.due(step) else None
+        lr = job.schedule.lr_at(step)
+        job.tally.add_curves(step, lr, grad_norm, eval_loss)
+        if step % t.log_interval == 0 or step in (job.start + 1, t.steps) or eval_loss is not None:
+            print0(step_line(step, t.steps, loss, seconds, padded_tokens, lr, grad_norm, eval_loss))
         job.observer.after_step(job.tally, step)
         skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row)
         saved = None
@@ -266,7 +275,7 @@ def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int) -> in
 def _save(job: Job, step: int) -> str:
     t = job.cfg.train
     path = save_checkpoint(t.checkpoint_dir, step, job.wrapped.module, job.optimizer, keep_last=t.keep_last,
-                           identity=run_identity(job.cfg, job.env.world_size))
+                           identity=run_identity(job.cfg, job.env.world_size), train_state=job.schedule.state_dict(step))
     job.tally.checkpoints.append(path)
     print0(f"checkpoint: {path}")
     return path
@@ -334,20 +343,20 @@ def _input_names(model: torch.nn.Module) -> tuple[str, str]:
     return (names + ["inputs", "targets"])[0], (names[1:] + ["targets"])[0]
 
 
-def _resume(cfg: JobConfig, env: DistEnv, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> int:
+def _resume(cfg: JobConfig, env: DistEnv, wrapped: Wrapped, optimizer: torch.optim.Optimizer, schedule: Schedule) -> int:
     """The step to continue after: the verified checkpoint ``launch.resume`` picks when
     resuming (asked for, or restarted by torchrun), else 0."""
     info = resume(cfg.train, run_identity(cfg, env.world_size), wrapped.module, optimizer,
-                  restarted=restarted_by_torchrun())
+                  restarted=restarted_by_torchrun(), schedule=schedule)
     if info is None:
         return 0
     print0(f"resumed from {info.path} at step {info.step}")
     return info.step
 
 
-def _step(job: Job, step: int) -> tuple[float, float, float, float, bool]:
-    """One optimizer step. Returns its loss (mean over ranks), real and padded tokens
-    (summed over ranks), seconds, and whether any rank was signalled (Note [Preemption])."""
+def _step(job: Job, step: int) -> tuple[float, float, float, float, bool, float | None]:
+    """One step at the schedule's lr. Returns its loss (mean over ranks), real and padded tokens (summed),
+    seconds, whether any rank was signalled (Note [Preemption]) and the gradient norm (train.max_grad_norm)."""
     cfg, env = job.cfg, job.env
     t, d = cfg.train, cfg.data
     torch.manual_seed(stream_seed(t.seed, env.rank, step))  # dropout etc.: a function of the step
@@ -357,16 +366,20 @@ def _step(job: Job, step: int) -> tuple[float, float, float, float, bool]:
                             device=env.device)
     for b in batches:
         job.tally.add_shape(tuple(b.inputs.shape))
+    job.runner.optimizer_step.set_lr(job.schedule.lr_at(step))
     t0 = time.perf_counter()
     loss = job.runner.step(batches, step)
+    norm = job.runner.grad_norm  # the same on every rank: of the synchronised gradients
     # The logged loss: mean over ranks (non-finite when one rank's is: Note [Finite-loss guard]);
     # tokens: summed; signalled: > 0 when a rank got SIGTERM/SIGINT. Also a sync point for timing.
     stats = torch.stack([loss.float(), loss.new_tensor(float(sum(b.real_tokens for b in batches))),
                          loss.new_tensor(float(sum(b.padded_tokens for b in batches))),
-                         loss.new_tensor(1.0 if job.preemption.requested else 0.0)])
+                         loss.new_tensor(1.0 if job.preemption.requested else 0.0),
+                         norm.float() if norm is not None else loss.new_zeros((), dtype=torch.float32)])
     dist.all_reduce(stats)
-    loss_sum, real_tokens, padded_tokens, signalled = stats.tolist()  # the step's one device-to-host copy
-    return loss_sum / env.world_size, real_tokens, padded_tokens, time.perf_counter() - t0, signalled > 0
+    loss_sum, real_tokens, padded_tokens, signalled, norm_sum = stats.tolist()  # the step's one device-to-host copy
+    return (loss_sum / env.world_size, real_tokens, padded_tokens, time.perf_counter() - t0, signalled > 0,
+            norm_sum / env.world_size if norm is not None else None)
 
 
 def _after_first_step(job: Job, seconds: float) -> None:

@@ -39,3 +39,29 @@ class TinyLM(nn.Module):
         if self.out == "scalar":
             return logits.mean()
         return logits
+
+
+class NoHeldOut:
+    """A dataset with batch() only: no eval_batch, so train.eval_every > 0 is refused."""
+
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        self.tokens = SyntheticTokens(seed, vocab_size)
+
+    def batch(self, step, rank, world_size, batch_size, seq_len):
+        return self.tokens.batch(step, rank, world_size, batch_size, seq_len)
+
+
+class HeldOut(NoHeldOut):
+    """Held-out batches of its own: every eval_batch call is recorded (index, rank, size)."""
+
+    calls: list = []
+
+    def eval_batch(self, index, rank, world_size, batch_size, seq_len):
+        HeldOut.calls.append((index, rank, batch_size, seq_len))
+        return self.tokens.batch(10_000 + index, rank, world_size, batch_size, seq_len)
+
+
+class BadHeldOut(NoHeldOut):
+    def eval_batch(self, index, rank, world_size, batch_size, seq_len):
+        x, y = self.tokens.batch(index, rank, world_size, batch_size, seq_len)
+        return x.int(), y.int()
