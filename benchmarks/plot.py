@@ -1,13 +1,19 @@
 """The benchmarks' plots (matplotlib, Agg backend): for DDP, step time against
 bucket cap, one line per mode, and a second panel with each mode's per-round ratio
-to ``builtin`` and its IQR (``plot_caps``); for FSDP, one bar per mode (``plot_modes``)."""
+to ``builtin`` and its IQR (``plot_caps``); for FSDP, one bar per mode (``plot_modes``).
+Both draw the physical limit (``benchmarks.limit``) when the rows carry it.
+
+    python -m benchmarks.plot benchmarks/results/ddp_shaped_100mbit.json   # redraw a PNG from its JSON
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["plot_caps", "plot_modes"]
+__all__ = ["plot_caps", "plot_modes", "replot", "main"]
 
 
 def _pyplot():
@@ -71,6 +77,7 @@ def plot_caps(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
         left.axhline(r["step_ms_median"], ls="--", color="black", lw=1, label=f"{r['mode']}@{r['bucket_cap_mb']}")
         if r.get("ratio_vs_builtin") is not None:
             right.axhline(r["ratio_vs_builtin"], ls="--", color="black", lw=1)
+    _limit_line(left, rows)
     _series(left, rows, "step_ms_median", "step_ms_q1", "step_ms_q3")
     left.set_ylabel("median step time (ms)")
     left.set_title("step time vs bucket cap")
@@ -95,8 +102,47 @@ def plot_modes(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
     for i, r in enumerate(rows):
         err = [[r["step_ms_median"] - r["step_ms_q1"]], [r["step_ms_q3"] - r["step_ms_median"]]]
         ax.bar(i, r["step_ms_median"], yerr=err, capsize=4)
+    _limit_line(ax, rows)
+    if rows and rows[0].get("limit_ms") is not None:
+        ax.legend(fontsize=8)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r['mode']}\n{r['units']} units" for r in rows])
     ax.set_ylabel("median step ms (IQR)")
     ax.set_title(title, fontsize=9)
     return _save(fig, path)
+
+
+def _limit_line(ax, rows: Sequence[dict]) -> None:
+    if rows and rows[0].get("limit_ms") is not None:
+        ax.axhline(rows[0]["limit_ms"], ls=":", color="red", lw=1.2, label="physical limit")
+
+
+def replot(json_path: str | Path, png: str | Path | None = None) -> Path:
+    """Redraw the PNG of a ``ddp_compare`` or ``fsdp_compare`` JSON (default: next to it, .png)."""
+    rows = json.loads(Path(json_path).read_text())
+    if not rows:
+        raise ValueError(f"{json_path} holds no rows, so there is nothing to draw: pass the --json of a finished run.")
+    png = Path(png) if png else Path(json_path).with_suffix(".png")
+    r0 = rows[0]
+    if "bucket_cap_mb" in r0:
+        title = (f"{next((r['backend'] for r in rows if r['backend'] != 'eager'), 'eager')}, net {r0.get('net', 'local')}, "
+                 f"link {r0['link']}, {r0.get('world_size', '?')} ranks on {r0.get('device', '?')}")
+        return plot_caps(rows, png, title=title)
+    title = (f"FSDP2, {next((r['backend'] for r in rows if r['backend'] != 'eager'), 'eager')}, net "
+             f"{r0.get('net', 'local')}, {r0.get('world_size', '?')} ranks over {r0.get('transport', '?')}, "
+             f"{r0.get('device', '?')}")
+    return plot_modes(rows, png, title=title)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="rows written by benchmarks.ddp_compare or benchmarks.fsdp_compare --json")
+    p.add_argument("png", nargs="?", default=None, help="where to write (default: the JSON path with .png)")
+    args = p.parse_args(argv)
+    print(f"wrote {replot(args.json, args.png)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -131,12 +131,14 @@ def _is_point(p: object) -> bool:
             and isinstance(p[1], (int, float)) and not isinstance(p[1], bool))
 
 
-def step_line(step: int, steps: int, loss: float, seconds: float, padded_tokens: float, lr: float,
+def step_line(step: int, steps: int, loss: float, seconds: float, padded_tokens: float, lr: float | None = None,
               grad_norm: float | None = None, eval_loss: float | None = None) -> str:
-    """The line rank 0 prints after a step: the gradient norm with train.max_grad_norm, the
-    held-out loss after an evaluation."""
+    """The line rank 0 prints after a step: the lr when it varies (a schedule; a constant lr is
+    in the banner), the gradient norm with train.max_grad_norm, the held-out loss after an
+    evaluation."""
     return (f"step {step:>5}/{steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
-            f"tokens/s {padded_tokens / seconds:10,.0f}  lr {lr:.3e}"
+            f"tokens/s {padded_tokens / seconds:10,.0f}"
+            + (f"  lr {lr:.3e}" if lr is not None else "")
             + (f"  grad_norm {grad_norm:.4f}" if grad_norm is not None else "")
             + (f"  eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
 

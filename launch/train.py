@@ -243,7 +243,8 @@ def loop(job: Job) -> None:
         lr = job.schedule.lr_at(step)
         job.tally.add_curves(step, lr, grad_norm, eval_loss)
         if step % t.log_interval == 0 or step in (job.start + 1, t.steps) or eval_loss is not None:
-            print0(step_line(step, t.steps, loss, seconds, padded_tokens, lr, grad_norm, eval_loss))
+            print0(step_line(step, t.steps, loss, seconds, padded_tokens, lr if job.schedule.varies else None,
+                             grad_norm, eval_loss))
         job.observer.after_step(job.tally, step)
         skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row)
         saved = None
