@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from launch.report import Tally, curve_name
-from launch.schema import CompileConfig, ConfigError, DDPConfig, JobConfig, LogConfig, ModelConfig, ProfileConfig, TrainConfig
+from launch.schema import CompileConfig, ConfigError, JobConfig, LogConfig, ModelConfig, ProfileConfig, TrainConfig
 from launch.tensorboard import summary_scalars
 from launch.timeline import read_step
 from launch.train import run
