@@ -135,7 +135,7 @@ def _worker(args: argparse.Namespace) -> int:
     from .ddp_bench import run_cap
     from .link import SimulatedLink
     from .modes_ddp import DDP_MODES
-    from .plot import plot_caps
+    from .plot import plot_rows
     from .sweep import format_summary, run_sweep, sweep_summary
 
     cfg = _config(args)
@@ -154,9 +154,8 @@ def _worker(args: argparse.Namespace) -> int:
                 print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
-            title = f"{cfg.backend}, net {args.net}, link {cfg.link.label}, {dist.get_world_size()} ranks on {rows[0]['device']}"
             publish(rows, args, module="benchmarks.ddp_compare", command_env=COMMAND_ENV,
-                    plot=lambda path: plot_caps(rows, path, title=title))
+                    plot=lambda path: plot_rows(rows, path))
     return 0
 
 

@@ -159,7 +159,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .fsdp_bench import FSDP_MODES, run_fsdp
-    from .plot import plot_modes
+    from .plot import plot_rows
 
     cfg = _config(args)
     with process_group(cfg.device, "fsdp_compare"):
@@ -172,10 +172,8 @@ def _worker(args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             print(format_table(rows), flush=True)
             print0(f"fsdp_compare: done in {time.perf_counter() - t0:.0f} s.")
-            title = (f"FSDP2, {cfg.backend}, {dist.get_world_size()} ranks over {dist.get_backend()}, "
-                     f"{rows[0]['device']}")
             publish(rows, args, module="benchmarks.fsdp_compare", command_env=COMMAND_ENV,
-                    plot=lambda path: plot_modes(rows, path, title))
+                    plot=lambda path: plot_rows(rows, path))
             if args.readme:
                 update_readme([rows], args.readme, [args.json] if args.json else ())
                 print0(f"updated {args.readme}")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["plot_caps", "plot_modes", "replot", "main"]
+__all__ = ["plot_caps", "plot_modes", "plot_rows", "replot", "main"]
 
 
 def _pyplot():
@@ -122,7 +122,12 @@ def replot(json_path: str | Path, png: str | Path | None = None) -> Path:
     rows = json.loads(Path(json_path).read_text())
     if not rows:
         raise ValueError(f"{json_path} holds no rows, so there is nothing to draw: pass the --json of a finished run.")
-    png = Path(png) if png else Path(json_path).with_suffix(".png")
+    return plot_rows(rows, Path(png) if png else Path(json_path).with_suffix(".png"))
+
+
+def plot_rows(rows: Sequence[dict], png: str | Path) -> Path:
+    """The PNG of a ``ddp_compare`` (``plot_caps``) or ``fsdp_compare`` (``plot_modes``) run's rows,
+    titled from them; what both benchmarks write and ``replot`` redraws."""
     r0 = rows[0]
     if "bucket_cap_mb" in r0:
         title = (f"{next((r['backend'] for r in rows if r['backend'] != 'eager'), 'eager')}, net {r0.get('net', 'local')}, "
