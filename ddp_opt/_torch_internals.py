@@ -92,8 +92,24 @@ def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int,
     params, expect_sparse = ddp_model._build_params_for_reducer()
     names = ddp_model._build_debug_param_to_name_mapping(params)
     ddp_model._ddp_init_helper(params, expect_sparse, names, ddp_model.static_graph)
+    if ddp_model.static_graph:
+        # As DDP.__setstate__ does: Reducer._set_static_graph() / Logger._set_static_graph() mark the new
+        # reducer static (without it, it is a dynamic reducer under a static DDP, and never rebuilds). Its
+        # first iteration is then a static graph's first iteration again: gradients are reduced together at
+        # its end by Reducer._delay_all_reduce, which DDP enqueues (through DDPSink) only while
+        # DDP._static_graph_delay_allreduce_enqueued is False; that iteration records the order the next
+        # rebuild follows.
+        ddp_model.reducer._set_static_graph()
+        ddp_model.logger._set_static_graph()
+        ddp_model._static_graph_delay_allreduce_enqueued = False
     # DDP._has_rebuilt_buckets: False makes the new reducer rebuild its buckets after its first iteration.
     ddp_model._has_rebuilt_buckets = False
+
+
+def has_rebuilt_buckets(ddp_model: DistributedDataParallel) -> bool:
+    """True once DDP's reducer has rebuilt its buckets (from the recorded gradient order)."""
+    # DDP._has_rebuilt_buckets: set True by DDP's forward when Reducer._rebuild_buckets() rebuilt them.
+    return bool(getattr(ddp_model, "_has_rebuilt_buckets", False))
 
 
 def runtime_buckets(ddp_model: DistributedDataParallel) -> list[list[tuple[int, int]]]:
@@ -128,6 +144,17 @@ def inductor_default_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return default_cache_dir()
+
+
+def graph_slot() -> int | None:
+    """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile).
+
+    A graph break ends one frame's graph and resumes in a new frame, so each graph of a
+    model has its own frame id; a recompile of the same graph keeps it."""
+    # torch._guards.CompileContext.current_compile_id(): a CompileId(frame_id, frame_compile_id, ...)
+    # while dynamo compiles a frame, None otherwise.
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return None if compile_id is None else compile_id.frame_id
 
 
 def trace_artifact(name: str, encoding: str, payload_fn: Any) -> None:

@@ -33,7 +33,7 @@ class Spelling:
     bucket_cap: str = "DistributedDataParallel(model, bucket_cap_mb={})"
     bucket_cap_list: str = "DistributedDataParallel(model, bucket_cap_mb_list={})"
     auto: str = "compile_ddp(ddp, bucket_cap_mb='auto')"
-    keep_aligned: str = "Keep compile_ddp's align_buckets=True (it is skipped for static_graph)"
+    keep_aligned: str = "Keep compile_ddp's align_buckets=True"
     regional: str = "compile_ddp(ddp, regional=True)"
     cache_dir: str = "compile_ddp(ddp, cache_dir=DIR)"
     compare: str | None = None

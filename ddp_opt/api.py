@@ -13,15 +13,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CacheKey, CompileCache, compile_blocks
 
-from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, inductor_default_cache_dir, is_compiled,
-                               no_builtin_ddp_splitter, realign_unsupported_warning, reducer_finalized,
+from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, has_rebuilt_buckets, inductor_default_cache_dir,
+                               is_compiled, no_builtin_ddp_splitter, realign_unsupported_warning, reducer_finalized,
                                registered_hook_name)
+from .alignment import Alignment
 from .autoplan import LinkEstimate, Timeline
 from .config import DDPCompileConfig
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps
-from .realign import realign_reducer
+from .realign import check_realignment, realign_reducer
 from .regional import find_ddp_blocks, plan_block_buckets
 
 log = logging.getLogger(__name__)
@@ -69,11 +70,9 @@ class CompiledDDP:
         self._calls = 0
         self.auto_save_cache = True
         planned = ddp_optimizer is not None or block_buckets is not None
-        self.align_buckets = align_buckets and planned and not ddp_model.static_graph
-        if align_buckets and ddp_model.static_graph:
-            log.info("compile_ddp: align_buckets is skipped for DDP(static_graph=True), whose reducer rebuilds "
-                     "its buckets another way; DDP keeps its own buckets (see ddp_opt.measure_alignment).")
+        self.align_buckets = align_buckets and planned
         self.aligned_caps: tuple[int, ...] | None = None
+        self.realignment: Alignment | None = None  # measured once the realigned buckets exist
         # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
         self._min_realign_buckets = 1 if ddp_optimizer is not None and ddp_optimizer.auto_plan else 2
         self._comm_hooks: list[tuple[Any, Callable]] = []
@@ -84,9 +83,13 @@ class CompiledDDP:
         self.ddp_model.register_comm_hook(state, hook)
 
     def _maybe_realign(self) -> None:
-        if (self.align_buckets and self.aligned_caps is None and len(self.buckets) >= self._min_realign_buckets
-                and torch.is_grad_enabled() and reducer_finalized(self.ddp_model)):
-            self.aligned_caps = realign_reducer(self.ddp_model, self.buckets, self._comm_hooks)
+        if not (self.align_buckets and torch.is_grad_enabled() and reducer_finalized(self.ddp_model)):
+            return
+        buckets = [b for b in self.buckets if b.size > 0]
+        if self.aligned_caps is None and len(buckets) >= self._min_realign_buckets:
+            self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks)
+        elif self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
+            self.realignment = check_realignment(self.ddp_model, buckets)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -256,8 +259,9 @@ def compile_ddp(
         align_buckets: after the first step, make DDP's runtime buckets equal
             the partitions (otherwise DDP's rebuild can make a bucket straddle
             two partitions and wait for the later one). Register comm hooks
-            through the returned object's ``register_comm_hook``. Not applied
-            to ``DDP(static_graph=True)``.
+            through the returned object's ``register_comm_hook``. With
+            graph breaks, the partitions of every graph count (Note [Plans
+            across graphs]); a warning says why when alignment is not reached.
         wrap_backend: applied to the backend dynamo calls (the splitter, or the
             plain backend with ``split=False``), e.g. ``Diagnoser().wrap`` to see
             every captured graph and its graph-break reason.
@@ -335,7 +339,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if align and not REALIGN_SUPPORTED:
         realign_unsupported_warning()
         align = False
-    hook = registered_hook_name(ddp_model) if (align and config.split and not ddp_model.static_graph) else None
+    hook = registered_hook_name(ddp_model) if (align and config.split) else None
     if hook is not None:
         raise ValueError(
             f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
@@ -364,6 +368,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
             bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
             cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto",
+            param_names={id(p): n for n, p in inner.named_parameters()},
         )
         backend_fn = optimizer.compile_fn
     if config.wrap_backend is not None:

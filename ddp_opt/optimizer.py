@@ -11,7 +11,35 @@ compile. What it does differently:
 - parameters ignored by DDP are recognised on dynamo's lifted placeholders
   (PyTorch's splitter looks at the fake copy, where the marker is lost);
 - a failing partition runs eagerly with a warning naming it, or raises
-  (``fallback="raise"``), and every partition's outcome is kept in ``records``.
+  (``fallback="raise"``), and every partition's outcome is kept in ``records``;
+- a model with graph breaks is planned as a whole (Note [Plans across graphs]).
+
+Note [Plans across graphs]
+
+Background
+    A graph break inside the model (a ``print``, a data-dependent branch, a
+    library's ``warning_once`` in a loss computed by the model) gives dynamo
+    several graphs per forward, and each reaches the backend alone. DDP's
+    reducer, however, buckets the gradients of the whole model. A splitter that
+    keeps only the last graph's plan (PyTorch's overwrites ``buckets`` per graph)
+    reports the loss graph's one empty bucket for a model that computes its own
+    loss, and realignment then sees nothing to align.
+
+Algorithm
+    Each graph's plan is kept under the graph's slot: the frame dynamo compiled
+    it from (a graph break resumes in a new frame; a recompile of the same graph
+    keeps its frame, and its new plan replaces the old). ``buckets`` is the union
+    of the plans of graphs with parameters, graphs in the order they first ran:
+    forward order, so its reverse is the order in which the gradients become
+    ready (the last graph's backward runs first). Realignment gives DDP that
+    union's sizes as its caps, so runtime buckets equal the partitions of every
+    graph.
+
+Notes
+    - Parameters used outside every graph (in eager code between two graphs)
+      are in no partition; DDP buckets them where their gradients arrive, and
+      ``compile_ddp`` warns when the realigned buckets do not match the
+      partitions (see ``ddp_opt.api``).
 """
 
 from __future__ import annotations
@@ -27,7 +55,7 @@ from torch import fx
 
 from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions, split_graph
 
-from ._torch_internals import default_first_bucket_bytes, trace_artifact
+from ._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
 from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
 from .cost import CostModel, describe, plan_auto, predict_plan
@@ -69,12 +97,23 @@ class DDPOptimizer:
         cost_model: when given, each graph's caps come from the cost-model DP
             (Note [Cost-model bucket plan]) and the caps above are unused; with
             ``auto_plan=False`` the caps above plan and the model only predicts.
+        param_names: ``id(parameter) -> name`` for plans, logs and the plan check; by
+            default a parameter is named from dynamo's source, which after a graph
+            break starts at the resumed frame's local (``3.weight`` for
+            ``layers[3].weight`` reached through a local ``layers``).
 
     Attributes:
-        buckets: the last plan, in forward-graph order.
-        plans: every plan made, one per captured graph (a model with graph
-            breaks gives several graphs; only those with parameters matter to DDP).
-        records: the last compile's partition outcomes, in execution order.
+        buckets: the partitions of every graph that holds parameters, in forward
+            order (graphs in the order they first ran, each graph's buckets in its
+            forward order); a model with graph breaks gives several graphs, and a
+            graph compiled again (a recompile) replaces its earlier plan. A graph
+            without parameters (a loss computed after a graph break) is not DDP's
+            business and is left out; when no graph holds parameters this is the
+            last plan. See Note [Plans across graphs].
+        last_plan: the plan of the graph compiled last.
+        plans: every plan made, one per compile, in compile order.
+        records: the partition outcomes of every graph's latest compile, in the
+            order of ``buckets``' graphs.
         compiles: graphs compiled to the end (a compile that dynamo restarted
             or that raised is not counted).
         prediction: with a cost model, the last plan's predicted timeline, else None.
@@ -92,6 +131,7 @@ class DDPOptimizer:
         plan_timeout_s: float = 120.0,
         cost_model: CostModel | None = None,
         auto_plan: bool = True,
+        param_names: dict[int, str] | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -105,9 +145,10 @@ class DDPOptimizer:
         self.first_bucket_cap = self.caps.cap_for(0)
         self.backend_compile_fn = backend_compile_fn
         self.fallback = fallback
-        self.buckets: list[Bucket] = []
+        self.last_plan: list[Bucket] = []
         self.plans: list[list[Bucket]] = []
-        self.records: list[PartitionRecord] = []
+        # graph slot -> (plan, partition records) of its latest compile; insertion order = first-run order.
+        self._graphs: dict[Any, tuple[list[Bucket], list[PartitionRecord]]] = {}
         self.compiles = 0
         self.check_plans = check_plans
         self.plan_timeout_s = plan_timeout_s
@@ -115,6 +156,18 @@ class DDPOptimizer:
         self.cost_model = cost_model
         self.auto_plan = auto_plan and cost_model is not None
         self.prediction: Timeline | None = None
+        self.param_names = dict(param_names or {})
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        with_params = [plan for plan, _ in self._graphs.values() if any(b.size for b in plan)]
+        if not with_params:
+            return self.last_plan
+        return [b for plan in with_params for b in plan]
+
+    @property
+    def records(self) -> list[PartitionRecord]:
+        return [r for _, records in self._graphs.values() for r in records]
 
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
         """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
@@ -127,29 +180,34 @@ class DDPOptimizer:
         #    with caps chosen by the cost model when there is one.
         caps = self.caps
         if self.auto_plan:
-            caps, self.buckets, self.prediction = plan_auto(gm, self.cost_model)
+            caps, buckets, self.prediction = plan_auto(gm, self.cost_model)
         else:
-            self.buckets = plan_buckets(gm, caps)
+            buckets = plan_buckets(gm, caps)
             if self.cost_model is not None:
-                self.prediction = predict_plan(gm, self.buckets, self.cost_model)
-        self.plans.append(self.buckets)
+                self.prediction = predict_plan(gm, buckets, self.cost_model)
+        for b in buckets:
+            b.params = [self.param_names.get(i, name) for name, i in zip(b.params, b.param_ids)]
+        self.last_plan = buckets
+        self.plans.append(buckets)
+        slot = graph_slot()
+        self._graphs[slot] = (buckets, [])
         self._log_plan(caps)
         # For tlparse: the plan in PyTorch's structured trace (TORCH_TRACE=dir).
         trace_artifact(
             "ddp_opt_bucket_plan", "json",
-            lambda: json.dumps([{"bucket": i, **d} for i, d in enumerate(plan_details(self.buckets))]),
+            lambda: json.dumps([{"bucket": i, **d} for i, d in enumerate(plan_details(buckets))]),
         )
         # Every rank's plan must be the same; published now, compared once compiled
         # (before any collective can run; see Note [Plan agreement]).
         plan_key = f"{self._plan_namespace}/{len(self.plans)}"
-        published = self.check_plans and publish_plan(self.buckets, plan_key)
+        published = self.check_plans and publish_plan(buckets, plan_key)
         if published:
             peers_plans_if_ready(plan_key)
 
         # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
-        if len(self.buckets) == 1:
+        if len(buckets) == 1:
             record = PartitionRecord(index=0, name="whole_graph")
-            self.records = [record]
+            self._graphs[slot] = (buckets, [record])
             compiled = self._compile_whole(gm, example_inputs, backend, record)
             if published:
                 verify_plans(plan_key, self.plan_timeout_s)
@@ -157,23 +215,24 @@ class DDPOptimizer:
             return compiled
 
         # 3. Split at the bucket boundaries.
-        owner = partition_map(self.buckets)
+        owner = partition_map(buckets)
         split = split_graph(gm, lambda node: owner[node])
         graph_log.debug("ddp_opt split graph:\n%s", split.gm.print_readable(print_output=False))
         trace_artifact("ddp_opt_split_graph", "string", lambda: split.gm.print_readable(print_output=False))
 
         # 4. Compile each partition on its first (fake) call, in order.
-        self.records = compile_partitions(
+        records = compile_partitions(
             split, backend, example_inputs, fallback=self.fallback, compile_reason=SPLIT_REASON
         )
+        self._graphs[slot] = (buckets, records)
         if published:
             verify_plans(plan_key, self.plan_timeout_s)
         self.compiles += 1
-        eager = [r.name for r in self.records if r.status == "eager"]
+        eager = [r.name for r in records if r.status == "eager"]
         log.info(
             "ddp_opt compiled %d partitions in %.1fs%s; AOTAutograd backends compile each partition's "
             "backward at the first backward pass, which can take as long again",
-            len(self.records), time.perf_counter() - t0,
+            len(records), time.perf_counter() - t0,
             f" ({len(eager)} running eagerly: {', '.join(eager)})" if eager else "",
         )
         return split.gm
@@ -197,16 +256,17 @@ class DDPOptimizer:
         return fn
 
     def _log_plan(self, caps: BucketCaps) -> None:
-        total = sum(b.size for b in self.buckets)
+        buckets = self.last_plan
+        total = sum(b.size for b in buckets)
         log.info(
             "ddp_opt planned %d bucket(s) over %.2f MiB of gradients (first cap %d B, cap %d B%s)",
-            len(self.buckets), total / 2**20, caps.cap_for(0), caps.bucket_bytes_cap,
+            len(buckets), total / 2**20, caps.cap_for(0), caps.bucket_bytes_cap,
             f", per-bucket caps {list(caps.per_bucket_caps)}" if caps.per_bucket_caps else "",
         )
         if self.prediction is not None and self.cost_model is not None:
             rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
             log.log(logging.INFO if rank0 else logging.DEBUG, "ddp_opt %s (gradient-ready order):\n%s",
                     "cost-model plan" if self.auto_plan else "predicted timeline of the plan",
-                    describe(self.prediction, self.buckets))
+                    describe(self.prediction, buckets))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("ddp_opt bucket assignment:\n%s", format_buckets(self.buckets))
+            log.debug("ddp_opt bucket assignment:\n%s", format_buckets(buckets))

@@ -22,8 +22,15 @@ Notes
       ``CompiledDDP.register_comm_hook`` are registered again; a hook registered on
       the DDP module before ``compile_ddp`` cannot be recovered, so that case is
       refused up front (``align_buckets=False`` keeps DDP's own buckets).
-    - ``DDP(static_graph=True)`` is left alone: its reducer did not take the new
-      caps in a test (alignment stayed 0), so ``compile_ddp`` skips it there.
+    - ``DDP(static_graph=True)``: the new reducer is marked static too, as DDP
+      does when unpickled, so its first iteration reduces every gradient at the
+      end (a static graph's first iteration) and records the order; the rebuild
+      after it takes the caps. Realigned buckets appear one step later than
+      without ``static_graph``.
+    - Realignment cannot always reach alignment 1.0 (parameters used outside
+      every compiled graph, DDP's buckets per dtype and device); once the
+      realigned buckets exist, :func:`check_realignment` measures them and warns
+      with the likely cause.
     - Uses DDP internals (``_ddp_init_helper``, ``_bucket_config``) of torch 2.13,
       all in ``ddp_opt._torch_internals``; outside the tested torch versions
       realignment is turned off with a warning.
@@ -36,12 +43,13 @@ from typing import Any, Callable
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import rebuild_reducer, reducer_finalized, registered_hook_name
+from ._torch_internals import is_ddp_ignored, rebuild_reducer, reducer_finalized, registered_hook_name
+from .alignment import Alignment, measure_alignment
 from .plan import Bucket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["registered_hook_name", "realign_reducer", "reducer_finalized"]
+__all__ = ["check_realignment", "registered_hook_name", "realign_reducer", "reducer_finalized"]
 
 
 def realign_reducer(ddp_model: DistributedDataParallel, buckets: list[Bucket],
@@ -62,3 +70,44 @@ def realign_reducer(ddp_model: DistributedDataParallel, buckets: list[Bucket],
         ddp_model.register_comm_hook(state, hook)
     log.info("ddp_opt realigned DDP's buckets with the %d partitions (caps %s B)", len(caps), list(caps))
     return caps
+
+
+def check_realignment(ddp_model: DistributedDataParallel, buckets: list[Bucket]) -> Alignment | None:
+    """Measure the realigned buckets against the partitions; warn, with the likely
+    cause and what to do, when some bucket straddles partitions."""
+    alignment = measure_alignment(ddp_model, buckets)
+    if alignment is None or alignment.fraction >= 1.0:
+        return alignment
+    straddling = alignment.aligned.count(False)
+    log.warning(
+        "compile_ddp realigned DDP's buckets with the %d partitions, but %d of DDP's %d runtime buckets still "
+        "straddle partitions (alignment %.2f of gradient bytes): their all-reduces wait for a later partition's "
+        "backward, and that much overlap of communication with backward is lost. Likely cause: %s "
+        "Training is correct either way; ddp_opt.measure_alignment(ddp_model, compiled.buckets) shows the "
+        "buckets, and compile_ddp(..., align_buckets=False) keeps DDP's own buckets instead.",
+        sum(1 for b in buckets if b.size), straddling, len(alignment.aligned), alignment.fraction,
+        _likely_cause(ddp_model, buckets),
+    )
+    return alignment
+
+
+def _likely_cause(ddp_model: DistributedDataParallel, buckets: list[Bucket]) -> str:
+    planned = {i for b in buckets for i in b.param_ids}
+    reduced = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad
+               and not is_ddp_ignored(p)]
+    outside = [n for n, p in reduced if id(p) not in planned]
+    if outside:
+        listed = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
+        return (f"{len(outside)} parameter(s) are in no compiled graph ({listed}): used in eager code between "
+                "graph breaks, or not used by forward, so DDP buckets their gradients wherever they arrive. "
+                "Remove the graph break around them (torch._dynamo.explain names it).")
+    kinds = sorted({(str(p.dtype), str(p.device)) for _, p in reduced})
+    if len(kinds) > 1:
+        return (f"the parameters come in {len(kinds)} dtype/device kinds ({kinds}); DDP buckets each kind apart "
+                "and takes one list of caps for all kinds, so caps that close every kind's buckets at partition "
+                "ends may not exist. Give the parameters one dtype (mixed precision by autocast keeps them so).")
+    if getattr(ddp_model, "find_unused_parameters", False) and not ddp_model.static_graph:
+        return ("DDP(find_unused_parameters=True) does not rebuild its buckets, so the new caps never take "
+                "effect. Pass find_unused_parameters=False, or static_graph=True if the graph is static.")
+    return ("the compiled partitions hand out their gradients in an order the plan did not expect "
+            "(please report it with the output of ddp_opt.measure_alignment).")

@@ -33,7 +33,7 @@ __all__ = ["OVERRIDE_SPELLING", "diagnose", "probe_exposed_comm"]
 # How advice names a setting: as a launcher override, and the benchmark that compares caps.
 OVERRIDE_SPELLING = Spelling(
     bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
-    keep_aligned="Keep bucket realignment on (it is skipped for ddp.static_graph=true)",
+    keep_aligned="Keep bucket realignment on (ddp.align_buckets=true)",
     regional="compile.regional=true", cache_dir="compile.cache_dir=DIR",
     compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}",
 )

@@ -141,6 +141,7 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
         backend=c.backend, mode=c.mode, options=dict(c.options) or None, dynamic=c.dynamic, fullgraph=c.fullgraph,
         fallback=c.fallback, split=c.split, cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks,
         bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
+        align_buckets=cfg.ddp.align_buckets,
     )
 
 

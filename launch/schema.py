@@ -161,6 +161,8 @@ class DDPConfig:
     first_bucket_cap_mb: Optional[float] = None
     bucket_cap_mb_list: Optional[List[float]] = None
     static_graph: bool = False
+    # After step 1, make DDP's runtime buckets equal the compiled partitions (Note [Bucket realignment]).
+    align_buckets: bool = True
 
     def __post_init__(self) -> None:
         # The one check a type cannot make: `Any` lets every word through.

@@ -1,6 +1,7 @@
 """Alignment of DDP's runtime buckets with the partitions (measured, not enforced)."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -40,11 +41,11 @@ def test_one_parameter_per_partition_is_fully_aligned():
     assert a.fraction == 1.0 and a.aligned == [True] * 4
 
 
-def _gpt_pair(**compile_kwargs):
+def _gpt_pair(static_graph=False, **compile_kwargs):
     torch.manual_seed(0)
     model = GPT(GPTConfig())
-    ref = DDP(copy.deepcopy(model), bucket_cap_mb=1)
-    ddp = DDP(model, bucket_cap_mb=1)
+    ref = DDP(copy.deepcopy(model), bucket_cap_mb=1, static_graph=static_graph)
+    ddp = DDP(model, bucket_cap_mb=1, static_graph=static_graph)
     return model, ddp, ref, compile_ddp(ddp, backend="aot_eager", **compile_kwargs)
 
 
@@ -98,8 +99,90 @@ def test_comm_hooks_survive_realignment_or_are_refused():
     assert len(calls) == 4  # the hook still runs, once per (realigned) bucket
 
 
-def test_static_graph_ddp_is_not_realigned():
-    ddp = DDP(nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))), bucket_cap_mb=0.01, static_graph=True)
-    compiled = compile_ddp(ddp, backend="aot_eager")
-    _train(compiled, lambda: (torch.randn(2, 64),))
-    assert compiled.align_buckets is False and compiled.aligned_caps is None
+def test_static_graph_ddp_is_realigned_one_step_later_with_gradients_equal_eager():
+    # The new reducer is marked static too: its first iteration reduces everything at the end and
+    # records the order, and the rebuild after it takes the partition caps.
+    model, ddp, ref, compiled = _gpt_pair(static_graph=True)
+    for step in range(5):
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+        compiled(x, x)[1].backward()
+        ref(x, x)[1].backward()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
+        ddp.zero_grad(), ref.zero_grad()
+    assert ddp.static_graph and compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
+    a = measure_alignment(ddp, compiled.buckets)
+    assert a.fraction == 1.0 and a.aligned == [True] * 4
+    assert compiled.realignment is not None and compiled.realignment.fraction == 1.0
+
+
+class _Broken(nn.Module):
+    """Six layers in two graphs (a graph break in the middle); with ``y`` it also computes its
+    own loss after another break, in a third graph without parameters."""
+
+    def __init__(self, eager_middle=False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.middle = nn.Linear(64, 64) if eager_middle else None
+
+    @torch._dynamo.disable
+    def _eager(self, x):
+        return self.middle(x)
+
+    def forward(self, x, y=None):
+        lay = self.layers
+        x = torch.tanh(lay[2](torch.tanh(lay[1](torch.tanh(lay[0](x))))))
+        torch._dynamo.graph_break()
+        if self.middle is not None:
+            x = self._eager(x)
+        x = torch.tanh(lay[5](torch.tanh(lay[4](torch.tanh(lay[3](x))))))
+        if y is None:
+            return x
+        print(end="")  # a graph break before the loss, as a library's warning_once makes
+        return ((x - y) ** 2).mean()
+
+
+def _broken_pair(static_graph=False, **kw):
+    torch.manual_seed(0)
+    model = _Broken(**kw)
+    ref = DDP(copy.deepcopy(model), bucket_cap_mb=0.02, static_graph=static_graph)
+    ddp = DDP(model, bucket_cap_mb=0.02, static_graph=static_graph)
+    return model, ddp, ref, compile_ddp(ddp, backend="aot_eager")
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_partitions_of_every_graph_are_planned_and_realigned_with_a_loss_computed_by_the_model(static_graph, caplog):
+    model, ddp, ref, compiled = _broken_pair(static_graph)
+    for step in range(5):
+        x, y = torch.randn(4, 64), torch.randn(4, 64)
+        loss, ref_loss = compiled(x, y), ref(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        loss.backward(), ref_loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
+        ddp.zero_grad(), ref.zero_grad()
+    opt = compiled.ddp_optimizer
+    # three graphs: layers 0-2, layers 3-5, the loss; the last one has no parameters and no bucket
+    assert [len(plan) for plan in opt.plans] == [2, 2, 1] and opt.plans[-1][0].size == 0
+    assert compiled.buckets == opt.plans[0] + opt.plans[1]
+    assert sorted(n for b in compiled.buckets for n in b.params) == sorted(n for n, _ in model.named_parameters())
+    assert len(opt.records) == 5 and {r.status for r in opt.records} == {"compiled"}
+    a = measure_alignment(ddp, compiled.buckets)
+    assert a.fraction == 1.0 and len(a.runtime_bytes) == 4
+    assert compiled.realignment.fraction == 1.0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "straddle" in r.getMessage()]
+
+
+def test_a_parameter_used_outside_every_graph_is_named_when_alignment_is_not_reached(caplog):
+    model, ddp, ref, compiled = _broken_pair(eager_middle=True)
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.realign"):
+        for _ in range(4):
+            x = torch.randn(4, 64)
+            compiled(x).sum().backward()
+            ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert compiled.realignment is not None and compiled.realignment.fraction < 1.0
+    (warning,) = [r.getMessage() for r in caplog.records if "straddle" in r.getMessage()]
+    assert "2 parameter(s) are in no compiled graph (middle.weight, middle.bias)" in warning
+    assert "Remove the graph break" in warning and "align_buckets=False" in warning

@@ -41,8 +41,8 @@ def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, c
 
 
 def test_diagnose_reports_poor_alignment_with_a_bucket_cap_suggestion(tmp_path, capsys, one_thread, clean_dynamo):
-    # DDP(static_graph=True) is not realigned, so its buckets straddle partitions.
-    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1, static_graph=True),
+    # Without realignment DDP's rebuilt buckets straddle partitions.
+    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1, align_buckets=False),
                diagnose=True, train=TrainConfig(steps=4, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "c")))
     metrics = run(cfg, output_dir=str(tmp_path))
     d = metrics["diagnosis"]

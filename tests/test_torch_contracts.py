@@ -149,15 +149,35 @@ def test_ddp_reducer_helpers_and_rebuild(gloo_module):
     assert dti.registered_hook_name(model) is None and dti.reducer_finalized(model)
     model(torch.randn(2, 4)).sum().backward()
     assert dti.runtime_buckets(model) and dti.reducer_finalized(model)
+    assert dti.has_rebuilt_buckets(model) is False
     dti.rebuild_reducer(model, (64, 2**20))
     assert model._bucket_config.per_bucket_bytes_caps == (64, 2**20)
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()
-    assert len(dti.runtime_buckets(model)) == 2
+    assert len(dti.runtime_buckets(model)) == 2 and dti.has_rebuilt_buckets(model)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     assert dti.registered_hook_name(model) == "allreduce_hook"
+
+
+def test_graph_slot_is_the_frame_of_each_graph():
+    slots = []
+
+    def backend(gm, example_inputs):
+        slots.append(dti.graph_slot())
+        return gm.forward
+
+    def f(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    compiled = torch.compile(f, backend=backend)
+    compiled(torch.randn(3))
+    compiled(torch.randn(3, 2))  # a recompile of both frames for the new rank
+    assert dti.graph_slot() is None and len(slots) == 4
+    assert slots[0] != slots[1] and slots[2:] == slots[:2] and all(isinstance(s, int) for s in slots)
 
 
 def test_compiled_module_markers_and_splitter_switch():
