@@ -31,6 +31,10 @@ Notes
       goes on, rather than the check itself hanging.
     - Keys are derived from creation and compile order, which SPMD programs keep
       identical across ranks.
+    - Plans are compared among the members of DDP's own process group: DDP on one
+      dimension of a device mesh, or pipeline stages whose ranks compile other
+      graphs, compare only with the ranks that all-reduce with them. Ranks in
+      the mismatch message are global ranks.
 """
 
 from __future__ import annotations
@@ -69,54 +73,65 @@ def plan_summary(buckets: list[Bucket]) -> list[list]:
     return [[b.size, list(b.params)] for b in buckets]
 
 
-def _group() -> tuple[int, int] | None:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+def _members(group: dist.ProcessGroup | None) -> tuple[int, list[str], list[int]] | None:
+    """This rank's index in ``group`` (None: the default group) and the key suffix of every
+    member; None without peers. Suffixes name the group by its global ranks, so that
+    disjoint groups (DDP on one dimension of a mesh, pipeline stages with other graphs)
+    share the default store without reading each other's plans."""
+    if not dist.is_available() or not dist.is_initialized():
         return None
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _all_plan_keys(key: str) -> tuple[dist.Store, list[str]] | None:
-    """The store and every rank's key under ``key``; None without peers."""
-    group = _group()
-    if group is None:
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if len(ranks) <= 1 or dist.get_rank() not in ranks:
         return None
-    return default_store(), [f"{key}/{r}" for r in range(group[1])]
+    tag = "g" + "-".join(map(str, ranks)) if len(ranks) <= 8 else f"g{ranks[0]}-{ranks[-1]}x{len(ranks)}"
+    return ranks.index(dist.get_rank()), [f"{tag}/{r}" for r in range(len(ranks))], ranks
 
 
-def publish_plan(buckets: list[Bucket], key: str) -> bool:
-    """Publish this rank's plan under ``key``; False when there is nothing to
-    agree with (no process group, or one rank)."""
-    group = _group()
-    if group is None:
+def _all_plan_keys(key: str, group: dist.ProcessGroup | None = None
+                   ) -> tuple[dist.Store, list[str], list[int]] | None:
+    """The store, every member's key under ``key`` and the members' global ranks; None without peers."""
+    found = _members(group)
+    if found is None:
+        return None
+    return default_store(), [f"{key}/{suffix}" for suffix in found[1]], found[2]
+
+
+def publish_plan(buckets: list[Bucket], key: str, group: dist.ProcessGroup | None = None) -> bool:
+    """Publish this rank's plan under ``key`` for the members of ``group`` (DDP's process
+    group; None: the default group); False when there is nothing to agree with (no
+    process group, or one rank)."""
+    found = _members(group)
+    if found is None:
         return False
-    default_store().set(f"{key}/{group[0]}", json.dumps(plan_summary(buckets)))
+    index, suffixes, _ = found
+    default_store().set(f"{key}/{suffixes[index]}", json.dumps(plan_summary(buckets)))
     return True
 
 
-def _compare(plans: list[list]) -> None:
+def _compare(plans: list[list], ranks: list[int]) -> None:
     for r in range(1, len(plans)):
         if plans[r] != plans[0]:
-            raise PlanMismatchError(_describe_mismatch(plans[0], plans[r], r))
+            raise PlanMismatchError(_describe_mismatch(plans[0], plans[r], ranks[0], ranks[r]))
 
 
-def peers_plans_if_ready(key: str) -> bool:
+def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None) -> bool:
     """Compare the published plans under ``key`` if every rank has published
     (no waiting); True when they were compared and agree.
 
     Raises:
         PlanMismatchError: when every rank has published and two plans differ.
     """
-    found = _all_plan_keys(key)
+    found = _all_plan_keys(key, group)
     if found is None:
         return False
-    store, keys = found
+    store, keys, ranks = found
     if not store.check(keys):
         return False
-    _compare([json.loads(store.get(k)) for k in keys])
+    _compare([json.loads(store.get(k)) for k in keys], ranks)
     return True
 
 
-def verify_plans(key: str, timeout_s: float = 120.0) -> bool:
+def verify_plans(key: str, timeout_s: float = 120.0, group: dist.ProcessGroup | None = None) -> bool:
     """Wait for every rank's plan under ``key`` and compare them.
 
     Returns:
@@ -126,10 +141,10 @@ def verify_plans(key: str, timeout_s: float = 120.0) -> bool:
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
-    found = _all_plan_keys(key)
+    found = _all_plan_keys(key, group)
     if found is None:
         return False
-    store, keys = found
+    store, keys, ranks = found
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError) as e:
@@ -139,11 +154,12 @@ def verify_plans(key: str, timeout_s: float = 120.0) -> bool:
             "see?). Error: %s", key, timeout_s, e,
         )
         return False
-    _compare([json.loads(store.get(k)) for k in keys])
+    _compare([json.loads(store.get(k)) for k in keys], ranks)
     return True
 
 
-def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120.0) -> bool:
+def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120.0,
+                         group: dist.ProcessGroup | None = None) -> bool:
     """Publish this rank's plan under ``key`` and compare it with every rank's
     (:func:`publish_plan` then :func:`verify_plans`).
 
@@ -154,10 +170,10 @@ def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
-    return publish_plan(buckets, key) and verify_plans(key, timeout_s)
+    return publish_plan(buckets, key, group) and verify_plans(key, timeout_s, group)
 
 
-def _describe_mismatch(plan0: list, plan_r: list, r: int) -> str:
+def _describe_mismatch(plan0: list, plan_r: list, r0: int, r: int) -> str:
     def show(plan: list, i: int) -> str:
         if i >= len(plan):
             return "no such bucket"
@@ -167,8 +183,8 @@ def _describe_mismatch(plan0: list, plan_r: list, r: int) -> str:
 
     first = next(i for i in range(max(len(plan0), len(plan_r))) if i >= min(len(plan0), len(plan_r)) or plan0[i] != plan_r[i])
     return (
-        f"Ranks split the graph into different DDP buckets: rank 0 planned {len(plan0)} bucket(s), rank {r} "
-        f"planned {len(plan_r)}. First difference at bucket {first}: rank 0 has {show(plan0, first)}; "
+        f"Ranks split the graph into different DDP buckets: rank {r0} planned {len(plan0)} bucket(s), rank {r} "
+        f"planned {len(plan_r)}. First difference at bucket {first}: rank {r0} has {show(plan0, first)}; "
         f"rank {r} has {show(plan_r, first)}. Mismatched buckets pair up the wrong all-reduces and deadlock "
         "in backward. Make every rank build the same model with the same DDP bucket caps and the same "
         "code path (no rank-dependent branches in forward). To skip this check, pass check_plans=False "

@@ -97,6 +97,8 @@ class DDPOptimizer:
         cost_model: when given, each graph's caps come from the cost-model DP
             (Note [Cost-model bucket plan]) and the caps above are unused; with
             ``auto_plan=False`` the caps above plan and the model only predicts.
+        process_group: the group whose ranks must plan alike (DDP's
+            ``process_group``); None is the default group.
         param_names: ``id(parameter) -> name`` for plans, logs and the plan check; by
             default a parameter is named from dynamo's source, which after a graph
             break starts at the resumed frame's local (``3.weight`` for
@@ -132,6 +134,7 @@ class DDPOptimizer:
         cost_model: CostModel | None = None,
         auto_plan: bool = True,
         param_names: dict[int, str] | None = None,
+        process_group: Any = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -157,6 +160,7 @@ class DDPOptimizer:
         self.auto_plan = auto_plan and cost_model is not None
         self.prediction: Timeline | None = None
         self.param_names = dict(param_names or {})
+        self.process_group = process_group
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -200,9 +204,9 @@ class DDPOptimizer:
         # Every rank's plan must be the same; published now, compared once compiled
         # (before any collective can run; see Note [Plan agreement]).
         plan_key = f"{self._plan_namespace}/{len(self.plans)}"
-        published = self.check_plans and publish_plan(buckets, plan_key)
+        published = self.check_plans and publish_plan(buckets, plan_key, self.process_group)
         if published:
-            peers_plans_if_ready(plan_key)
+            peers_plans_if_ready(plan_key, self.process_group)
 
         # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
         if len(buckets) == 1:
@@ -210,7 +214,7 @@ class DDPOptimizer:
             self._graphs[slot] = (buckets, [record])
             compiled = self._compile_whole(gm, example_inputs, backend, record)
             if published:
-                verify_plans(plan_key, self.plan_timeout_s)
+                verify_plans(plan_key, self.plan_timeout_s, self.process_group)
             self.compiles += 1
             return compiled
 
@@ -226,7 +230,7 @@ class DDPOptimizer:
         )
         self._graphs[slot] = (buckets, records)
         if published:
-            verify_plans(plan_key, self.plan_timeout_s)
+            verify_plans(plan_key, self.plan_timeout_s, self.process_group)
         self.compiles += 1
         eager = [r.name for r in records if r.status == "eager"]
         log.info(

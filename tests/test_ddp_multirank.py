@@ -128,6 +128,35 @@ def test_ranks_with_different_plans_fail_together_naming_the_bucket(run_ranks):
         assert "check_plans=False" in message
 
 
+def _subgroup_rank(rank, world_size):
+    # Two DDP groups on disjoint ranks, as pipeline stages or one mesh dimension make them:
+    # {0, 1} trains a 4-layer model, {2, 3} a 2-layer one, and rank 3 uses other caps than rank 2.
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]  # every rank makes both
+    group = groups[rank // 2]
+    torch.manual_seed(0)
+    layers = 4 if rank < 2 else 2
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(layers)))
+    cap = 64 * 64 * 4 / 2**20 if rank != 3 else 25
+    ddp = DDP(model, bucket_cap_mb=cap, process_group=group)
+    try:
+        compiled = compile_ddp(ddp, backend="eager")
+        for _ in range(3):
+            compiled(torch.randn(2, 64)).sum().backward()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return f"no error, {len(compiled.buckets)} partitions, alignment {measure_alignment(ddp, compiled.buckets).fraction}"
+
+
+def test_plans_are_compared_within_ddps_own_process_group(run_ranks):
+    results = run_ranks(_subgroup_rank, world_size=4, timeout=240)
+    # group {0, 1}: agrees with itself; the other group's different model is not a mismatch
+    assert results[0] == results[1] == "no error, 4 partitions, alignment 1.0", results[:2]
+    # group {2, 3}: its own mismatch is found, on both of its ranks, named by global rank
+    for rank in (2, 3):
+        assert "PlanMismatchError" in results[rank], results[rank]
+        assert "rank 2 planned 2 bucket(s), rank 3 planned 1" in results[rank]
+
+
 def _late_mismatch_rank(rank, world_size):
     # Rank 1 starts only once rank 0 is compiling (so rank 0 has published): it
     # must fail before compiling anything; rank 0 fails once its compile is done.
