@@ -363,7 +363,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         optimizer = DDPOptimizer(
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
             bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
-            cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto",
+            cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
         )
         backend_fn = optimizer.compile_fn
     if config.wrap_backend is not None:

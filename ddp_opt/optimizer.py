@@ -28,6 +28,7 @@ from torch import fx
 from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions, split_graph
 
 from ._torch_internals import default_first_bucket_bytes, trace_artifact
+from .advice import API_SPELLING, DIRECT_SPELLING, Spelling
 from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
 from .cost import CostModel, describe, plan_auto, predict_plan
@@ -36,12 +37,21 @@ from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_bucket
 log = logging.getLogger(__name__)
 graph_log = logging.getLogger(__name__ + ".graphs")  # graph dumps, off unless asked for
 
-__all__ = ["DDPOptimizer", "SPLIT_REASON"]
+__all__ = ["DDPOptimizer", "SPLIT_REASON", "split_reason"]
 
-SPLIT_REASON = (
-    "ddp_opt intentional graph split at a DDP gradient-bucket boundary "
-    "(see Note [Bucket planning]); use compile_ddp(..., split=False) to compile without splitting."
-)
+
+
+def split_reason(spelling: Spelling) -> str:
+    """The graph-break reason of each split, in the spelling of the entry point;
+    it starts as PyTorch's splitter's does, which tools look for."""
+    return (
+        "DDPOptimizer intentional graph-break (ddp_opt): split at a DDP gradient-bucket boundary so that the "
+        "bucket's all-reduce can start while backward goes on (see Note [Bucket planning]). To compile "
+        f"without splitting, {spelling.no_split}."
+    )
+
+
+SPLIT_REASON = split_reason(API_SPELLING)  # as compile_ddp writes it
 
 
 def _default_first_bucket_cap(bucket_bytes_cap: int) -> int:
@@ -69,6 +79,9 @@ class DDPOptimizer:
         cost_model: when given, each graph's caps come from the cost-model DP
             (Note [Cost-model bucket plan]) and the caps above are unused; with
             ``auto_plan=False`` the caps above plan and the model only predicts.
+        spelling: how the graph-break reason of each split says to compile
+            without splitting: ``compile_ddp`` passes its entry point's; the
+            default advises the plain backend, for a DDPOptimizer used directly.
 
     Attributes:
         buckets: the last plan, in forward-graph order.
@@ -92,6 +105,7 @@ class DDPOptimizer:
         plan_timeout_s: float = 120.0,
         cost_model: CostModel | None = None,
         auto_plan: bool = True,
+        spelling: Spelling = DIRECT_SPELLING,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -115,6 +129,7 @@ class DDPOptimizer:
         self.cost_model = cost_model
         self.auto_plan = auto_plan and cost_model is not None
         self.prediction: Timeline | None = None
+        self.spelling = spelling
 
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
         """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
@@ -164,7 +179,7 @@ class DDPOptimizer:
 
         # 4. Compile each partition on its first (fake) call, in order.
         self.records = compile_partitions(
-            split, backend, example_inputs, fallback=self.fallback, compile_reason=SPLIT_REASON
+            split, backend, example_inputs, fallback=self.fallback, compile_reason=split_reason(self.spelling)
         )
         if published:
             verify_plans(plan_key, self.plan_timeout_s)
