@@ -99,6 +99,11 @@ def graph_break_frame(gm: fx.GraphModule) -> tuple[str, Any] | None:
 
 # --- dynamo metadata on split graphs ------------------------------------------------------
 
+# split_module's GLOBAL_STATE_NODES (a local there): the region nodes it re-enters in
+# each partition it cuts through; with any in the graph it needs non-decreasing partitions.
+SET_GRAD_ENABLED = torch._C._set_grad_enabled
+SPLIT_REENTERED_TARGETS = (torch.amp._enter_autocast, torch.amp._exit_autocast, SET_GRAD_ENABLED)
+
 
 def placeholder_sources(gm: fx.GraphModule) -> dict[str, Any]:
     # node._dynamo_source: AOTAutograd reads it to tell parameters (static inputs) from activations.

@@ -1,7 +1,7 @@
 """DDP optimizer: plan gradient buckets from a captured graph, split the graph at
 the bucket boundaries DDP really uses, compile each partition."""
 
-from .advice import API_SPELLING, Spelling, ddp_advice
+from .advice import API_SPELLING, DIRECT_SPELLING, Spelling, ddp_advice
 from .alignment import Alignment, alignment_fraction, measure_alignment, runtime_buckets
 from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
@@ -46,6 +46,7 @@ __all__ = [
     "plan_summary",
     # advice in the spelling of the entry point
     "API_SPELLING",
+    "DIRECT_SPELLING",
     "Spelling",
     "ddp_advice",
 ]

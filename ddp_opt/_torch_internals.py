@@ -166,10 +166,13 @@ def trace_artifact(name: str, encoding: str, payload_fn: Any) -> None:
 
 # --- what dynamo's graphs carry ------------------------------------------------------------
 
-# The functions dynamo records when a graph enters/leaves autocast or switches grad mode.
+# The functions dynamo records when a graph enters/leaves autocast or inference
+# mode or switches grad mode; an exit takes its enter node as argument.
 AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
 AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
+INFERENCE_MODE_ENTER = torch.autograd.grad_mode._enter_inference_mode
+INFERENCE_MODE_EXIT = torch.autograd.grad_mode._exit_inference_mode
 
 
 def is_ddp_ignored(param: torch.nn.Parameter) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["API_SPELLING", "Spelling", "ddp_advice"]
+__all__ = ["API_SPELLING", "DIRECT_SPELLING", "Spelling", "ddp_advice"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class Spelling:
         regional: compile the repeated block once.
         cache_dir: the persistent compile cache.
         compare: a command comparing caps side by side (``{}``: the caps), or None.
+        no_split: how to compile without splitting at the buckets (shown as the
+            graph-break reason of each split).
     """
 
     bucket_cap: str = "DistributedDataParallel(model, bucket_cap_mb={})"
@@ -37,9 +39,16 @@ class Spelling:
     regional: str = "compile_ddp(ddp, regional=True)"
     cache_dir: str = "compile_ddp(ddp, cache_dir=DIR)"
     compare: str | None = None
+    no_split: str = "compile_ddp(ddp, split=False)"
 
 
 API_SPELLING = Spelling()
+
+# A DDPOptimizer used directly as a dynamo backend, not through compile_ddp.
+DIRECT_SPELLING = Spelling(
+    no_split="pass the backend itself to torch.compile instead of DDPOptimizer(...).compile_fn, with "
+             "torch._dynamo.config.optimize_ddp=False (otherwise PyTorch's own DDPOptimizer splits the graph)",
+)
 
 _DDP_DEFAULT_CAP_MB = 25.0
 

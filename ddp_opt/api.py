@@ -367,7 +367,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         optimizer = DDPOptimizer(
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
             bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
-            cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto",
+            cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
             param_names={id(p): n for n, p in inner.named_parameters()}, process_group=ddp_model.process_group,
         )
         backend_fn = optimizer.compile_fn

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from compiler import FALLBACKS, BackendFn, SettingError, check_blocks_setting, resolve_backend
 
+from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
 from .cost import CostModel
 
@@ -42,6 +43,8 @@ class DDPCompileConfig:
     blocks: str | Sequence[str] = "auto"
     wrap_backend: Callable[[Callable], Callable] | None = None
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # How messages name a setting: an entry point of its own (the launcher) passes its spelling.
+    spelling: Spelling = API_SPELLING
 
     def __post_init__(self) -> None:
         self.resolve_backend()  # unknown backend, mode or options fail here, naming the valid ones

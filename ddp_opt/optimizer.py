@@ -56,6 +56,7 @@ from torch import fx
 from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions, split_graph
 
 from ._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
+from .advice import API_SPELLING, DIRECT_SPELLING, Spelling
 from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
 from .cost import CostModel, describe, plan_auto, predict_plan
@@ -64,12 +65,21 @@ from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_bucket
 log = logging.getLogger(__name__)
 graph_log = logging.getLogger(__name__ + ".graphs")  # graph dumps, off unless asked for
 
-__all__ = ["DDPOptimizer", "SPLIT_REASON"]
+__all__ = ["DDPOptimizer", "SPLIT_REASON", "split_reason"]
 
-SPLIT_REASON = (
-    "ddp_opt intentional graph split at a DDP gradient-bucket boundary "
-    "(see Note [Bucket planning]); use compile_ddp(..., split=False) to compile without splitting."
-)
+
+
+def split_reason(spelling: Spelling) -> str:
+    """The graph-break reason of each split, in the spelling of the entry point;
+    it starts as PyTorch's splitter's does, which tools look for."""
+    return (
+        "DDPOptimizer intentional graph-break (ddp_opt): split at a DDP gradient-bucket boundary so that the "
+        "bucket's all-reduce can start while backward goes on (see Note [Bucket planning]). To compile "
+        f"without splitting, {spelling.no_split}."
+    )
+
+
+SPLIT_REASON = split_reason(API_SPELLING)  # as compile_ddp writes it
 
 
 def _default_first_bucket_cap(bucket_bytes_cap: int) -> int:
@@ -103,6 +113,9 @@ class DDPOptimizer:
             default a parameter is named from dynamo's source, which after a graph
             break starts at the resumed frame's local (``3.weight`` for
             ``layers[3].weight`` reached through a local ``layers``).
+        spelling: how the graph-break reason of each split says to compile
+            without splitting: ``compile_ddp`` passes its entry point's; the
+            default advises the plain backend, for a DDPOptimizer used directly.
 
     Attributes:
         buckets: the partitions of every graph that holds parameters, in forward
@@ -135,6 +148,7 @@ class DDPOptimizer:
         auto_plan: bool = True,
         param_names: dict[int, str] | None = None,
         process_group: Any = None,
+        spelling: Spelling = DIRECT_SPELLING,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -161,6 +175,7 @@ class DDPOptimizer:
         self.prediction: Timeline | None = None
         self.param_names = dict(param_names or {})
         self.process_group = process_group
+        self.spelling = spelling
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -226,7 +241,7 @@ class DDPOptimizer:
 
         # 4. Compile each partition on its first (fake) call, in order.
         records = compile_partitions(
-            split, backend, example_inputs, fallback=self.fallback, compile_reason=SPLIT_REASON
+            split, backend, example_inputs, fallback=self.fallback, compile_reason=split_reason(self.spelling)
         )
         self._graphs[slot] = (buckets, records)
         if published:

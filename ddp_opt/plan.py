@@ -21,12 +21,21 @@ Algorithm
     - When the current bucket has reached its cap, start a new one before the
       next node, but only if the full bucket has an output used outside it; until
       then keep extending it, since a partition without outputs cannot be split.
-    - Never cut inside a global-state region: dynamo records ``autocast`` and
-      ``no_grad`` blocks as enter/exit nodes (``_enter_autocast``,
-      ``_set_grad_enabled``), and a partition that ends inside one would leak
-      the mode into the next partition, or lose it (outputs computed with the
-      wrong dtype or without ``requires_grad``). A full bucket is extended until
-      the region closes.
+    - Cut inside ``autocast`` and grad-mode regions as anywhere else: dynamo
+      records them as enter/exit nodes (``_enter_autocast``/``_exit_autocast``,
+      ``_set_grad_enabled``), and ``split_module`` re-enters each region in
+      every partition it cuts through (an ``_enter_autocast`` at the start and
+      an ``_exit_autocast`` at the end of each middle piece, a
+      ``_set_grad_enabled`` at the start of each later one), so outputs keep
+      their dtype and ``requires_grad``. It asks two things, both held here:
+      partition indices never decrease along the node order (buckets are
+      consecutive runs of nodes), and a region's enter -> exit link is no
+      data edge, so a full bucket whose only outside use is that link has no
+      output yet and is extended (``_has_external_output``).
+    - Never cut inside an ``inference_mode`` region
+      (``_enter_inference_mode``/``_exit_inference_mode``): ``split_module``
+      does not re-enter it, so a later partition would run outside it. A full
+      bucket is extended until the region closes.
     - A parameter-free preamble (the first nodes of the forward, such as input
       reshapes) is folded into the bucket that follows it.
 
@@ -36,6 +45,9 @@ Notes
       ``get_attr`` nodes and on ``call_module`` targets.
     - DDP keeps separate buckets per dtype and device; this planner assumes one
       dtype, which is what mixed precision by autocast gives.
+    - Other mode switches dynamo can record (forward AD, saved-tensor hooks,
+      ``sdpa_kernel``) are re-entered neither by ``split_module`` nor here;
+      they are not tracked (PyTorch's splitter does not either).
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_ddp_ignored, placeholder_parameter
+from ._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MODE_EXIT, is_ddp_ignored,
+                               placeholder_parameter)
 
 log = logging.getLogger(__name__)
 
@@ -233,33 +246,25 @@ def _first_use_of_params(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[str, to
     return owner
 
 
-_AUTOCAST_ENTER = {AUTOCAST_ENTER}
-_AUTOCAST_EXIT = {AUTOCAST_EXIT}
-_SET_GRAD = {SET_GRAD_ENABLED}
-
-
 def _cuttable_after(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes after which the graph may be cut: autocast and grad mode are back to
-    what they were at graph entry (see Note [Bucket planning])."""
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    grad_sets = [n for n in nodes if n.op == "call_function" and n.target in _SET_GRAD]
-    # dynamo only records a grad-mode switch that changes the mode, so the first
-    # one tells the mode at entry.
-    entry_grad = (not grad_sets[0].args[0]) if grad_sets else True
-    grad, autocast_depth, ok = entry_grad, 0, set()
-    for node in nodes:
-        if node.op == "call_function":
-            if node.target in _AUTOCAST_ENTER:
-                autocast_depth += 1
-            elif node.target in _AUTOCAST_EXIT:
-                autocast_depth -= 1
-            elif node.target in _SET_GRAD:
-                grad = bool(node.args[0])
-        if autocast_depth == 0 and grad == entry_grad:
+    """Nodes after which the graph may be cut: anywhere but inside an
+    ``inference_mode`` region, which ``split_module`` does not re-enter (autocast
+    and grad-mode regions it does; see Note [Bucket planning])."""
+    depth, ok = 0, set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is INFERENCE_MODE_ENTER:
+            depth += 1
+        elif node.op == "call_function" and node.target is INFERENCE_MODE_EXIT:
+            depth -= 1
+        if depth == 0:
             ok.add(node)
     return ok
 
 
 def _has_external_output(bucket: Bucket) -> bool:
+    # An autocast region's enter -> exit link is not an output: split_module
+    # re-enters the region in the later partition instead of passing it along.
     inside = set(bucket.nodes)
-    return any(user not in inside for node in bucket.nodes for user in node.users)
+    return any(user not in inside and user.target is not AUTOCAST_EXIT for node in bucket.nodes for user in node.users)

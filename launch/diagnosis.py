@@ -20,23 +20,16 @@ from typing import Any
 import torch.distributed as dist
 
 from compiler import Diagnoser
-from ddp_opt import Spelling, ddp_advice
+from ddp_opt import ddp_advice
 
 from .data import TokenSource
 from .dist import DistEnv, print0
-from .parallel import Wrapped
+from .parallel import OVERRIDE_SPELLING, Wrapped
 from .precision import autocast
 from .schema import JobConfig
 
 __all__ = ["OVERRIDE_SPELLING", "diagnose", "probe_exposed_comm"]
 
-# How advice names a setting: as a launcher override, and the benchmark that compares caps.
-OVERRIDE_SPELLING = Spelling(
-    bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
-    keep_aligned="Keep bucket realignment on (ddp.align_buckets=true)",
-    regional="compile.regional=true", cache_dir="compile.cache_dir=DIR",
-    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}",
-)
 
 
 def diagnose(diagnoser: Diagnoser, wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env: DistEnv,

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_opt
 from compiler import BackendSpec
-from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
+from ddp_opt import DDPCompileConfig, Spelling, compile_ddp, measure_alignment
 
 from .dist import DistEnv
 from .schema import CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig, ParallelMode
@@ -30,8 +30,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CausalLM", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs", "ddp_compile_config",
-           "fsdp_config"]
+# How advice names a setting: as a launcher override, and the benchmark that compares caps.
+OVERRIDE_SPELLING = Spelling(
+    bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
+    keep_aligned="Keep bucket realignment on (ddp.align_buckets=true)",
+    regional="compile.regional=true", cache_dir="compile.cache_dir=DIR",
+    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}", no_split="compile.split=false",
+)
+
+__all__ = ["CausalLM", "OVERRIDE_SPELLING", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs",
+           "ddp_compile_config", "fsdp_config"]
 
 DDP_DEFAULT_CAP_MB = 25.0
 
@@ -142,6 +150,7 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
         fallback=c.fallback, split=c.split, cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks,
         bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
         align_buckets=cfg.ddp.align_buckets,
+        spelling=OVERRIDE_SPELLING,
     )
 
 

@@ -13,8 +13,9 @@ Algorithm
     compiled forward. Dynamo records the ambient autocast state in its global
     state guard and AOTAutograd traces the model under it, so the captured
     graph holds the concrete ``bf16`` casts (``_to_copy`` nodes) and no autocast
-    region at all: the DDP planner splits an ordinary graph and can never cut
-    inside an autocast region (tested in tests/test_launch_optim.py).
+    region at all: the DDP planner splits an ordinary graph (tested in
+    tests/test_launch_optim.py; a region inside the model's forward would be
+    cut and re-entered per partition, Note [Bucket planning]).
     Parameters, gradients and the optimizer state stay float32; DDP reduces
     float32 gradients.
 
