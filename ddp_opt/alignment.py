@@ -17,7 +17,7 @@ from typing import Sequence
 from torch.nn.parallel import DistributedDataParallel
 
 from ._torch_internals import runtime_buckets
-from .plan import Bucket
+from .plan import Bucket, kind_groups
 
 __all__ = ["Alignment", "alignment_fraction", "measure_alignment", "runtime_buckets"]
 
@@ -54,13 +54,15 @@ def measure_alignment(ddp_model: DistributedDataParallel, buckets: Sequence[Buck
     """Alignment of ``ddp_model``'s runtime buckets with a plan (``compiled.buckets``).
 
     ``buckets`` empty or None (compiled without splitting) counts the whole model
-    as one partition. Returns None before DDP has built any bucket.
+    as one partition. With parameters of several dtypes or devices, each
+    partition's parameters of one kind count as one partition (DDP never mixes
+    kinds in a bucket). Returns None before DDP has built any bucket.
     """
     runtime = runtime_buckets(ddp_model)
     if not runtime:
         return None
     if buckets:
-        partitions = [set(b.param_ids) for b in buckets]
+        partitions = kind_groups(list(buckets))
     else:
         partitions = [{i for bucket in runtime for i, _ in bucket}]
     return alignment_fraction(runtime, partitions)

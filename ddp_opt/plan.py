@@ -43,8 +43,13 @@ Notes
     - Parameters are found on placeholders (dynamo lifts module parameters to
       graph inputs and keeps the real tensor in ``meta["grapharg"]``), on
       ``get_attr`` nodes and on ``call_module`` targets.
-    - DDP keeps separate buckets per dtype and device; this planner assumes one
-      dtype, which is what mixed precision by autocast gives.
+    - DDP keeps separate buckets per dtype and device ("kind"), each kind filling
+      its own bucket against its own run of caps (kind A's k-th bucket is capped
+      at cap k, whatever kind B did). The planner does the same: it keeps one
+      open bucket per kind and cuts the graph where any kind's bucket is full,
+      so a partition can hold several kinds, and a kind with few bytes (fp32
+      norms beside bf16 weights) keeps one bucket open across partitions, as
+      DDP does, to be reduced after the others (:func:`kind_groups`).
     - Other mode switches dynamo can record (forward AD, saved-tensor hooks,
       ``sdpa_kernel``) are re-entered neither by ``split_module`` nor here;
       they are not tracked (PyTorch's splitter does not either).
@@ -63,7 +68,8 @@ from ._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MO
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Bucket", "BucketCaps", "plan_buckets", "partition_map", "plan_details", "format_buckets"]
+__all__ = ["Bucket", "BucketCaps", "format_buckets", "kind_groups", "param_kind", "partition_map", "plan_buckets",
+           "plan_details", "realign_caps"]
 
 MiB = 1024 * 1024
 
@@ -78,6 +84,8 @@ class Bucket:
         param_ids: ``id()`` of each of those parameters (the real tensors).
         nodes: the FX nodes of the partition, in reverse graph order.
         cap: the byte cap this bucket was filled against.
+        param_bytes: bytes of each parameter, as DDP counts them.
+        param_kinds: ``"dtype@device"`` of each parameter: DDP buckets each kind apart.
     """
 
     size: int = 0
@@ -85,6 +93,8 @@ class Bucket:
     nodes: list[fx.Node] = field(default_factory=list)
     param_ids: list[int] = field(default_factory=list)
     cap: int = 0
+    param_bytes: list[int] = field(default_factory=list)
+    param_kinds: list[str] = field(default_factory=list)
     opcount_increased_to_capture_external_output: int = 0
     paramsize_before_opcount_increase: int = 0
 
@@ -146,22 +156,32 @@ def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:
     owner = _first_use_of_params(gm)
     cuttable = _cuttable_after(gm)
     ready = [Bucket(cap=caps.cap_for(0))]  # ready[0] = first bucket in backward order
+    # DDP's open bucket per dtype/device kind: its bytes so far and how many of that kind's buckets closed.
+    open_bytes: dict[str, int] = {}
+    closed: dict[str, int] = {}
     for node in reversed(gm.graph.nodes):
         if node.op in ("placeholder", "output"):
             continue
         cur = ready[-1]
-        if cur.size >= cur.cap:
+        full = [k for k, n in open_bytes.items() if n >= caps.cap_for(closed.get(k, 0))]
+        if full:
             if node in cuttable and _has_external_output(cur):
-                cur = Bucket(cap=caps.cap_for(len(ready)))
+                for k in full:
+                    open_bytes[k], closed[k] = 0, closed.get(k, 0) + 1
+                cur = Bucket(cap=caps.cap_for(closed[full[0]]))
                 ready.append(cur)
             else:
                 if cur.opcount_increased_to_capture_external_output == 0:
                     cur.paramsize_before_opcount_increase = cur.size
                 cur.opcount_increased_to_capture_external_output += 1
         for name, param in owner.get(node, ()):
-            cur.size += param.numel() * param.element_size()
+            nbytes, kind = param.numel() * param.element_size(), param_kind(param)
+            cur.size += nbytes
             cur.params.append(name)
             cur.param_ids.append(id(param))
+            cur.param_bytes.append(nbytes)
+            cur.param_kinds.append(kind)
+            open_bytes[kind] = open_bytes.get(kind, 0) + nbytes
         cur.nodes.append(node)
 
     buckets = list(reversed(ready))
@@ -170,6 +190,37 @@ def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:
         buckets[1].nodes.extend(buckets[0].nodes)
         del buckets[0]
     return buckets
+
+
+def param_kind(param: torch.Tensor) -> str:
+    """The key DDP buckets a parameter by: its dtype and device."""
+    return f"{str(param.dtype).removeprefix('torch.')}@{param.device}"
+
+
+def kind_groups(buckets: list[Bucket]) -> list[set[int]]:
+    """Parameter-id sets of each partition's parameters of one kind: the partitions
+    themselves when every parameter has one dtype and device."""
+    groups = []
+    for b in buckets:
+        by_kind: dict[str, set[int]] = {}
+        for i, kind in zip(b.param_ids, b.param_kinds or [""] * len(b.param_ids)):
+            by_kind.setdefault(kind, set()).add(i)
+        groups.extend(by_kind.values())
+    return groups
+
+
+def realign_caps(buckets: list[Bucket]) -> tuple[int, ...]:
+    """Per-bucket rebuild caps (gradient-ready order) that close DDP's buckets at the
+    partitions' ends: each partition's size; with several dtype/device kinds, each
+    partition's bytes of the kind with the most bytes (DDP walks one list of caps
+    per kind, so the other kinds' buckets close where those caps say)."""
+    kinds = {k for b in buckets for k in b.param_kinds}
+    if len(kinds) <= 1:
+        return tuple(b.size for b in reversed(buckets) if b.size > 0)
+    totals = {k: sum(n for b in buckets for n, kk in zip(b.param_bytes, b.param_kinds) if kk == k) for k in kinds}
+    main = max(sorted(kinds), key=totals.__getitem__)
+    sizes = (sum(n for n, k in zip(b.param_bytes, b.param_kinds) if k == main) for b in reversed(buckets))
+    return tuple(s for s in sizes if s > 0)
 
 
 def partition_map(buckets: list[Bucket]) -> dict[fx.Node, int]:

@@ -44,8 +44,8 @@ from typing import Any, Callable
 from torch.nn.parallel import DistributedDataParallel
 
 from ._torch_internals import is_ddp_ignored, rebuild_reducer, reducer_finalized, registered_hook_name
-from .alignment import Alignment, measure_alignment
-from .plan import Bucket
+from .alignment import Alignment, measure_alignment, runtime_buckets
+from .plan import Bucket, param_kind, realign_caps
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def realign_reducer(ddp_model: DistributedDataParallel, buckets: list[Bucket],
     Returns:
         The caps given to the reducer, in gradient-ready order.
     """
-    caps = tuple(b.size for b in reversed(buckets) if b.size > 0)
+    caps = realign_caps(buckets)
     rebuild_reducer(ddp_model, caps)
     for state, hook in hooks:
         ddp_model.register_comm_hook(state, hook)
@@ -77,6 +77,14 @@ def check_realignment(ddp_model: DistributedDataParallel, buckets: list[Bucket])
     cause and what to do, when some bucket straddles partitions."""
     alignment = measure_alignment(ddp_model, buckets)
     if alignment is None or alignment.fraction >= 1.0:
+        return alignment
+    minor = _only_minor_kinds_straddle(ddp_model, alignment)
+    if minor:
+        log.info(
+            "compile_ddp realigned DDP's buckets with the partitions for the parameters of the main dtype/device; "
+            "DDP buckets the %s parameters apart and reduces them after the others, as it does without compile "
+            "(alignment %.2f of gradient bytes).", ", ".join(minor), alignment.fraction,
+        )
         return alignment
     straddling = alignment.aligned.count(False)
     log.warning(
@@ -91,6 +99,20 @@ def check_realignment(ddp_model: DistributedDataParallel, buckets: list[Bucket])
     return alignment
 
 
+def _only_minor_kinds_straddle(ddp_model: DistributedDataParallel, alignment: Alignment) -> list[str]:
+    """The kinds of the straddling buckets when none of them is the kind with the most bytes; else []."""
+    kind_of = {id(p): param_kind(p) for p in ddp_model.module.parameters()}
+    totals: dict[str, int] = {}
+    straddling: set[str] = set()
+    for bucket, ok in zip(runtime_buckets(ddp_model), alignment.aligned):
+        for i, n in bucket:
+            totals[kind_of[i]] = totals.get(kind_of[i], 0) + n
+            if not ok:
+                straddling.add(kind_of[i])
+    main = max(sorted(totals), key=totals.__getitem__)
+    return sorted(straddling) if len(totals) > 1 and main not in straddling else []
+
+
 def _likely_cause(ddp_model: DistributedDataParallel, buckets: list[Bucket]) -> str:
     planned = {i for b in buckets for i in b.param_ids}
     reduced = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad
@@ -101,11 +123,12 @@ def _likely_cause(ddp_model: DistributedDataParallel, buckets: list[Bucket]) -> 
         return (f"{len(outside)} parameter(s) are in no compiled graph ({listed}): used in eager code between "
                 "graph breaks, or not used by forward, so DDP buckets their gradients wherever they arrive. "
                 "Remove the graph break around them (torch._dynamo.explain names it).")
-    kinds = sorted({(str(p.dtype), str(p.device)) for _, p in reduced})
+    kinds = sorted({param_kind(p) for _, p in reduced})
     if len(kinds) > 1:
-        return (f"the parameters come in {len(kinds)} dtype/device kinds ({kinds}); DDP buckets each kind apart "
-                "and takes one list of caps for all kinds, so caps that close every kind's buckets at partition "
-                "ends may not exist. Give the parameters one dtype (mixed precision by autocast keeps them so).")
+        return (f"the parameters come in {len(kinds)} dtype/device kinds ({', '.join(kinds)}); DDP buckets each "
+                "kind apart and walks one list of caps per kind, so caps that close every kind's buckets at "
+                "partition ends may not exist. Give the parameters one dtype (mixed precision by autocast keeps "
+                "them so).")
     if getattr(ddp_model, "find_unused_parameters", False) and not ddp_model.static_graph:
         return ("DDP(find_unused_parameters=True) does not rebuild its buckets, so the new caps never take "
                 "effect. Pass find_unused_parameters=False, or static_graph=True if the graph is static.")
