@@ -181,6 +181,9 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
         graphs=recorder.graphs, graphs_after_step=graphs_after_step,
         plans=[len(p) for p in splitter.plans], compiles=splitter.compiles,
         partitions=len(compiled.buckets), runtime_buckets=len(runtime_buckets(ddp)),
+        # A graph without parameters (a loss after a graph break) is one partition with no gradient:
+        # DDP has no bucket for it.
+        partitions_with_params=sum(1 for b in compiled.buckets if b.param_ids),
         alignment=alignment.fraction if alignment is not None else None,
         realigned=compiled.aligned_caps is not None,
         break_reasons=dict(counters["graph_break"]),
