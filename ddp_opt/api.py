@@ -54,6 +54,8 @@ class CompiledDDP:
         align_buckets: re-create DDP's reducer once, after the first step, so that
             its buckets equal the partitions (Note [Bucket realignment]).
         aligned_caps: the caps given to the reducer, once realigned.
+        realignment: the alignment of the realigned buckets, measured (and warned
+            about when below 1.0) in the forward where DDP rebuilt them.
         block_buckets: with regional compile, the buckets of whole blocks
             (Note [Regional compile]); None otherwise.
         compile_cache: the :class:`compiler.cache.CompileCache` with
@@ -88,8 +90,11 @@ class CompiledDDP:
         buckets = [b for b in self.buckets if b.size > 0]
         if self.aligned_caps is None and len(buckets) >= self._min_realign_buckets:
             self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks)
-        elif self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
-            self.realignment = check_realignment(self.ddp_model, buckets)
+
+    def _check_realigned(self) -> None:
+        # DDP rebuilds its buckets at the start of a forward: measured right after it.
+        if self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
+            self.realignment = check_realignment(self.ddp_model, [b for b in self.buckets if b.size > 0])
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -127,7 +132,9 @@ class CompiledDDP:
             if self._calls >= 2 and torch.is_grad_enabled():
                 self.save_compile_cache()
         self._maybe_realign()
-        return self.ddp_model(*args, **kwargs)
+        out = self.ddp_model(*args, **kwargs)
+        self._check_realigned()
+        return out
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set in __init__.

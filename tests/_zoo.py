@@ -11,6 +11,7 @@ forward. What each rank saw comes back as a plain dict (it crosses a pickle).
 from __future__ import annotations
 
 import copy
+import logging
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +37,10 @@ class Arch:
     name: str
     build: Callable[[], torch.nn.Module]
     kind: str  # causal, masked, seq2seq or image
+    # Dynamo runs whole frames holding parameters eagerly (here: a loop over experts with a
+    # data-dependent `nonzero`): those parameters are in no partition, so DDP's buckets cannot
+    # all be partitions, and compile_ddp must say so.
+    params_outside_graphs: bool = False
 
 
 def _tiny(cls_name: str, config_name: str, **cfg: Any) -> Callable[[], torch.nn.Module]:
@@ -80,7 +85,8 @@ ARCHS = {a.name: a for a in (
                             attention_dropout=0.0, **_DEC), "causal"),
     Arch("mixtral_eager_experts", _tiny("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=1,
                                         num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0,
-                                        experts_implementation="eager", **_DEC), "causal"),
+                                        experts_implementation="eager", **_DEC), "causal",
+         params_outside_graphs=True),
     Arch("gpt_neox", _tiny("GPTNeoXForCausalLM", "GPTNeoXConfig", hidden_dropout=0.0, attention_dropout=0.0,
                            **_DEC), "causal"),
 )}
@@ -153,6 +159,8 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
     ref_model = copy.deepcopy(model)
     ddp, ref = DDP(model, bucket_cap_mb=BUCKET_CAP_MB), DDP(ref_model, bucket_cap_mb=BUCKET_CAP_MB)
     recorder = GraphRecorder()
+    warned = _Warnings()
+    logging.getLogger("ddp_opt.realign").addHandler(warned)
     compiled = compile_ddp(ddp, backend="aot_eager", wrap_backend=recorder.wrap)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -164,6 +172,7 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
         graphs_after_step.append(len(recorder.graphs))
+    logging.getLogger("ddp_opt.realign").removeHandler(warned)
     pairs = [(name, p, q) for (name, p), q in zip(model.named_parameters(), ref_model.parameters())]
     param_diffs = {name: (p - q).abs().max().item() for name, p, q in pairs}
     worst = max(param_diffs, key=param_diffs.get)
@@ -186,8 +195,17 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
         partitions_with_params=sum(1 for b in compiled.buckets if b.param_ids),
         alignment=alignment.fraction if alignment is not None else None,
         realigned=compiled.aligned_caps is not None,
-        break_reasons=dict(counters["graph_break"]),
+        break_reasons=dict(counters["graph_break"]), realign_warnings=warned.messages,
     )
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def zoo_rank(rank: int, world_size: int, names: list[str], variants: tuple[str, ...] = VARIANTS) -> dict:
