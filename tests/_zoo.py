@@ -139,9 +139,9 @@ class GraphRecorder:
             self.graphs.append(dict(
                 break_reason=found[0] if found else None,
                 break_at=f"{found[1].filename.rsplit('/', 1)[-1]}:{found[1].lineno}" if found else None,
-                partitions=len(splitter.buckets),
-                param_ids=[i for b in splitter.buckets for i in b.param_ids],
-                statuses=[r.status for r in splitter.records],
+                partitions=len(splitter.last_plan),
+                param_ids=[i for b in splitter.last_plan for i in b.param_ids],
+                statuses=[r.status for r in splitter.records],  # every graph's latest compile
                 errors=[r.error for r in splitter.records if r.error],
             ))
             return compiled
