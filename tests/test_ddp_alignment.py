@@ -49,6 +49,16 @@ def _gpt_pair(static_graph=False, **compile_kwargs):
     return model, ddp, ref, compile_ddp(ddp, backend="aot_eager", **compile_kwargs)
 
 
+def _steps_with_eager_gradients(model, ddp, ref, compiled, steps):
+    for step in range(steps):
+        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
+        compiled(x, x)[1].backward()
+        ref(x, x)[1].backward()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
+        ddp.zero_grad(), ref.zero_grad()
+
+
 def test_without_realignment_the_split_gpt_drifts_from_its_partitions():
     # The problem issue 5 is about: DDP rebuilds its buckets from the order in
     # which the compiled partitions hand out gradients, which is not the reverse
@@ -64,13 +74,7 @@ def test_without_realignment_the_split_gpt_drifts_from_its_partitions():
 
 def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
     model, ddp, ref, compiled = _gpt_pair()
-    for step in range(4):
-        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
-        compiled(x, x)[1].backward()
-        ref(x, x)[1].backward()
-        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
-        ddp.zero_grad(), ref.zero_grad()
+    _steps_with_eager_gradients(model, ddp, ref, compiled, 4)
     a = measure_alignment(ddp, compiled.buckets)
     assert a.fraction == 1.0 and a.aligned == [True] * 4
     assert compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
@@ -103,13 +107,7 @@ def test_static_graph_ddp_is_realigned_one_step_later_with_gradients_equal_eager
     # The new reducer is marked static too: its first iteration reduces everything at the end and
     # records the order, and the rebuild after it takes the partition caps.
     model, ddp, ref, compiled = _gpt_pair(static_graph=True)
-    for step in range(5):
-        x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(step))
-        compiled(x, x)[1].backward()
-        ref(x, x)[1].backward()
-        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
-        ddp.zero_grad(), ref.zero_grad()
+    _steps_with_eager_gradients(model, ddp, ref, compiled, 5)
     assert ddp.static_graph and compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
     a = measure_alignment(ddp, compiled.buckets)
     assert a.fraction == 1.0 and a.aligned == [True] * 4
