@@ -85,10 +85,11 @@ class CompiledDDP:
         self.ddp_model.register_comm_hook(state, hook)
 
     def _maybe_realign(self) -> None:
-        if not (self.align_buckets and torch.is_grad_enabled() and reducer_finalized(self.ddp_model)):
+        if not (self.align_buckets and self.aligned_caps is None and torch.is_grad_enabled()
+                and reducer_finalized(self.ddp_model)):
             return
         buckets = [b for b in self.buckets if b.size > 0]
-        if self.aligned_caps is None and len(buckets) >= self._min_realign_buckets:
+        if len(buckets) >= self._min_realign_buckets:
             self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks)
 
     def _check_realigned(self) -> None:

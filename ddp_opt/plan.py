@@ -68,7 +68,7 @@ from ._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MO
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Bucket", "BucketCaps", "format_buckets", "kind_groups", "param_kind", "partition_map", "plan_buckets",
+__all__ = ["Bucket", "BucketCaps", "format_buckets", "kind_groups", "main_kind", "param_kind", "partition_map", "plan_buckets",
            "plan_details", "realign_caps"]
 
 MiB = 1024 * 1024
@@ -197,6 +197,14 @@ def param_kind(param: torch.Tensor) -> str:
     return f"{str(param.dtype).removeprefix('torch.')}@{param.device}"
 
 
+def main_kind(kind_bytes) -> str:
+    """The kind with the most bytes among ``(kind, bytes)`` pairs (ties: the first by name)."""
+    totals: dict[str, int] = {}
+    for kind, n in kind_bytes:
+        totals[kind] = totals.get(kind, 0) + n
+    return max(sorted(totals), key=totals.__getitem__)
+
+
 def kind_groups(buckets: list[Bucket]) -> list[set[int]]:
     """Parameter-id sets of each partition's parameters of one kind: the partitions
     themselves when every parameter has one dtype and device."""
@@ -214,11 +222,9 @@ def realign_caps(buckets: list[Bucket]) -> tuple[int, ...]:
     partitions' ends: each partition's size; with several dtype/device kinds, each
     partition's bytes of the kind with the most bytes (DDP walks one list of caps
     per kind, so the other kinds' buckets close where those caps say)."""
-    kinds = {k for b in buckets for k in b.param_kinds}
-    if len(kinds) <= 1:
+    if len({k for b in buckets for k in b.param_kinds}) <= 1:
         return tuple(b.size for b in reversed(buckets) if b.size > 0)
-    totals = {k: sum(n for b in buckets for n, kk in zip(b.param_bytes, b.param_kinds) if kk == k) for k in kinds}
-    main = max(sorted(kinds), key=totals.__getitem__)
+    main = main_kind((k, n) for b in buckets for n, k in zip(b.param_bytes, b.param_kinds))
     sizes = (sum(n for n, k in zip(b.param_bytes, b.param_kinds) if k == main) for b in reversed(buckets))
     return tuple(s for s in sizes if s > 0)
 

@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._torch_internals import is_ddp_ignored, rebuild_reducer, reducer_finalized, registered_hook_name
 from .alignment import Alignment, measure_alignment, runtime_buckets
-from .plan import Bucket, param_kind, realign_caps
+from .plan import Bucket, main_kind, param_kind, realign_caps
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +102,11 @@ def check_realignment(ddp_model: DistributedDataParallel, buckets: list[Bucket])
 def _only_minor_kinds_straddle(ddp_model: DistributedDataParallel, alignment: Alignment) -> list[str]:
     """The kinds of the straddling buckets when none of them is the kind with the most bytes; else []."""
     kind_of = {id(p): param_kind(p) for p in ddp_model.module.parameters()}
-    totals: dict[str, int] = {}
-    straddling: set[str] = set()
-    for bucket, ok in zip(runtime_buckets(ddp_model), alignment.aligned):
-        for i, n in bucket:
-            totals[kind_of[i]] = totals.get(kind_of[i], 0) + n
-            if not ok:
-                straddling.add(kind_of[i])
-    main = max(sorted(totals), key=totals.__getitem__)
-    return sorted(straddling) if len(totals) > 1 and main not in straddling else []
+    pairs = [(kind_of[i], n, ok) for bucket, ok in zip(runtime_buckets(ddp_model), alignment.aligned) for i, n in bucket]
+    straddling = {kind for kind, _, ok in pairs if not ok}
+    kinds = {kind for kind, _, _ in pairs}
+    main = main_kind((kind, n) for kind, n, _ in pairs)
+    return sorted(straddling) if len(kinds) > 1 and main not in straddling else []
 
 
 def _likely_cause(ddp_model: DistributedDataParallel, buckets: list[Bucket]) -> str:
