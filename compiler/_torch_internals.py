@@ -230,3 +230,22 @@ def inductor_cache_dir() -> str:
 
     return cache_dir()
 
+
+
+# --- shared compile (Note [Shared compile]) ---------------------------------------------------
+
+
+def compile_backward_with_forward() -> Any:
+    # torch._functorch.config.force_non_lazy_backward_lowering: AOTAutograd compiles the
+    # backward graph right after the forward (and saves its cache entry then), not at the
+    # first backward pass.
+    from torch._functorch import config as functorch_config
+
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def default_store() -> Any:
+    # torch.distributed.distributed_c10d._get_default_store(): the default group's rendezvous store.
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()

@@ -134,18 +134,27 @@ class LazyPartition(torch.nn.Module):
         except DYNAMO_CONTROL_FLOW:
             raise
         except Exception as e:  # noqa: BLE001 - any backend failure is a fallback case
-            self._remove_damaged_kernels(e)
-            if self._fallback == "raise":
-                raise
-            self._fn = self.graph_module
-            self.record.status = "eager"
-            self.record.error = f"{type(e).__name__}: {e}"
-            log.warning(
-                "Compiling partition %d (%s) failed; it will run eagerly and the other partitions stay "
-                "compiled. Error: %s. Pass fallback='raise' to stop on this error instead.",
-                self.record.index, self.record.name, self.record.error,
-            )
+            self._fn = self._fall_back(e)
+        # A compile another rank owns finishes later (Note [Shared compile]); if it fails then, fall back then.
+        later = getattr(self._fn, "failure_callbacks", None)
+        if later is not None:
+            later.append(self._fall_back)
         self.record.compile_s = time.perf_counter() - t0
+
+    def _fall_back(self, e: Exception) -> Callable[..., Any]:
+        """The eager graph in place of a failed compile (re-raises with ``fallback="raise"``)."""
+        self._remove_damaged_kernels(e)
+        if self._fallback == "raise":
+            raise e
+        self._fn = self.graph_module
+        self.record.status = "eager"
+        self.record.error = f"{type(e).__name__}: {e}"
+        log.warning(
+            "Compiling partition %d (%s) failed; it will run eagerly and the other partitions stay "
+            "compiled. Error: %s. Pass fallback='raise' to stop on this error instead.",
+            self.record.index, self.record.name, self.record.error,
+        )
+        return self.graph_module
 
     def _remove_damaged_kernels(self, error: Exception) -> None:
         """When ``error`` names a damaged kernel file in Inductor's cache, remove the

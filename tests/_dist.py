@@ -4,6 +4,7 @@ test process, and a runner that spawns real gloo ranks and returns their results
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import pickle
 import socket
@@ -32,8 +33,11 @@ def single_rank_group(backend: str = "gloo"):
         dist.destroy_process_group()
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+               pg_timeout_s: float | None = None) -> None:
+    timeout = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s is not None else {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            **timeout)
     try:
         result = fn(rank, world_size, *args)
         payload = ("ok", result)
@@ -45,14 +49,16 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         pickle.dump(payload, f)
 
 
-def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0,
+              pg_timeout_s: float | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks
+    (``pg_timeout_s``: the process group's collective timeout; default torch's).
 
     Returns each rank's return value; raises with a rank's traceback if one failed,
     or if the ranks did not finish within ``timeout`` seconds (a hang)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _rank_main, args=(world_size, free_port(), fn, args, out_dir),
+            _rank_main, args=(world_size, free_port(), fn, args, out_dir, pg_timeout_s),
             nprocs=world_size, join=False, start_method="spawn",
         )
         import time

@@ -1,0 +1,386 @@
+"""One compile for all ranks, and no collective timeout from compile skew.
+
+Note [Shared compile]
+
+Background
+    Every rank of a data-parallel job compiles the same graphs. On one machine,
+    N ranks run N concurrent compiles on the same cores; across machines, a rank
+    whose compile is served from a cache reaches the first collective long before
+    a rank that compiles, and the collective times out (``train.timeout_s`` in the
+    launcher, the process group's timeout) although nothing is wrong.
+
+Algorithm
+    A :class:`CompileShare` belongs to one group of ranks (DDP's process group,
+    FSDP's mesh) and wraps two backends:
+
+    - :meth:`wrap_compile` wraps the backend each graph or partition is compiled
+      with. The *leader* (the group's first rank) compiles and publishes what it
+      compiled: ``torch.compiler.save_cache_artifacts()`` (Inductor's FX graph
+      cache and AOTAutograd's cache entries) in the store under the compile's
+      index, with a digest of the graph and its inputs. The other ranks wait for
+      that key (progress logged), check the digest, load the artifacts
+      (``load_cache_artifacts``) and call the backend, which is now served from
+      AOTAutograd's cache: no joint trace, no partitioner, no Inductor lowering.
+      Backward graphs are compiled together with their forward
+      (``force_non_lazy_backward_lowering``), so one publication holds both and
+      no rank compiles in the middle of backward's all-reduces. On CPU the C++
+      kernels are found in Inductor's cache directory, which the ranks of one
+      machine share by default.
+    - :meth:`wrap_graph` wraps the backend dynamo calls for a whole captured graph
+      (for a split graph, the splitter that compiles every partition). After it
+      returns, the rank marks the graph done in the store and waits, with the
+      long ``timeout_s`` and progress logged, until every rank of the group is
+      done. A rank therefore leaves the compile only when every rank has the
+      graph compiled, and the first collective after it starts on all ranks at
+      about the same time, however long any one rank compiled.
+
+    Every rank still calls the backend for every graph, so plans and the set of
+    compiled graphs are the same on every rank whether or not a load worked.
+
+Failure handling (a follower compiles for itself, with one warning, when)
+    - the leader's publication does not come within ``timeout_s``;
+    - the digest differs (the ranks captured different graphs at this index:
+      from then on this share is off on that rank, since indices no longer pair);
+    - loading the artifacts raises.
+    A leader with nothing to publish (a backend without Inductor, such as
+    ``aot_eager``) publishes an empty payload and the followers compile quietly.
+
+Notes
+    - Indices pair up because SPMD ranks compile the same graphs in the same
+      order. A graph one rank compiles alone (a recompile for a shape only it
+      saw) would leave its barrier waiting for peers that never come: a rank
+      waits at most ``grace_s`` for a peer to *start* that graph, then stops
+      waiting (one warning) and turns the barrier off.
+    - Published payloads are deleted from the store once every rank is done
+      with the graph.
+    - Loading artifacts is loading code from the leader rank: the same trust as
+      the training code the leader runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import fx
+
+from . import _torch_internals as _ti
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompileShare", "ShareStats", "cpu_seconds", "graph_digest", "share_for_group"]
+
+_instances: dict[str, Iterator[int]] = {}
+POLL_S = 0.05
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process, of its finished child processes and of its live
+    descendants (Inductor's compile workers, C++ kernel builds; live ones read from
+    ``/proc`` where there is one)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _live_descendants_cpu()
+
+
+def _live_descendants_cpu() -> float:
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0.0
+    parent, cpu = {}, {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parent[pid] = int(fields[1])  # ppid; utime and stime are fields 14 and 15 of stat
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    mine, total, frontier = {os.getpid()}, 0.0, [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in mine]
+        mine.update(frontier)
+        total += sum(cpu[pid] for pid in frontier)
+    return total
+
+
+def graph_digest(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """sha256 of a graph's code and of its inputs' shapes, strides and dtypes."""
+    h = hashlib.sha256(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            h.update(f"{tuple(x.shape)} {tuple(x.stride())} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
+        else:
+            h.update(f"{type(x).__name__} {x}\n".encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class ShareStats:
+    """What one rank's compiles did: counts, and seconds spent compiling and waiting."""
+
+    compiled: int = 0  # compiled here, from scratch
+    loaded: int = 0  # served from the leader's artifacts
+    fell_back: int = 0  # a follower that had to compile for itself
+    compile_s: float = 0.0  # wall seconds inside the backend
+    compile_cpu_s: float = 0.0  # CPU seconds inside the backend (this process and its finished children)
+    wait_s: float = 0.0  # waiting for the leader's artifacts or for peers to finish a graph
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+class CompileShare:
+    """Shared compile and compile barrier for one group of ranks (Note [Shared compile]).
+
+    Args:
+        store: a key-value store every rank of the group reaches (the default group's).
+        rank: this process's global rank; ``ranks``: the group's global ranks, leader first.
+        share: False keeps the barrier but every rank compiles for itself.
+        spread: the group's ranks take turns compiling (compile #i by rank
+            ``ranks[i % n]``); False: the leader compiles everything.
+        timeout_s: longest wait for the leader's artifacts or for a peer's compile.
+        grace_s: longest wait for a peer to *start* a graph this rank compiled.
+        name: names the entry point in store keys (``ddp``, ``fsdp``); ``prefix``
+            replaces the keys' prefix (default: name, group and creation index,
+            equal across ranks in SPMD code).
+    """
+
+    def __init__(self, store: Any, rank: int, ranks: Sequence[int], *, share: bool = True,
+                 timeout_s: float = 7200.0, grace_s: float = 60.0, progress_s: float = 30.0,
+                 spread: bool = True, name: str = "compile", prefix: str | None = None) -> None:
+        self.store, self.rank, self.ranks = store, rank, list(ranks)
+        self.spread = spread
+        self.share, self.timeout_s, self.grace_s, self.progress_s = share, timeout_s, grace_s, progress_s
+        tag = "-".join(map(str, self.ranks)) if len(self.ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}x{len(ranks)}"
+        instance = next(_instances.setdefault(f"{name}/{tag}", itertools.count()))
+        self.prefix = prefix or f"distcompile/share/{name}/{tag}/{instance}"
+        self.stats = ShareStats()
+        self._compiles = itertools.count()
+        self._graphs = itertools.count()
+        self._published: list[str] = []
+        self._pending: list[Pending] = []
+        self._paired = True  # compile indices still pair up across ranks
+        self._barrier = True
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    # -- one compile: the leader compiles and publishes, the others load ------------------
+
+    def owner(self, index: int) -> int:
+        """The rank that compiles compile #``index``: the group's ranks in turn."""
+        return self.ranks[index % len(self.ranks)] if self.spread else self.leader
+
+    def wrap_compile(self, backend: Callable) -> Callable:
+        """``backend`` with each compile done by one rank and loaded by the others (see the Note)."""
+
+        def shared_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
+            index, digest = next(self._compiles), graph_digest(gm, example_inputs)
+            if not (self.share and self._paired):
+                return self._compile(backend, gm, example_inputs)
+            key = f"{self.prefix}/c{index}"
+            if self.owner(index) == self.rank:
+                try:
+                    out = self._compile(backend, gm, example_inputs)
+                except BaseException:
+                    self._publish(key, digest, failed=True)  # the others must not wait for it
+                    raise
+                self._publish(key, digest)
+                return out
+            pending = Pending(self, backend, gm, example_inputs, key, digest, index)
+            self._pending.append(pending)
+            return pending
+
+        return shared_compile
+
+    def _load_or_compile(self, p: Pending) -> Callable:
+        """A compile owned by another rank: its artifacts loaded, then the backend (a cache hit)."""
+        payload = self._receive(p)
+        if payload:
+            try:
+                torch.compiler.load_cache_artifacts(payload)
+            except Exception as e:  # noqa: BLE001 - a bad publication must never fail the job
+                self._warn(f"could not load rank {self.owner(p.index)}'s compile artifacts for compile #{p.index} "
+                           f"({type(e).__name__}: {e}); compiling it on this rank instead")
+                self.stats.fell_back += 1
+            else:
+                self.stats.loaded += 1
+                return self._compile(p.backend, p.gm, p.example_inputs, count=False)
+        return self._compile(p.backend, p.gm, p.example_inputs)
+
+    def resolve_pending(self) -> None:
+        """Load (or compile) every compile owned by another rank, in order."""
+        while self._pending:
+            self._pending.pop(0).resolve()
+
+    def _compile(self, backend: Callable, gm: fx.GraphModule, example_inputs: list, count: bool = True) -> Callable:
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        try:
+            with _ti.compile_backward_with_forward():
+                return backend(gm, example_inputs)
+        finally:
+            self.stats.compile_s += time.perf_counter() - t0
+            self.stats.compile_cpu_s += cpu_seconds() - c0
+            self.stats.compiled += int(count)
+
+    def _publish(self, key: str, digest: str, failed: bool = False) -> None:
+        artifacts = None if failed else torch.compiler.save_cache_artifacts()
+        payload = artifacts[0] if artifacts is not None and artifacts[0] else b""
+        header = json.dumps({"digest": digest, "failed": failed, "bytes": len(payload),
+                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+        self.store.set(key, header + b"\n" + payload)
+        self._published.append(key)
+        log.debug("shared compile: published %s (%d bytes%s)", key, len(payload), ", failed" if failed else "")
+
+    def _receive(self, p: Pending) -> bytes | None:
+        """The owner's payload for a compile, or None when this rank must compile it itself."""
+        owner = self.owner(p.index)
+        what = f"rank {owner} to compile graph #{p.index}"
+        if not self._wait([p.key], what, self.timeout_s):
+            self._warn(f"waited {self.timeout_s:.0f}s for {what} without an answer; compiling it on this rank")
+            self.stats.fell_back += 1
+            return None
+        head, _, payload = self.store.get(p.key).partition(b"\n")
+        try:
+            header = json.loads(head)
+        except ValueError:
+            header = {}
+        if header.get("digest") != p.digest:
+            self._paired = False
+            self._warn(f"rank {owner} compiled another graph as compile #{p.index} than this rank (digest "
+                       f"{str(header.get('digest'))[:12]} vs {p.digest[:12]}): the ranks captured different graphs. "
+                       "Each rank compiles for itself from now on; look for rank-dependent code in forward")
+            self.stats.fell_back += 1
+            return None
+        if header.get("failed"):
+            log.info("rank %d: rank %d's compile #%d failed; compiling it here too", self.rank, owner, p.index)
+            return None
+        if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            self._warn(f"rank {owner}'s compile artifacts for compile #{p.index} are damaged (checksum "
+                       "mismatch); compiling it on this rank instead")
+            self.stats.fell_back += 1
+            return None
+        return payload
+
+    # -- one graph: nobody leaves before everybody has compiled it --------------------------
+
+    def wrap_graph(self, backend: Callable) -> Callable:
+        """``backend`` followed by a barrier over the group (see the Note)."""
+
+        def compile_then_meet(gm: fx.GraphModule, example_inputs: list) -> Callable:
+            index = next(self._graphs)
+            base = f"{self.prefix}/g{index}"
+            if self._barrier:
+                self.store.set(f"{base}/start/{self.rank}", b"1")
+            out = backend(gm, example_inputs)
+            self.resolve_pending()
+            if self._barrier:
+                self.store.set(f"{base}/done/{self.rank}", b"1")
+                self._meet(base, index)
+            return out
+
+        return compile_then_meet
+
+    def _meet(self, base: str, index: int) -> None:
+        peers = [r for r in self.ranks if r != self.rank]
+        if not self._wait([f"{base}/start/{r}" for r in peers], f"every rank to start graph #{index}", self.grace_s):
+            missing = [r for r in peers if not self.store.check([f"{base}/start/{r}"])]
+            self._barrier = self._paired = False
+            self._warn(f"rank(s) {missing} did not start compiling graph #{index} within {self.grace_s:.0f}s of "
+                       "this rank (a graph only this rank compiles?); no longer waiting for peers after a compile")
+            return
+        if not self._wait([f"{base}/done/{r}" for r in peers], f"every rank to finish compiling graph #{index}",
+                          self.timeout_s):
+            self._barrier = False
+            self._warn(f"a peer did not finish compiling graph #{index} within {self.timeout_s:.0f}s; "
+                       "no longer waiting for peers after a compile")
+            return
+        if self.is_leader:  # every rank is past this graph's compiles: free the store
+            for key in self._published:
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(key)
+            self._published.clear()
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def _wait(self, keys: list[str], what: str, timeout_s: float) -> bool:
+        """Poll the store until every key is set (True) or ``timeout_s`` passes (False);
+        progress is logged every ``progress_s``."""
+        t0 = time.perf_counter()
+        next_note = self.progress_s
+        try:
+            while not self.store.check(keys):
+                waited = time.perf_counter() - t0
+                if waited >= timeout_s:
+                    return False
+                if waited >= next_note:
+                    log.info("rank %d: waiting for %s (%.0fs)", self.rank, what, waited)
+                    next_note += self.progress_s
+                time.sleep(POLL_S)
+            return True
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+
+    def _warn(self, message: str) -> None:
+        self.stats.warnings.append(message)
+        log.warning("Shared compile, rank %d: %s.", self.rank, message)
+
+
+def share_for_group(ranks: Sequence[int] | None, **kw: Any) -> CompileShare | None:
+    """A :class:`CompileShare` over ``ranks`` (None: the default group) on the default
+    store, or None without an initialised process group of more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+    if len(ranks) <= 1 or dist.get_rank() not in ranks:
+        return None
+    return CompileShare(_ti.default_store(), dist.get_rank(), ranks, **kw)
+
+
+class Pending:
+    """What :meth:`CompileShare.wrap_compile` returns for a compile another rank owns:
+    a callable that loads the owner's artifacts and compiles when resolved (by
+    :meth:`CompileShare.resolve_pending` at the end of the graph's compile, or at its
+    first call). A compile that still fails then is handed to the failure callbacks
+    (``compiler.partition.LazyPartition`` falls back to eager there), else raised."""
+
+    def __init__(self, share: CompileShare, backend: Callable, gm: fx.GraphModule, example_inputs: list,
+                 key: str, digest: str, index: int) -> None:
+        self.share, self.backend, self.gm, self.example_inputs = share, backend, gm, example_inputs
+        self.key, self.digest, self.index = key, digest, index
+        self.fn: Callable | None = None
+        self.failure_callbacks: list[Callable[[Exception], Callable]] = []
+
+    def resolve(self) -> Callable:
+        if self.fn is None:
+            try:
+                self.fn = self.share._load_or_compile(self)
+            except Exception as e:  # noqa: BLE001 - handed to whoever compiled through us
+                if not self.failure_callbacks:
+                    raise
+                for callback in self.failure_callbacks:
+                    self.fn = callback(e)
+            self.example_inputs = []  # the fakes are not needed any more
+        return self.fn
+
+    def __call__(self, *args: Any) -> Any:
+        return (self.fn or self.resolve())(*args)
