@@ -9,9 +9,11 @@ import os
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CacheKey, CompileCache, compile_blocks
+from compiler.share import CompileShare, share_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, has_rebuilt_buckets, inductor_default_cache_dir,
                                is_compiled, no_builtin_ddp_splitter, realign_unsupported_warning, reducer_finalized,
@@ -60,12 +62,16 @@ class CompiledDDP:
             (Note [Regional compile]); None otherwise.
         compile_cache: the :class:`compiler.cache.CompileCache` with
             ``cache_dir``, else None; saved by :meth:`save_compile_cache`.
+        share: the :class:`compiler.share.CompileShare` of DDP's group (its
+            ``stats`` say what this rank compiled, loaded and waited for), or
+            None on one rank.
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
                  align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
-                 compile_cache: CompileCache | None = None) -> None:
+                 compile_cache: CompileCache | None = None, share: CompileShare | None = None) -> None:
         self.ddp_model = ddp_model
+        self.share = share
         self.ddp_optimizer = ddp_optimizer
         self.block_buckets = block_buckets
         self.compile_cache = compile_cache
@@ -242,6 +248,8 @@ def compile_ddp(
     cache_dir: str | os.PathLike | None = None,
     regional: bool = False,
     blocks: str | Sequence[str] = "auto",
+    share_compile: bool = True,
+    share_timeout_s: float = 7200.0,
     config: DDPCompileConfig | None = None,
     **more: Any,
 ) -> CompiledDDP:
@@ -297,6 +305,14 @@ def compile_ddp(
             model runs eagerly (Note [Regional compile]). ``split`` is unused.
         blocks: with ``regional``, which blocks: ``"auto"`` (the children of a
             ModuleList of one class), a ModuleList's name, or module names.
+        share_compile: one rank (the first of DDP's group) compiles each graph
+            and the others load its artifacts instead of compiling it again;
+            False makes every rank compile for itself (Note [Shared compile]).
+            Either way, a rank leaves a graph's compile only when every rank of
+            the group has compiled it, so the first all-reduce after a compile
+            cannot time out because one rank compiled longer.
+        share_timeout_s: the longest a rank waits for another rank's compile
+            before it compiles for itself (with a warning).
         config: all of the above as one :class:`DDPCompileConfig` (validated when
             built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.
@@ -311,7 +327,8 @@ def compile_ddp(
     keywords = DDPCompileConfig(
         backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph, fallback=fallback,
         split=split, check_plans=check_plans, align_buckets=align_buckets, bucket_cap_mb=bucket_cap_mb, link=link,
-        cache_dir=cache_dir, regional=regional, blocks=blocks, wrap_backend=wrap_backend, torch_compile_kwargs=more,
+        cache_dir=cache_dir, regional=regional, blocks=blocks, share_compile=share_compile,
+        share_timeout_s=share_timeout_s, wrap_backend=wrap_backend, torch_compile_kwargs=more,
     ) if config is None else None
     if config is not None and DDPCompileConfig(wrap_backend=wrap_backend, torch_compile_kwargs=more,
                                                **_keywords_given(locals())).changed_from_default():
@@ -325,7 +342,8 @@ def compile_ddp(
 
 def _keywords_given(args: dict[str, Any]) -> dict[str, Any]:
     names = ("backend", "mode", "options", "dynamic", "fullgraph", "fallback", "split", "check_plans",
-             "align_buckets", "bucket_cap_mb", "link", "cache_dir", "regional", "blocks")
+             "align_buckets", "bucket_cap_mb", "link", "cache_dir", "regional", "blocks", "share_compile",
+             "share_timeout_s")
     return {n: args[n] for n in names}
 
 
@@ -362,14 +380,20 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if config.cache_dir is not None:
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)))
     more = dict(config.torch_compile_kwargs)
+    share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group), share=config.share_compile,
+                            timeout_s=config.share_timeout_s, name="ddp")
+    if share is not None:
+        backend_fn = share.wrap_compile(backend_fn)
     if config.regional:
         found = find_ddp_blocks(inner, config.blocks)
+        backend_fn = share.wrap_graph(backend_fn) if share is not None else backend_fn
         if config.wrap_backend is not None:
             backend_fn = config.wrap_backend(backend_fn)
         compile_blocks(found, backend_fn, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
         _keep_builtin_splitter_out(ddp_model)
         block_buckets = plan_block_buckets(inner, found, caps)
-        return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache)
+        return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
+                           share=share)
     optimizer = None
     if config.split:
         optimizer = DDPOptimizer(
@@ -379,6 +403,8 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             param_names={id(p): n for n, p in inner.named_parameters()}, process_group=ddp_model.process_group,
         )
         backend_fn = optimizer.compile_fn
+    if share is not None:
+        backend_fn = share.wrap_graph(backend_fn)
     if config.wrap_backend is not None:
         backend_fn = config.wrap_backend(backend_fn)
     # Compile the wrapped module's forward in place, then let DDP call it (the
@@ -389,4 +415,4 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=config.dynamic,
                                   fullgraph=config.fullgraph, **more)
     _keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache)
+    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share)

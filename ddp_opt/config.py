@@ -41,6 +41,8 @@ class DDPCompileConfig:
     cache_dir: str | os.PathLike | None = None
     regional: bool = False
     blocks: str | Sequence[str] = "auto"
+    share_compile: bool = True
+    share_timeout_s: float = 7200.0
     wrap_backend: Callable[[Callable], Callable] | None = None
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # How messages name a setting: an entry point of its own (the launcher) passes its spelling.
@@ -62,6 +64,13 @@ class DDPCompileConfig:
                 f"compile_ddp(cache_dir={self.cache_dir!r}) is not a directory: it must name a directory (created "
                 "if missing) to keep one compile-cache file per model and config in. Pass a directory path, or "
                 "cache_dir=None to turn the persistent cache off.",
+            )
+        if not self.share_timeout_s > 0:
+            raise SettingError(
+                "share_timeout_s",
+                f"compile_ddp(share_timeout_s={self.share_timeout_s!r}): expected a positive number of seconds, the "
+                "longest a rank waits for another rank's compile (Note [Shared compile]). Give the longest "
+                "compile you expect with margin; the default is 7200.",
             )
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "

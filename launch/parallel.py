@@ -100,6 +100,11 @@ class Wrapped:
     forward: Callable[..., Any]
     module: nn.Module
     compiled_ddp: Any = None
+    share: Any = None  # the compiler.share.CompileShare of the compile, when there is one
+
+    def __post_init__(self) -> None:
+        if self.share is None and self.compiled_ddp is not None:
+            self.share = self.compiled_ddp.share
 
     def buckets(self) -> list[Bucket]:
         """DDP's buckets = the graph partitions, in forward order (empty without compile_ddp)."""
@@ -149,7 +154,7 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
         backend=c.backend, mode=c.mode, options=dict(c.options) or None, dynamic=c.dynamic, fullgraph=c.fullgraph,
         fallback=c.fallback, split=c.split, cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks,
         bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
-        align_buckets=cfg.ddp.align_buckets,
+        align_buckets=cfg.ddp.align_buckets, share_compile=c.share, share_timeout_s=c.share_timeout_s,
         spelling=OVERRIDE_SPELLING,
     )
 

@@ -44,6 +44,7 @@ class Tally:
     lrs: list[tuple[int, float]] = field(default_factory=list)  # each step's lr (launch.schedule)
     grad_norms: list[tuple[int, float]] = field(default_factory=list)  # before clipping (train.max_grad_norm)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # held-out (train.eval_every)
+    compile_stats: dict | None = None  # launch.compile_stats, after the first step
 
     def add_shape(self, shape: tuple[int, ...]) -> None:
         self.shapes_seen[shape] = self.shapes_seen.get(shape, 0) + 1

@@ -39,6 +39,7 @@ from .agree import check_same_config
 from .bad_input import report_config_error
 from .banner import describe, partition_table
 from .checkpoint import save_checkpoint
+from .compile_stats import after_first_compile
 from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
@@ -307,6 +308,7 @@ def report(job: Job) -> dict[str, Any]:
         "losses": tally.losses,
         "final_loss": tally.losses[-1][1] if tally.losses else None,
         "first_step_s": tally.first_step_s,
+        "compile_stats": tally.compile_stats,
         "median_step_ms": tally.median_step_ms,
         **summary,
         "wall_s": time.perf_counter() - job.t_start,
@@ -387,8 +389,8 @@ def _after_first_step(job: Job, seconds: float) -> None:
     """Once the first step compiled everything: save the compile cache, print the partitions."""
     print0(f"first step took {seconds:.1f}s"
            + (" (includes compile)" if job.compiled and job.tally.warmup_s is None else ""))
-    if job.wrapped.compiled_ddp is not None:  # compile.cache_dir: forward and backward are compiled now
-        job.wrapped.compiled_ddp.save_compile_cache()
+    if job.compiled:  # every rank (a collective): forward and backward are compiled now
+        job.tally.compile_stats = after_first_compile(job.wrapped, job.env.world_size)
     table = partition_table(job.wrapped)
     if table is not None:
         print0(table)

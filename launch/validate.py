@@ -71,6 +71,12 @@ def _compile_settings(cfg: JobConfig) -> None:
 
 def _compile_error(e: SettingError, c: CompileConfig) -> ConfigError:
     """DDPCompileConfig's refusal of ``e.setting``, in the launcher's spelling."""
+    if e.setting == "share_timeout_s":
+        return ConfigError(
+            f"compile.share_timeout_s={c.share_timeout_s!r} is not valid: it is the longest a rank waits for another "
+            "rank's compile, a positive number of seconds. Give the longest compile you expect with margin, e.g. "
+            "compile.share_timeout_s=3600 (the default is 7200)."
+        )
     if e.setting in ("backend", "mode", "options", "blocks"):  # the library's message lists the valid choices
         return ConfigError(f"compile.{e.setting}={getattr(c, e.setting)!r}: {e}")
     if e.setting == "fallback":

@@ -1,0 +1,38 @@
+"""After the first step: the compile cache saved, and what the first step's compile cost, on every rank: CPU seconds of the rank's process
+tree up to the end of its first step, and what the shared compile did there
+(Note [Shared compile]). Gathered on every rank; rank 0 writes it to ``metrics.json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from compiler.share import CompileShare, cpu_seconds
+
+__all__ = ["after_first_compile", "first_step_compile"]
+
+
+def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
+    """After the first step: save the compile cache (``compile.cache_dir``), then
+    :func:`first_step_compile` (a collective: every rank calls it)."""
+    if wrapped.compiled_ddp is not None:
+        wrapped.compiled_ddp.save_compile_cache()
+    return first_step_compile(wrapped.share, world_size)
+
+
+def first_step_compile(share: CompileShare | None, world_size: int) -> dict[str, Any]:
+    """Every rank's ``cpu_s`` (its process and its child processes, from process start to
+    now: the end of its first step) and its shared-compile counts; a collective."""
+    mine: dict[str, Any] = {"cpu_s": round(cpu_seconds(), 2)}
+    if share is not None:
+        mine.update(share.stats.as_dict())
+    ranks = [mine]
+    if world_size > 1 and dist.is_initialized():
+        ranks = [None] * world_size
+        dist.all_gather_object(ranks, mine)
+    return {
+        "shared": bool(share is not None and share.share),
+        "cpu_s_total": round(sum(r["cpu_s"] for r in ranks), 2),
+        "ranks": ranks,
+    }

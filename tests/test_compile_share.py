@@ -1,0 +1,271 @@
+"""Shared compile (Note [Shared compile]): the protocol on one in-memory store, and
+real 2-rank jobs: ranks take turns compiling and load each other's artifacts with
+results equal to an unshared run; a rank that cannot load, or a damaged
+publication, makes that rank compile for itself; a slow-compiling rank does not
+make the first all-reduce time out."""
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_ranks
+from compiler.share import CompileShare, Pending
+
+
+class FakeBackend:
+    """Records what it compiled; returns a callable that doubles its input."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.compiled: list[str] = []
+        self.fail = fail
+
+    def __call__(self, gm, example_inputs):
+        if self.fail:
+            raise RuntimeError("backend broke")
+        self.compiled.append(gm.code)
+        return lambda x: x * 2
+
+
+def _gm(op: str) -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace({"add": lambda x: x + 1, "mul": lambda x: x * 3}[op])
+
+
+def _pair(store=None, **kw):
+    store = store if store is not None else dist.HashStore()
+    return [CompileShare(store, r, [0, 1], prefix="t", grace_s=5.0, timeout_s=5.0, **kw) for r in (0, 1)]
+
+
+@pytest.fixture
+def artifacts(monkeypatch):
+    """torch.compiler's artifact save/load replaced: a payload naming the compiles so far."""
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda payload: loaded.append(payload))
+    return loaded
+
+
+def test_ranks_take_turns_and_load_each_others_compiles(artifacts):
+    ranks, backends = _pair(), [FakeBackend(), FakeBackend()]
+    fns = {r: [ranks[r].wrap_compile(backends[r])(_gm(op), [torch.ones(2)]) for op in ("add", "mul")] for r in (0, 1)}
+    assert isinstance(fns[0][1], Pending) and isinstance(fns[1][0], Pending)  # owned by the other rank
+    assert not isinstance(fns[0][0], Pending) and not isinstance(fns[1][1], Pending)
+    for r in (0, 1):
+        ranks[r].resolve_pending()
+        assert [float(f(torch.ones(1))) for f in fns[r]] == [2.0, 2.0]
+        assert (ranks[r].stats.compiled, ranks[r].stats.loaded, ranks[r].stats.fell_back) == (1, 1, 0)
+        assert len(backends[r].compiled) == 2  # the backend still runs (served from the loaded cache)
+    assert artifacts == [b"artifacts", b"artifacts"]
+
+
+def test_different_graphs_at_one_index_compile_apart_with_a_warning(artifacts, caplog):
+    ranks, backends = _pair(), [FakeBackend(), FakeBackend()]
+    ranks[0].wrap_compile(backends[0])(_gm("add"), [torch.ones(2)])
+    pending = ranks[1].wrap_compile(backends[1])(_gm("mul"), [torch.ones(2)])
+    with caplog.at_level(logging.WARNING, "compiler.share"):
+        pending.resolve()
+    assert artifacts == [] and ranks[1].stats.fell_back == 1 and not ranks[1]._paired
+    assert "rank 0 compiled another graph as compile #0 than this rank" in caplog.text
+    assert "look for rank-dependent code in forward" in caplog.text
+    later = ranks[1].wrap_compile(backends[1])(_gm("add"), [torch.ones(2)])
+    assert not isinstance(later, Pending)  # indices no longer pair: no more waiting on rank 0
+
+
+def test_a_damaged_publication_and_a_failed_load_each_make_the_rank_compile(artifacts, monkeypatch, caplog):
+    store = dist.HashStore()
+    ranks, backend = _pair(store), FakeBackend()
+    ranks[0].wrap_compile(backend)(_gm("add"), [torch.ones(2)])
+    store.set("t/c0", store.get("t/c0")[:-1] + b"X")  # one flipped byte in the payload
+    with caplog.at_level(logging.WARNING, "compiler.share"):
+        ranks[1].wrap_compile(backend)(_gm("add"), [torch.ones(2)]).resolve()
+    assert "rank 0's compile artifacts for compile #0 are damaged (checksum mismatch)" in caplog.text
+    assert artifacts == [] and ranks[1].stats.fell_back == 1
+
+    ranks = _pair()
+
+    def broken(payload):
+        raise ValueError("unpickling failed")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", broken)
+    ranks[0].wrap_compile(backend)(_gm("add"), [torch.ones(2)])
+    with caplog.at_level(logging.WARNING, "compiler.share"):
+        ranks[1].wrap_compile(backend)(_gm("add"), [torch.ones(2)]).resolve()
+    assert "could not load rank 0's compile artifacts for compile #0 (ValueError: unpickling failed)" in caplog.text
+    assert ranks[1].stats.fell_back == 1 and ranks[1].stats.compiled == 1
+
+
+def test_an_owner_whose_compile_fails_does_not_leave_the_others_waiting(artifacts):
+    ranks = _pair()
+    with pytest.raises(RuntimeError, match="backend broke"):
+        ranks[0].wrap_compile(FakeBackend(fail=True))(_gm("add"), [torch.ones(2)])
+    pending = ranks[1].wrap_compile(FakeBackend(fail=True))(_gm("add"), [torch.ones(2)])
+    fallen = []
+    pending.failure_callbacks.append(lambda e: fallen.append(str(e)) or (lambda x: x))
+    t0 = time.perf_counter()
+    pending.resolve()
+    assert fallen == ["backend broke"] and time.perf_counter() - t0 < 2  # no wait for a publication
+    assert artifacts == []
+
+
+def test_the_barrier_holds_every_rank_until_the_slowest_has_compiled():
+    ranks = _pair(share=False)
+    left = {}
+
+    def compile_on(r, delay):
+        def slow(gm, example_inputs):
+            time.sleep(delay)
+            return gm
+
+        ranks[r].wrap_graph(slow)(_gm("add"), [torch.ones(2)])
+        left[r] = time.perf_counter()
+
+    threads = [threading.Thread(target=compile_on, args=(r, d)) for r, d in ((0, 0.0), (1, 1.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert abs(left[0] - left[1]) < 0.5  # rank 0 left only when rank 1 was done
+    assert ranks[0].stats.wait_s >= 1.0
+
+
+def test_a_graph_no_peer_compiles_stops_the_barrier_after_the_grace(caplog):
+    rank0 = _pair(share=False)[0]
+    rank0.grace_s = 0.3
+    with caplog.at_level(logging.WARNING, "compiler.share"):
+        rank0.wrap_graph(lambda gm, inputs: gm)(_gm("add"), [torch.ones(2)])
+    assert "rank(s) [1] did not start compiling graph #0 within 0s" in caplog.text and not rank0._barrier
+
+
+# --- real ranks ---------------------------------------------------------------------------------
+
+TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+
+
+def _train(rank, share, inductor_dir, break_load=False, damage=False, steps=3):
+    """3 SGD steps of the tiny GPT under compile_ddp(inductor), in a fresh Inductor dir."""
+    import compiler.share as share_mod
+    from compiler._torch_internals import aot_counts
+    from ddp_opt import compile_ddp
+    from models import GPT, GPTConfig
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    torch._dynamo.reset()
+    if break_load and rank == 1:
+        torch.compiler.load_cache_artifacts = lambda payload: (_ for _ in ()).throw(OSError("disk full"))
+    if damage and rank == 0:
+        publish = share_mod.CompileShare._publish
+
+        def damaged(self, key, digest, failed=False):
+            publish(self, key, digest, failed)
+            self.store.set(key, self.store.get(key)[:-1] + b"X")
+
+        share_mod.CompileShare._publish = damaged
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="inductor", share_compile=share)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, hits0 = [], aot_counts()[1]
+    for step in range(steps):
+        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    stats = compiled.share.stats
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+            "partitions": len(compiled.ddp_optimizer.records), "hits": aot_counts()[1] - hits0,
+            "compiled": stats.compiled, "loaded": stats.loaded, "fell_back": stats.fell_back,
+            "statuses": {r.status for r in compiled.ddp_optimizer.records}}
+
+
+def _share_scenarios(rank, world_size, tmp):
+    results = {}
+    for name, kw in (("unshared", dict(share=False)), ("shared", dict(share=True)),
+                     ("cannot_load", dict(share=True, break_load=True)), ("damaged", dict(share=True, damage=True))):
+        results[name] = _train(rank, inductor_dir=os.path.join(tmp, name), **kw)
+        dist.barrier()
+    return results
+
+
+def test_two_ranks_share_the_compile_and_train_as_an_unshared_run(tmp_path):
+    ranks = run_ranks(_share_scenarios, str(tmp_path), timeout=900)
+    for r, res in enumerate(ranks):
+        base, n = res["unshared"], res["unshared"]["partitions"]
+        assert n >= 4 and base["compiled"] == n and base["loaded"] == 0
+        for name in ("shared", "cannot_load", "damaged"):
+            got = res[name]
+            assert got["statuses"] == {"compiled"}, name
+            assert got["losses"] == pytest.approx(base["losses"], abs=1e-6), name
+            for p, q in zip(got["params"], base["params"]):
+                torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        owned = len(range(r, n, 2))  # compile #i is rank i % 2's
+        shared = res["shared"]
+        assert (shared["compiled"], shared["loaded"], shared["fell_back"]) == (owned, n - owned, 0)
+        assert shared["hits"] >= n - owned  # every loaded partition was an AOTAutograd cache hit
+    assert (ranks[1]["cannot_load"]["loaded"], ranks[1]["cannot_load"]["fell_back"]) == (0, len(range(0, n, 2)))
+    assert ranks[0]["cannot_load"]["loaded"] == len(range(1, n, 2))  # rank 0 still loads rank 1's compiles
+    # A damaged publication of rank 0: rank 1 compiles rank 0's graphs itself, so every graph is compiled on it.
+    assert ranks[1]["damaged"]["compiled"] == n and ranks[1]["damaged"]["fell_back"] == len(range(0, n, 2))
+
+
+def _slow_rank_step(rank, world_size, ours, delay_s):
+    """One step of a small DDP model whose compile on rank 1 takes ``delay_s`` longer."""
+    from ddp_opt import compile_ddp
+
+    def slow_aot_eager(gm, example_inputs):
+        if rank == 1:
+            time.sleep(delay_s)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(2)])
+    ddp = DDP(model, bucket_cap_mb=1)
+    if ours:
+        step = compile_ddp(ddp, backend=slow_aot_eager)
+    else:
+        torch._dynamo.config.optimize_ddp = True  # PyTorch's own splitter, the same slow backend
+        model.forward = torch.compile(model.forward, backend=slow_aot_eager)
+        step = ddp
+    try:
+        step(torch.randn(8, 512)).sum().backward()
+    except RuntimeError as e:
+        return f"failed: {e}"
+    return "ok"
+
+
+def test_a_slow_compiling_rank_does_not_time_out_the_first_all_reduce():
+    # The process group times out collectives after 3 s; rank 1 compiles each graph 5 s longer.
+    assert run_ranks(_slow_rank_step, True, 5.0, pg_timeout_s=3.0, timeout=300) == ["ok", "ok"]
+    # The control: PyTorch's splitter with the same backend times out on the rank that waited.
+    results = run_ranks(_slow_rank_step, False, 5.0, pg_timeout_s=3.0, timeout=300)
+    assert results[0].startswith("failed") and "timed out" in results[0].lower(), results
+
+
+def test_the_share_settings_reach_compile_ddp_and_a_bad_timeout_is_refused():
+    from compiler import SettingError
+    from ddp_opt import DDPCompileConfig
+    from launch.parallel import ddp_compile_config
+    from test_launch_config import _job
+
+    assert ddp_compile_config(_job()).share_compile is True
+    made = ddp_compile_config(_job("compile.share=false", "compile.share_timeout_s=60"))
+    assert (made.share_compile, made.share_timeout_s) == (False, 60.0)
+    with pytest.raises(SettingError, match=r"share_timeout_s=0\): expected a positive number of seconds") as e:
+        DDPCompileConfig(backend="aot_eager", share_timeout_s=0)
+    assert e.value.setting == "share_timeout_s"
+
+
+def test_the_launcher_words_a_bad_share_timeout_in_its_own_terms():
+    from launch.schema import ConfigError
+    from launch.validate import validate
+    from test_launch_config import _job
+
+    with pytest.raises(ConfigError, match=r"compile.share_timeout_s=-1.0 is not valid: .* a positive number of "
+                                          r"seconds\. .* compile.share_timeout_s=3600"):
+        validate(_job("compile.share_timeout_s=-1"))
