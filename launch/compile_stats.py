@@ -23,10 +23,12 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
 
 def first_step_compile(share: CompileShare | None, world_size: int) -> dict[str, Any]:
     """Every rank's ``cpu_s`` (its process and its child processes, from process start to
-    now: the end of its first step) and its shared-compile counts; a collective."""
+    now: the end of its first step), ``cpu_since_compile_s`` (the same since the compile
+    was set up: the first step's tracing, compiles, loads and waits) and its
+    shared-compile counts; a collective."""
     mine: dict[str, Any] = {"cpu_s": round(cpu_seconds(), 2)}
     if share is not None:
-        mine.update(share.stats.as_dict())
+        mine.update(share.stats.as_dict(), cpu_since_compile_s=round(cpu_seconds() - share.cpu_at_start, 2))
     ranks = [mine]
     if world_size > 1 and dist.is_initialized():
         ranks = [None] * world_size
@@ -34,5 +36,6 @@ def first_step_compile(share: CompileShare | None, world_size: int) -> dict[str,
     return {
         "shared": bool(share is not None and share.share),
         "cpu_s_total": round(sum(r["cpu_s"] for r in ranks), 2),
+        "cpu_since_compile_s_total": round(sum(r.get("cpu_since_compile_s", 0.0) for r in ranks), 2),
         "ranks": ranks,
     }

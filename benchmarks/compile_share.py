@@ -1,0 +1,166 @@
+"""Shared compile against every rank compiling: cold first steps of the main job.
+
+Every run is a new ``torchrun ... -m launch.train`` job with an empty
+TORCHINDUCTOR_CACHE_DIR of its own (cold: nothing compiled before), once with
+``compile.share=true`` and once with ``compile.share=false``, in rotating order,
+``--runs`` times for each rank count (Note [Shared compile]). From each run's
+``metrics.json``:
+
+    first_step_s          rank 0's first step, compile included (the barrier makes
+                          every rank leave the compile together)
+    cpu_s_total           CPU seconds of every rank's process tree (child processes:
+                          Inductor's compile workers, C++ builds), from process start
+                          to the end of its first step, summed over ranks
+    cpu_since_compile_s   the same from compile_ddp to the end of the first step: the
+                          tracing, compiling, loading and waiting of the first step
+
+Ratios are shared over unshared per round (both measured in the same round), the
+median with its IQR. ``OMP_NUM_THREADS=1`` per rank, as torchrun sets it.
+
+    python -m benchmarks.compile_share                                 # the real run
+    python -m benchmarks.compile_share --quick                         # aot_eager smoke run
+    python -m benchmarks.compile_share --render benchmarks/results/compile_share.json README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from .report import fmt, markdown_table, update_section, with_iqr, write_json
+from .rounds import interleaved_rounds
+from .stats import median, ratio_summary
+from .torchrun import run_checked, torchrun_command
+
+__all__ = ["START", "END", "run_cold", "summarize", "results_markdown", "render", "main"]
+
+START = "<!-- bench:share:start -->"
+END = "<!-- bench:share:end -->"
+MODES = ("shared", "unshared")
+METRICS = ("first_step_s", "cpu_s_total", "cpu_since_compile_s")
+QUICK_OVERRIDES = ["model.n_embd=32", "model.n_head=2", "train.batch_size=4", "train.seq_len=16"]
+
+
+def run_cold(mode: str, nproc: int, run_dir: Path, *, backend: str, steps: int, extra: Sequence[str],
+             timeout: float = 1800) -> dict:
+    """One cold job: a new process group, an empty Inductor cache directory."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
+    overrides = [f"compile={backend}", f"train.steps={steps}", f"compile.share={str(mode == 'shared').lower()}",
+                 *extra, f"hydra.run.dir={run_dir / 'run'}"]
+    t0 = time.perf_counter()
+    run_checked(torchrun_command("launch.train", overrides, nproc), env=env, timeout=timeout, cwd=Path.cwd())
+    wall = time.perf_counter() - t0
+    m = json.loads((run_dir / "run" / "metrics.json").read_text())
+    stats = m["compile_stats"]
+    row = {"mode": mode, "nproc": nproc, "first_step_s": m["first_step_s"], "cpu_s_total": stats["cpu_s_total"],
+           "cpu_since_compile_s": stats["cpu_since_compile_s_total"], "process_wall_s": wall,
+           "partitions": len(m["partitions"]), "final_loss": m["final_loss"],
+           "compiled": [r.get("compiled") for r in stats["ranks"]], "loaded": [r.get("loaded") for r in stats["ranks"]]}
+    print(f"{nproc} ranks {mode:>8}: first step {row['first_step_s']:.1f} s, CPU {row['cpu_s_total']:.1f} s "
+          f"({row['cpu_since_compile_s']:.1f} s since compile_ddp), compiled {row['compiled']}, "
+          f"loaded {row['loaded']}", flush=True)
+    return row
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+    """Per rank count: each metric's median per mode and shared/unshared per-round ratios."""
+    out = {}
+    for nproc in sorted({r["nproc"] for r in rows}):
+        by_mode = {mode: [r for r in rows if r["nproc"] == nproc and r["mode"] == mode] for mode in MODES}
+        entry = {}
+        for metric in METRICS:
+            shared = [r[metric] for r in by_mode["shared"]]
+            unshared = [r[metric] for r in by_mode["unshared"]]
+            value, q1, q3 = ratio_summary(shared, unshared)
+            entry[metric] = {"shared": median(shared), "unshared": median(unshared), "ratio": value, "iqr": [q1, q3]}
+        out[str(nproc)] = entry
+    return out
+
+
+TARGETS = {"first_step_s": "<= 0.5", "cpu_s_total": "<= 0.35", "cpu_since_compile_s": "<= 0.35"}
+LABELS = {"first_step_s": "first step s (rank 0)", "cpu_s_total": "CPU s, all ranks, process start to first step end",
+          "cpu_since_compile_s": "CPU s, all ranks, compile_ddp to first step end"}
+
+
+def results_markdown(result: dict) -> str:
+    rows = []
+    for nproc, entry in result["summary"].items():
+        for metric in METRICS:
+            e = entry[metric]
+            rows.append([nproc, LABELS[metric], fmt(e["shared"], ".1f"), fmt(e["unshared"], ".1f"),
+                         with_iqr(e["ratio"], *e["iqr"], spec=".2f"), TARGETS[metric]])
+    parts = sorted({r["partitions"] for r in result["rows"]})
+    return "\n\n".join([
+        f"Backend `{result['backend']}`, {result['steps']} steps per run, {result['runs']} run(s) per mode and rank "
+        f"count, modes in rotating order; every run is a new torchrun job with an empty Inductor cache "
+        f"({', '.join(map(str, parts))} partition(s) per rank). Ratios are shared / unshared per run pair, median "
+        f"[IQR]. Machine: {result['cpus']} CPU core(s).",
+        f"Command: `{result['command']}`",
+        markdown_table(["ranks", "measure", "shared", "unshared", "shared / unshared", "target"], rows),
+        "Generated by `python -m benchmarks.compile_share --render` from the benchmark's JSON.",
+    ])
+
+
+def render(json_path: str | Path, readme: str | Path) -> None:
+    """Rewrite ``readme``'s shared-compile section from the result JSON at ``json_path``."""
+    update_section(readme, results_markdown(json.loads(Path(json_path).read_text())), START, END)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nprocs", default="2,4", help="comma-separated rank counts")
+    p.add_argument("--runs", type=int, default=3, help="cold runs per mode and rank count")
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", default="bench_out/compile_share", help="work directory (emptied per run)")
+    p.add_argument("--json", default="benchmarks/results/compile_share.json")
+    p.add_argument("--readme", default=None, help="regenerate this README's shared-compile section")
+    p.add_argument("--render", nargs=2, metavar=("JSON", "README"), help="only regenerate the README section")
+    p.add_argument("--quick", action="store_true", help="smoke run: aot_eager, 2 ranks, 1 run, a narrow model")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    a = p.parse_args(argv)
+    if a.render:
+        render(*a.render)
+        return 0
+    extra = list(a.overrides)
+    if a.quick:
+        a.backend, a.nprocs, a.runs = "aot_eager", "2", 1
+        extra += QUICK_OVERRIDES
+    try:
+        nprocs = [int(n) for n in a.nprocs.split(",") if n]
+    except ValueError:
+        nprocs = []
+    if not nprocs or min(nprocs) < 2 or a.runs < 1:
+        p.error(f"--nprocs must list rank counts of 2 or more and --runs be >= 1, got {a.nprocs!r} and {a.runs}: "
+                "sharing needs a second rank, and a ratio needs one run of each mode. Leave them out for 2,4 and 3.")
+    rows = []
+    for nproc in nprocs:
+        for order, _, label in interleaved_rounds(list(MODES), 0, a.runs):
+            print(f"{nproc} ranks, {label}", flush=True)
+            rows += [run_cold(mode, nproc, Path(a.out) / f"{nproc}_{mode}", backend=a.backend, steps=a.steps,
+                              extra=extra) for mode in order]
+    result = {
+        "command": shlex.join(["python", "-m", "benchmarks.compile_share", *(argv if argv is not None else sys.argv[1:])]),
+        "backend": a.backend, "steps": a.steps, "runs": a.runs, "cpus": os.cpu_count(), "rows": rows,
+        "summary": summarize(rows), "torch": __import__("torch").__version__,
+    }
+    write_json(result, a.json)
+    print(json.dumps(result["summary"], indent=1))
+    if a.readme:
+        render(a.json, a.readme)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

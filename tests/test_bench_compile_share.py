@@ -1,0 +1,35 @@
+"""benchmarks.compile_share: per-round ratios, the README table, and its argument checks
+(the runs themselves are the benchmark's, not the tests')."""
+
+import pytest
+
+from benchmarks import compile_share
+
+
+def _row(mode, nproc, first, cpu, since):
+    return {"mode": mode, "nproc": nproc, "first_step_s": first, "cpu_s_total": cpu, "cpu_since_compile_s": since,
+            "partitions": 4}
+
+
+ROWS = [_row("shared", 4, 30, 70, 40), _row("unshared", 4, 60, 100, 80),
+        _row("unshared", 4, 80, 100, 80), _row("shared", 4, 30, 60, 20)]
+
+
+def test_ratios_pair_the_runs_of_one_round():
+    s = compile_share.summarize(ROWS)["4"]
+    assert s["first_step_s"]["ratio"] == pytest.approx((30 / 60 + 30 / 80) / 2)
+    assert s["cpu_since_compile_s"]["shared"] == 30 and s["cpu_since_compile_s"]["ratio"] == pytest.approx(0.375)
+
+
+def test_the_readme_table_shows_every_measure_with_its_target():
+    result = {"summary": compile_share.summarize(ROWS), "rows": ROWS, "backend": "inductor", "steps": 2, "runs": 2,
+              "cpus": 2, "command": "python -m benchmarks.compile_share"}
+    text = compile_share.results_markdown(result)
+    assert "| 4 | first step s (rank 0) | 30.0 | 70.0 | 0.44 [0.41, 0.47] | <= 0.5 |" in text
+    assert "CPU s, all ranks, compile_ddp to first step end" in text and "(4 partition(s) per rank)" in text
+
+
+def test_a_single_rank_count_is_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit):
+        compile_share.main(["--nprocs", "1"])
+    assert "sharing needs a second rank" in capsys.readouterr().err
