@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from compiler import BackendSpec, Diagnoser
+from compiler.cache import save_on_local_rank0
 from ddp_opt.cost import describe as describe_plan
 
 from .agree import check_same_config
@@ -387,8 +388,8 @@ def _after_first_step(job: Job, seconds: float) -> None:
     """Once the first step compiled everything: save the compile cache, print the partitions."""
     print0(f"first step took {seconds:.1f}s"
            + (" (includes compile)" if job.compiled and job.tally.warmup_s is None else ""))
-    if job.wrapped.compiled_ddp is not None:  # compile.cache_dir: forward and backward are compiled now
-        job.wrapped.compiled_ddp.save_compile_cache()
+    w = job.wrapped  # compile.cache_dir: forward and backward are compiled now
+    w.compiled_ddp.save_compile_cache() if w.compiled_ddp is not None else save_on_local_rank0(w.compile_cache)
     table = partition_table(job.wrapped)
     if table is not None:
         print0(table)

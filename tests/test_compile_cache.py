@@ -225,7 +225,7 @@ def test_inductor_cache_moves_under_cache_dir_only_when_the_user_did_not_choose_
     # "unset" and "the default" both count as not chosen; any other value is the user's.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from ddp_opt.api import _inductor_dir_is_default
+    from compiler.cache import inductor_dir_is_default as _inductor_dir_is_default
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert _inductor_dir_is_default()
