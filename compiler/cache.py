@@ -79,7 +79,7 @@ import torch
 
 from ._torch_internals import cpp_kernel_keys, inductor_default_cache_dir, merge_artifact_payloads
 from .artifacts import inductor_cache_dir, remove_damaged_kernels
-from .kernels import KernelBlobError, collect_kernels, install_kernels, kernel_names, merge_kernels
+from .kernels import KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot, merge_kernels
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,7 @@ class CompileCache:
         self.last_load: LoadResult | None = None
         self.saved = False
         self.installed: list[Path] = []  # kernel files the last load installed
+        self._before: set[str] | None = None  # Inductor's kernel files after the load: later ones were built here
         # What the entry holds (loaded or last written): artifact payload, its (type, key) pairs, kernels.
         self._held: tuple[bytes, set[tuple[str, str]], bytes] = (b"", set(), b"")
 
@@ -240,6 +241,7 @@ class CompileCache:
                                 "builds the missing ones.", self.path, inductor_cache_dir(), e)
                 self._held = (artifacts, _artifact_keys(artifacts), kernels)
         remove_damaged_kernels(self.dir / "inductor")  # Note [Damaged cache artifacts]
+        self._before = kernel_snapshot(inductor_cache_dir())
         if status in ("stale", "foreign", "corrupt"):
             log.warning(
                 "Compile cache entry %s is %s: %s. Ignoring it and compiling from scratch; the entry will be "
@@ -293,7 +295,8 @@ class CompileCache:
             artifacts, keys = held_artifacts, held_keys
             if result is not None and result[0]:
                 artifacts, keys = _merge(held_artifacts, result[0])
-            kernels = merge_kernels(held_kernels, collect_kernels(inductor_cache_dir(), cpp_kernel_keys()))
+            built = collect_kernels(inductor_cache_dir(), cpp_kernel_keys(), since=self._before)
+            kernels = merge_kernels(held_kernels, built)
         except Exception as e:  # noqa: BLE001 - saving the cache must never fail the job
             log.warning("Compile cache: could not collect this process's artifacts for %s (%s: %s); the next "
                         "restart compiles from scratch.", self.path, type(e).__name__, e)

@@ -15,7 +15,9 @@ Background
 
 Algorithm
     - :func:`collect_kernels` packs the ``*.so`` and ``*.o`` files under a root
-      (those of the given kernel keys only, when keys are given) into a blob: a
+      (with ``keys``/``since``: those of the given kernel keys, and those created
+      after a :func:`kernel_snapshot`, such as the libraries Inductor builds once
+      per process to probe the CPU's vector ISA) into a blob: a
       magic line, a JSON index (relative path, size, sha256 per file) and the
       files' bytes. A damaged library (Note [Damaged cache artifacts]) is left out.
     - :func:`install_kernels` writes each file of a blob under another root at its
@@ -42,8 +44,8 @@ from typing import Iterable
 
 from .artifacts import _elf_problem
 
-__all__ = ["KERNEL_SUFFIXES", "KernelBlobError", "collect_kernels", "install_kernels", "kernel_names", "kernel_files",
-           "merge_kernels"]
+__all__ = ["KERNEL_SUFFIXES", "KernelBlobError", "collect_kernels", "install_kernels", "kernel_files", "kernel_names",
+           "kernel_snapshot", "merge_kernels"]
 
 KERNEL_SUFFIXES = (".so", ".o")
 _MAGIC = b"distcompile-kernels 1\n"
@@ -53,25 +55,38 @@ class KernelBlobError(ValueError):
     """A kernel blob that is not in :func:`collect_kernels`' format."""
 
 
-def kernel_files(root: str | os.PathLike, keys: Iterable[str] | None = None) -> list[Path]:
-    """The whole kernel files under ``root`` (of ``keys`` only, when given), sorted."""
+def kernel_snapshot(root: str | os.PathLike) -> set[str]:
+    """The relative paths of the kernel files under ``root`` now (for ``collect_kernels(since=...)``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return set()
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in KERNEL_SUFFIXES}
+
+
+def kernel_files(root: str | os.PathLike, keys: Iterable[str] | None = None,
+                 since: set[str] | None = None) -> list[Path]:
+    """The whole kernel files under ``root``, sorted: all of them; or, with ``keys`` or
+    ``since``, those of the kernel ``keys`` and those not in the snapshot ``since``."""
     root = Path(root)
     if not root.is_dir():
         return []
-    if keys is None:
-        found = [p for p in root.rglob("*") if p.suffix in KERNEL_SUFFIXES]
+    if keys is None and since is None:
+        found = {p for p in root.rglob("*") if p.suffix in KERNEL_SUFFIXES}
     else:
-        found = [p for key in set(keys) if len(key) >= 3 for p in (root / key[1:3]).glob(f"{key}.*")
-                 if p.suffix in KERNEL_SUFFIXES]
+        found = {p for key in set(keys or ()) if len(key) >= 3 for p in (root / key[1:3]).glob(f"{key}.*")
+                 if p.suffix in KERNEL_SUFFIXES}
+        if since is not None:
+            found |= {root / rel for rel in kernel_snapshot(root) - since}
     return sorted(p for p in found if p.is_file() and (p.suffix != ".so" or _elf_problem(p) is None))
 
 
-def collect_kernels(root: str | os.PathLike, keys: Iterable[str] | None = None) -> bytes:
-    """The kernel files under ``root`` (of the kernel ``keys`` only, when given) as one blob;
+def collect_kernels(root: str | os.PathLike, keys: Iterable[str] | None = None, since: set[str] | None = None
+                    ) -> bytes:
+    """The kernel files under ``root`` as one blob (see :func:`kernel_files` for which);
     ``b""`` when there are none."""
     root = Path(root)
     index, datas = [], []
-    for path in kernel_files(root, keys):
+    for path in kernel_files(root, keys, since):
         try:
             data = path.read_bytes()
         except OSError:
