@@ -66,3 +66,13 @@ def test_regional_reaches_compile_ddp_and_a_bad_blocks_name_says_how_to_fix(tmp_
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
         with pytest.raises(ValueError, match=r"blocks='layers': \['layers'\] not found in GPT.*compile\.regional=false"):
             apply_parallel(build_model(cfg.model), cfg, env)
+
+
+def test_fsdp_compile_config_refuses_a_cache_dir_that_is_a_file(tmp_path):
+    import fsdp_opt
+
+    f = tmp_path / "a_file"
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"CompileConfig\(cache_dir='.*a_file'\) is not a directory: .*cache_dir=None"):
+        fsdp_opt.CompileConfig(cache_dir=str(f))
+    assert fsdp_opt.CompileConfig(cache_dir=str(tmp_path / "cache")).cache_dir == str(tmp_path / "cache")
