@@ -248,7 +248,8 @@ class CompileCache:
         if removed and status == "loaded":  # whole copies from the entry where it has them
             with contextlib.suppress(OSError):
                 self.installed += install_kernels(payload[self._split:], inductor_cache_dir())
-        self._before = kernel_snapshot(inductor_cache_dir())
+        with contextlib.suppress(OSError):
+            self._before = kernel_snapshot(inductor_cache_dir())
         if status in ("stale", "foreign", "corrupt"):
             log.warning(
                 "Compile cache entry %s is %s: %s. Ignoring it and compiling from scratch; the entry will be "
