@@ -231,6 +231,47 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
+def inductor_default_cache_dir() -> str:
+    # torch._inductor.runtime.cache_dir_utils.default_cache_dir(): where Inductor caches when not told.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
+
+
+def cpp_kernel_keys() -> set[str]:
+    # torch._inductor.codecache.CppCodeCache and its subclasses (CppPythonBindingsCodeCache,
+    # CppWrapperCodeCache): a class-level ``cache`` dict keyed by the hash that names the kernel's
+    # files, <cache dir>/<key[1:3]>/<key>.*; every kernel this process built or loaded is a key there.
+    from torch._inductor import codecache
+
+    keys: set[str] = set()
+    for name in ("CppCodeCache", "CppPythonBindingsCodeCache", "CppWrapperCodeCache"):
+        keys.update(k for k in getattr(getattr(codecache, name, None), "cache", {}) if isinstance(k, str))
+    return keys
+
+
+def merge_artifact_payloads(*payloads: bytes) -> tuple[bytes, set[tuple[str, str]]]:
+    """One ``save_cache_artifacts`` payload holding every artifact of ``payloads`` once (by type and
+    key, the later payload's content winning), and those (type, key) pairs. Raises if one is not
+    torch's format."""
+    # torch.compiler._cache: a payload is AppendingByteSerializer bytes of (artifact type, [CacheArtifact])
+    # items (_serialize_single_cache / _deserialize_single_cache). save_cache_artifacts() appends one
+    # item per type at every call, and CacheArtifactManager.deserialize keeps only the last item of a
+    # type (dict(...)), so a payload is rebuilt here with one item per type.
+    from torch.compiler._cache import (CacheArtifactManager, _deserialize_single_cache,
+                                       _serialize_single_cache)
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    merged: dict[str, dict[str, Any]] = {}
+    for payload in payloads:
+        for kind, artifacts in AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache):
+            for artifact in artifacts:
+                merged.setdefault(kind, {})[artifact.key] = artifact
+    out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    out.extend((kind, list(by_key.values())) for kind, by_key in merged.items())
+    return out.to_bytes(), {(kind, key) for kind, by_key in merged.items() for key in by_key}
+
 
 # --- shared compile (Note [Shared compile]) ---------------------------------------------------
 

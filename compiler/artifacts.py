@@ -4,7 +4,7 @@ Note [Damaged cache artifacts]
 
 Background
     On CPU, Inductor builds each kernel into a shared library (``*.so``) in its
-    cache directory (``cache_dir/inductor`` with ``compile_ddp(cache_dir=...)``,
+    cache directory (``cache_dir/inductor`` with a compile cache's ``cache_dir``,
     Note [Compile cache]) and, on a later compile, loads the library if the file
     exists, without looking at it. A file truncated by a full disk, a killed copy
     or a broken sync fails to load (``ImportError: ... file too short``) on every
@@ -16,9 +16,10 @@ Algorithm
       loading it: the ELF header must be there, and the program and section
       header tables and every loadable segment must lie inside the file.
     - :meth:`compiler.cache.CompileCache.load` removes the damaged kernels under
-      ``cache_dir/inductor`` before the first compile (one warning); Inductor then
-      rebuilds each from the source it keeps next to it, and every partition stays
-      compiled.
+      ``cache_dir/inductor`` before the first compile (one warning), after installing
+      the entry's kernels (which skips existing files); it then installs the entry's
+      whole copy of each removed kernel where it has one, and Inductor rebuilds the
+      others from the source it keeps next to them; every partition stays compiled.
     - A partition whose compile still fails with an error that names a damaged
       (or missing) kernel file under Inductor's cache directory (one the load-time
       check did not see: ``TORCHINDUCTOR_CACHE_DIR`` chosen by the user, or no

@@ -42,14 +42,28 @@ Notes
       cache entries: a graph never runs code compiled for another graph.
     - Only local rank 0 saves (the other ranks compiled the same artifacts);
       every rank loads.
-    - The artifact file bundles Inductor's generated code and, on GPU, its Triton
-      kernels, but not the C++ kernels Inductor builds on CPU: those are rebuilt
-      from the cached source. ``compile_ddp(cache_dir=...)`` therefore also puts
-      Inductor's local cache under ``cache_dir/inductor`` when the process has not
-      chosen one (``TORCHINDUCTOR_CACHE_DIR`` unset or at Inductor's default), so a restart on the same
-      machine finds the built kernels too. :meth:`CompileCache.load` removes the
-      damaged kernels there first (Note [Damaged cache artifacts] in
-      ``compiler.artifacts``).
+    - Format 2: the entry also carries the C++ kernels (``*.so``, ``*.o``) that
+      this process built or loaded on CPU (Note [Kernels in the compile cache] in
+      ``compiler.kernels``); the header gives the length of each part and one
+      checksum covers both. :meth:`CompileCache.load` installs them into the
+      process's Inductor cache directory at their relative paths (an existing file
+      is never overwritten) before the first compile, so a warm start on a fresh
+      Inductor directory loads them instead of running the C++ compiler. Carried:
+      the kernels of the graphs this process compiled or loaded, and every kernel
+      file that appeared in the Inductor directory after the load, such as the
+      small libraries ``pick_vec_isa`` builds to probe the CPU (14 s of a 18 s
+      warm first step of the test GPT when they were left out).
+    - :func:`open_cache` (used by ``compile_ddp``, ``fsdp_opt`` and the launcher's
+      ``parallel=none``) also puts Inductor's local cache under
+      ``cache_dir/inductor`` when the process has not chosen one
+      (``TORCHINDUCTOR_CACHE_DIR`` unset or at Inductor's default).
+      :meth:`CompileCache.load` removes the damaged kernels there, after installing
+      the entry's (Note [Damaged cache artifacts] in ``compiler.artifacts``).
+    - Graphs compiled after a load are saved too: a cache hit records its artifact
+      again in ``save_cache_artifacts``, so after a load that payload holds the
+      artifacts this process used plus any it compiled. :meth:`CompileCache.save`
+      writes the union of the loaded entry and this process's artifacts and
+      kernels, and writes nothing when that adds nothing to the entry.
 """
 
 from __future__ import annotations
@@ -67,13 +81,16 @@ from typing import Any
 
 import torch
 
-from .artifacts import remove_damaged_kernels
+from ._torch_internals import cpp_kernel_keys, inductor_default_cache_dir, merge_artifact_payloads
+from .artifacts import inductor_cache_dir, remove_damaged_kernels
+from .kernels import KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot, merge_kernels
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT_VERSION", "CacheKey", "CompileCache", "LoadResult", "model_fingerprint", "runtime_fingerprint"]
+__all__ = ["FORMAT_VERSION", "CacheKey", "CompileCache", "LoadResult", "inductor_dir_is_default", "model_fingerprint",
+           "open_cache", "runtime_fingerprint", "save_on_local_rank0"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the entry carries the C++ kernels
 MAGIC = b"distcompile-cache\n"
 SUFFIX = ".pt2cache"
 
@@ -157,11 +174,16 @@ class CompileCache:
         self.path = self.dir / f"{key.label}-{key.digest[:16]}{SUFFIX}"
         self.last_load: LoadResult | None = None
         self.saved = False
+        self.installed: list[Path] = []  # kernel files the last load installed
+        self._before: set[str] | None = None  # Inductor's kernel files after the load: later ones were built here
+        # What the entry holds (loaded or last written): artifact payload, its (type, key) pairs, kernels.
+        self._held: tuple[bytes, set[tuple[str, str]], bytes] = (b"", set(), b"")
 
     # -- reading ----------------------------------------------------------------
 
     def _check(self) -> tuple[str, str, bytes | None]:
-        """(status, reason, payload) for the entry on disk, without loading it."""
+        """(status, reason, payload) for the entry on disk, without loading it; the
+        payload is the artifacts followed by the kernels (``header["artifacts_bytes"]``)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -190,44 +212,69 @@ class CompileCache:
             return "corrupt", f"truncated payload ({len(payload)} of {header.get('payload_bytes')} bytes)", None
         if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
             return "corrupt", "payload checksum mismatch", None
+        split = header.get("artifacts_bytes")
+        if not isinstance(split, int) or not 0 <= split <= len(payload):
+            return "corrupt", f"bad artifacts_bytes {split!r} in the header", None
+        self._split = split
         return "ok", "", payload
 
     def load(self) -> LoadResult:
-        """Load the entry into torch's local compile caches if it is valid.
+        """Load the entry into torch's local compile caches if it is valid, and install
+        its kernels into Inductor's cache directory (existing files are kept).
 
         Never raises: a stale, foreign or corrupt entry gives one warning that
         names the file and the reason, and the job compiles from scratch.
         """
-        remove_damaged_kernels(self.dir / "inductor")  # Note [Damaged cache artifacts]
         status, reason, payload = self._check()
+        self.installed = []
         if status == "ok":
+            artifacts, kernels = payload[:self._split], payload[self._split:]
             try:
-                torch.compiler.load_cache_artifacts(payload)
+                kernel_names(kernels)  # the format, before anything is written
+                torch.compiler.load_cache_artifacts(artifacts)
                 status = "loaded"
+            except KernelBlobError as e:
+                status, reason = "corrupt", f"bad kernel section ({e})"
             except Exception as e:  # noqa: BLE001 - a bad entry must never fail the job
                 status, reason = "corrupt", f"torch.compiler.load_cache_artifacts failed ({type(e).__name__}: {e})"
+            if status == "loaded":
+                try:
+                    self.installed = install_kernels(kernels, inductor_cache_dir())
+                except OSError as e:
+                    log.warning("Compile cache: could not install the kernels of %s into %s (%s); Inductor "
+                                "builds the missing ones.", self.path, inductor_cache_dir(), e)
+                self._held = (artifacts, _artifact_keys(artifacts), kernels)
+        removed = remove_damaged_kernels(self.dir / "inductor")  # Note [Damaged cache artifacts]
+        if removed and status == "loaded":  # whole copies from the entry where it has them
+            with contextlib.suppress(OSError):
+                self.installed += install_kernels(payload[self._split:], inductor_cache_dir())
+        with contextlib.suppress(OSError):
+            self._before = kernel_snapshot(inductor_cache_dir())
         if status in ("stale", "foreign", "corrupt"):
             log.warning(
                 "Compile cache entry %s is %s: %s. Ignoring it and compiling from scratch; the entry will be "
                 "overwritten after the first step.", self.path, status, reason,
             )
         elif status == "loaded":
-            log.info("Compile cache: loaded %s", self.path)
+            log.info("Compile cache: loaded %s (%d kernel files installed)", self.path, len(self.installed))
         self.last_load = LoadResult(status, self.path, reason)
         return self.last_load
 
     # -- writing ----------------------------------------------------------------
 
-    def header(self, payload: bytes) -> dict[str, Any]:
+    def header(self, payload: bytes, artifacts_bytes: int | None = None) -> dict[str, Any]:
         return {
             "key": self.key.digest, "label": self.key.label, "parts": self.key.parts, "runtime": self.key.runtime,
             "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(),
+            "artifacts_bytes": len(payload) if artifacts_bytes is None else artifacts_bytes,
         }
 
-    def write(self, payload: bytes) -> Path:
-        """Write ``payload`` as this key's entry, atomically (tmp file, fsync, os.replace)."""
+    def write(self, artifacts: bytes, kernels: bytes = b"") -> Path:
+        """Write ``artifacts`` and ``kernels`` as this key's entry, atomically (tmp file,
+        fsync, os.replace)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        data = MAGIC + json.dumps(self.header(payload), sort_keys=True).encode() + b"\n" + payload
+        payload = artifacts + kernels
+        data = MAGIC + json.dumps(self.header(payload, len(artifacts)), sort_keys=True).encode() + b"\n" + payload
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -242,21 +289,102 @@ class CompileCache:
         return self.path
 
     def save(self) -> Path | None:
-        """Save this process's compile artifacts (``torch.compiler.save_cache_artifacts``).
+        """Save this process's compile artifacts (``torch.compiler.save_cache_artifacts``)
+        and the C++ kernels it built or loaded, merged with what the entry already
+        holds (after a load, or an earlier save).
 
-        Returns the entry's path, or None when there was nothing to save (e.g. a
-        backend without Inductor) or the write failed (logged; the job goes on).
+        Returns the entry's path, or None when there was nothing (new) to save (e.g. a
+        backend without Inductor, or a warm start that compiled nothing new) or
+        the save failed (logged; the job goes on). Never raises.
         """
-        artifacts = torch.compiler.save_cache_artifacts()
-        if artifacts is None or not artifacts[0]:
+        try:
+            result = torch.compiler.save_cache_artifacts()
+            held_artifacts, held_keys, held_kernels = self._held
+            artifacts, keys = held_artifacts, held_keys
+            if result is not None and result[0]:
+                artifacts, keys = _merge(held_artifacts, result[0])
+            built = collect_kernels(inductor_cache_dir(), cpp_kernel_keys(), since=self._before)
+            kernels = merge_kernels(held_kernels, built)
+        except Exception as e:  # noqa: BLE001 - saving the cache must never fail the job
+            log.warning("Compile cache: could not collect this process's artifacts for %s (%s: %s); the next "
+                        "restart compiles from scratch.", self.path, type(e).__name__, e)
+            return None
+        if not artifacts:
             log.info("Compile cache: nothing to save (no Inductor/AOTAutograd artifacts in this process)")
             return None
+        if keys <= held_keys and kernel_names(kernels) <= kernel_names(held_kernels):
+            log.info("Compile cache: %s already holds every artifact and kernel of this process", self.path)
+            return None
         try:
-            path = self.write(artifacts[0])
+            path = self.write(artifacts, kernels)
         except OSError as e:
             log.warning("Compile cache: could not write %s (%s); the next restart compiles from scratch.",
                         self.path, e)
             return None
+        self._held = (artifacts, keys, kernels)
         self.saved = True
-        log.info("Compile cache: saved %s (%d bytes)", path, len(artifacts[0]))
+        log.info("Compile cache: saved %s (%d bytes of artifacts, %d of kernels)", path, len(artifacts),
+                 len(kernels))
         return path
+
+
+def _artifact_keys(payload: bytes) -> set[tuple[str, str]]:
+    return _merge(b"", payload)[1] if payload else set()
+
+
+def _merge(held: bytes, new: bytes) -> tuple[bytes, set[tuple[str, str]]]:
+    """``merge_artifact_payloads(held, new)``; a payload torch cannot read (a test's
+    stub) counts as one artifact, and replaces ``held``."""
+    try:
+        return merge_artifact_payloads(*(p for p in (held, new) if p))
+    except Exception:  # noqa: BLE001
+        return new, {("payload", hashlib.sha256(new).hexdigest())}
+
+
+def inductor_dir_is_default() -> bool:
+    """True unless the user chose Inductor's cache directory. Importing torch._dynamo
+    already sets ``TORCHINDUCTOR_CACHE_DIR`` to Inductor's default, so a value equal
+    to that default counts as not chosen."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return current is None or os.path.abspath(current) == os.path.abspath(inductor_default_cache_dir())
+
+
+def open_cache(model: torch.nn.Module, cache_dir: str | os.PathLike, settings: dict[str, Any], *,
+               world_size: int | None = None) -> CompileCache:
+    """The compile cache entry of ``model`` compiled with ``settings`` on ``world_size`` ranks
+    (the default group's size by default); loaded now, before the first compile.
+
+    Unless the user chose Inductor's cache directory, Inductor's local caches go to
+    ``cache_dir/inductor`` too. This sets ``TORCHINDUCTOR_CACHE_DIR`` for the rest of
+    the process, on purpose: Inductor reads it whenever it compiles or loads a
+    kernel, and a compiled model compiles long after this call (each backward at the
+    first backward pass, every recompile later), so a variable scoped to this call
+    would send those kernels back to the default directory. Inductor has no config
+    setting for the directory, only the variable. Set ``TORCHINDUCTOR_CACHE_DIR``
+    yourself to keep Inductor's cache elsewhere; it is then left alone."""
+    if inductor_dir_is_default():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.join(cache_dir, "inductor"))
+    if world_size is None:
+        dist = torch.distributed
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    param = next(model.parameters(), None)
+    device = param.device if param is not None and param.device.type != "meta" else None
+    cache = CompileCache(cache_dir, CacheKey.for_model(model, settings, world_size=world_size, device=device))
+    cache.load()
+    return cache
+
+
+def local_rank() -> int:
+    """``LOCAL_RANK``, else the rank in the default group, else 0."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_on_local_rank0(cache: CompileCache | None) -> Path | None:
+    """``cache.save()`` on local rank 0 (the other ranks compiled the same artifacts);
+    None elsewhere, without a cache, or when nothing was written. Never raises."""
+    if cache is None or local_rank() != 0:
+        return None
+    return cache.save()

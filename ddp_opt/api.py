@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import CacheKey, CompileCache, compile_blocks
+from compiler import CompileCache, compile_blocks
+from compiler.cache import open_cache, save_on_local_rank0
 from compiler.share import CompileShare, share_for_group
 
-from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, has_rebuilt_buckets, inductor_default_cache_dir,
+from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, has_rebuilt_buckets,
                                is_compiled, no_builtin_ddp_splitter, realign_unsupported_warning, reducer_finalized,
                                registered_hook_name)
 from .alignment import Alignment
@@ -77,6 +78,7 @@ class CompiledDDP:
         self.compile_cache = compile_cache
         self._calls = 0
         self.auto_save_cache = True
+        self._save_attempted = False
         planned = ddp_optimizer is not None or block_buckets is not None
         self.align_buckets = align_buckets and planned
         self.aligned_caps: tuple[int, ...] | None = None
@@ -110,22 +112,17 @@ class CompiledDDP:
         return self.ddp_optimizer.buckets if self.ddp_optimizer is not None else []
 
     def save_compile_cache(self) -> str | None:
-        """Save the compile artifacts to ``cache_dir`` (Note [Compile cache]), once.
+        """Save the compile artifacts and kernels to ``cache_dir`` (Note [Compile cache]).
 
         Call it after the first full step (forward and backward: AOTAutograd
-        compiles the backward at the first backward); it is also called
-        automatically at the start of the second call unless
-        ``auto_save_cache`` is set False. Only local rank 0 writes.
-        A no-op without ``cache_dir``, after an earlier call, or when the entry
-        was loaded. Returns the entry's path when one was written.
+        compiles the backward at the first backward), and again after new graphs
+        compiled (a new shape); it is called automatically once, at the start of
+        the second call, unless ``auto_save_cache`` is set False. Only local rank 0
+        writes, and only what the entry does not hold yet (after a load: the
+        graphs that missed). Returns the entry's path when one was written.
         """
-        cache = self.compile_cache
-        if cache is None or cache.saved:
-            return None
-        cache.saved = True  # one attempt per process, whatever happens below
-        if (cache.last_load is not None and cache.last_load.loaded) or _local_rank() != 0:
-            return None
-        path = cache.save()
+        self._save_attempted = True
+        path = save_on_local_rank0(self.compile_cache)
         return str(path) if path is not None else None
 
     @property
@@ -134,7 +131,7 @@ class CompiledDDP:
         return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.auto_save_cache and self.compile_cache is not None and not self.compile_cache.saved:
+        if self.auto_save_cache and self.compile_cache is not None and not self._save_attempted:
             self._calls += 1  # counted only while a save is pending
             if self._calls >= 2 and torch.is_grad_enabled():
                 self.save_compile_cache()
@@ -151,44 +148,11 @@ class CompiledDDP:
         return f"CompiledDDP({self.ddp_model!r})"
 
 
-def _local_rank() -> int:
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _inductor_dir_is_default() -> bool:
-    """True unless the user chose Inductor's cache directory. Importing torch._dynamo
-    already sets ``TORCHINDUCTOR_CACHE_DIR`` to Inductor's default, so a value equal
-    to that default counts as not chosen."""
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return current is None or os.path.abspath(current) == os.path.abspath(inductor_default_cache_dir())
-
-
 def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any]) -> CompileCache:
-    """The compile cache entry of this model, config and world size; loaded now.
-
-    Unless the user chose Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` unset
-    or at Inductor's default), Inductor's local caches go to ``cache_dir/inductor``
-    too, so that compiled kernels that the artifact file does not bundle (C++ on CPU)
-    survive as well.
-
-    This sets ``TORCHINDUCTOR_CACHE_DIR`` for the rest of the process, on purpose:
-    Inductor reads it whenever it compiles or loads a kernel, and a compiled model
-    compiles long after ``compile_ddp`` returns (each partition's backward at the
-    first backward pass, every recompile later), so a variable scoped to this call
-    would send those kernels back to the default directory. Inductor has no config
-    setting for the directory, only the variable. Set ``TORCHINDUCTOR_CACHE_DIR``
-    yourself to keep Inductor's cache elsewhere; it is then left alone."""
-    if _inductor_dir_is_default():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.join(cache_dir, "inductor"))
-    param = next(ddp_model.module.parameters(), None)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    key = CacheKey.for_model(ddp_model.module, settings, world_size=world,
-                             device=param.device if param is not None else None)
-    cache = CompileCache(cache_dir, key)
-    cache.load()
-    return cache
+    """The compile cache entry of this model, config and world size; loaded now
+    (``compiler.cache.open_cache``: Inductor's local cache goes under ``cache_dir``
+    unless the user chose its directory)."""
+    return open_cache(ddp_model.module, cache_dir, settings)
 
 
 def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:

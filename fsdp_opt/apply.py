@@ -4,6 +4,7 @@ block. One function holds the wrapping order; the plan it follows is made first
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Callable, Sequence
@@ -15,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from compiler import compile_blocks, resolve_backend
+from compiler.cache import open_cache
 
 from ._torch_internals import checkpoint_wrapper, compiled_autograd_active
 from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig
@@ -120,6 +122,9 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
                  len(plan.block_names), len(plan.units), config.prefetch,
                  _describe_compile(cc), plan.table())
 
+    if cc is not None and cc.cache_dir is not None:  # before the first compile, and before fully_shard renames
+        plan = dataclasses.replace(plan, compile_cache=open_cache(model, cc.cache_dir, _cache_settings(config),
+                                                                  world_size=mesh.size()))
     modules = dict(model.named_modules())
     blocks = {name: modules[name] for name in plan.block_names}
     if config.checkpointing:
@@ -147,6 +152,20 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
                     "so the top frame runs eagerly; per-block compile (whole_model=False) is the recipe.")
         model.compile(backend=backend, fullgraph=False, dynamic=cc.dynamic)
     return plan
+
+
+def _cache_settings(config: FSDPConfig) -> dict:
+    """What the compile cache key covers besides the model: everything that changes the
+    compiled graphs (Note [Compile cache])."""
+    cc = config.compile
+    mp = config.mp_policy
+    return {
+        "parallel": "fsdp", "backend": cc.backend if isinstance(cc.backend, str) else repr(cc.backend),
+        "mode": cc.mode, "options": cc.options, "dynamic": cc.dynamic, "fullgraph": cc.fullgraph,
+        "whole_model": cc.whole_model, "blocks": list(config.blocks) if not isinstance(config.blocks, str)
+        else config.blocks, "checkpointing": config.checkpointing,
+        "param_dtype": repr(mp.param_dtype) if mp is not None else None,
+    }
 
 
 def _device_type_of(model: nn.Module) -> str | None:

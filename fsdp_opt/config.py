@@ -5,6 +5,7 @@ fails before any process group, sharding or compile starts."""
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -45,6 +46,9 @@ class CompileConfig:
             stay eager; per-block compile (the default) is what works.
         compiled_autograd: always refused with FSDP2 (see ``COMPILED_AUTOGRAD_WHY``);
             the field exists so that a request for it fails loudly.
+        cache_dir: a persistent compile cache (Note [Compile cache]), loaded before
+            the first compile; save it after the first step with
+            ``compiler.cache.save_on_local_rank0(plan.compile_cache)``. None: off.
     """
 
     backend: str | Callable = "inductor"
@@ -54,8 +58,15 @@ class CompileConfig:
     fullgraph: bool = True
     whole_model: bool = False
     compiled_autograd: bool = False
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
+            raise ValueError(
+                f"CompileConfig(cache_dir={self.cache_dir!r}) is not a directory: the compile cache writes one file "
+                "per model and config into it (created if missing). Name a directory, e.g. "
+                "cache_dir='/scratch/compile_cache', or cache_dir=None to turn the persistent cache off."
+            )
         if self.compiled_autograd:
             raise ValueError(
                 f"CompileConfig(compiled_autograd=True) was requested for an FSDP2 model: "

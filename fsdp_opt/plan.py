@@ -45,8 +45,8 @@ Debugging
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -87,11 +87,14 @@ class FSDPPlan:
         units: the shard units, in forward order.
         root_bytes: bytes of the parameters left to the root unit.
         config: the configuration the plan was made from.
+        compile_cache: the loaded ``compiler.CompileCache`` with
+            ``CompileConfig(cache_dir=...)``, set by ``apply``; else None.
     """
 
     units: tuple[ShardUnit, ...]
     root_bytes: int
     config: FSDPConfig
+    compile_cache: Any = field(default=None, compare=False, repr=False)
 
     @property
     def block_names(self) -> list[str]:

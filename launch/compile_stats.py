@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from compiler.cache import save_on_local_rank0
 from compiler.share import CompileShare, cpu_seconds
 
 __all__ = ["after_first_compile", "first_step_compile"]
@@ -18,6 +19,8 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
     :func:`first_step_compile` (a collective: every rank calls it)."""
     if wrapped.compiled_ddp is not None:
         wrapped.compiled_ddp.save_compile_cache()
+    else:
+        save_on_local_rank0(wrapped.compile_cache)
     return first_step_compile(wrapped.share, world_size)
 
 

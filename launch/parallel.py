@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_opt
 from compiler import BackendSpec
+from compiler.cache import open_cache
 from ddp_opt import DDPCompileConfig, Spelling, compile_ddp, measure_alignment
 
 from .dist import DistEnv
@@ -95,11 +96,14 @@ class Wrapped:
         module: the module whose state is checkpointed (DDP/FSDP/plain, never the
             compiled wrapper, whose state-dict keys carry an ``_orig_mod.`` prefix).
         compiled_ddp: the ``CompiledDDP`` when compiled with DDP, for the bucket table.
+        compile_cache: with ``compile.cache_dir`` and parallel=fsdp or none, the loaded
+            ``compiler.CompileCache`` (DDP's is the ``CompiledDDP``'s); saved after the first step.
     """
 
     forward: Callable[..., Any]
     module: nn.Module
     compiled_ddp: Any = None
+    compile_cache: Any = None
     share: Any = None  # the compiler.share.CompileShare of the compile, when there is one
 
     def __post_init__(self) -> None:
@@ -168,7 +172,7 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     compile_cfg = None
     if c.backend != "eager":
         compile_cfg = fsdp_opt.CompileConfig(backend=c.backend, mode=c.mode, options=dict(c.options),
-                                             dynamic=c.dynamic, fullgraph=c.fullgraph)
+                                             dynamic=c.dynamic, fullgraph=c.fullgraph, cache_dir=c.cache_dir)
     mp = None
     if f.mixed_precision == FSDPPrecision.BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -178,11 +182,12 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     )
 
 
-def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> None:
+def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> fsdp_opt.FSDPPlan:
     """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's
     recipe; fsdp_opt logs the shard-unit table on rank 0)."""
     plan = fsdp_opt.apply_fsdp(model, fsdp_config(cfg.fsdp, cfg.compile))
     log.debug("fsdp plan:\n%s", plan.table())
+    return plan
 
 
 def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
@@ -207,11 +212,17 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
         compiled.auto_save_cache = False  # saved by the training loop after its first step
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == ParallelMode.FSDP:
-        _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
-        return Wrapped(model, model)
+        plan = _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
+        return Wrapped(model, model, compile_cache=plan.compile_cache)
     if not compile_it:
         return Wrapped(model, model)
+    cache = None
+    if c.cache_dir is not None:  # loaded before the first compile
+        settings = dict(parallel="none", backend=c.backend, mode=c.mode, options=dict(c.options), dynamic=c.dynamic,
+                        fullgraph=c.fullgraph)
+        cache = open_cache(model, c.cache_dir, settings, world_size=env.world_size)
     backend = BackendSpec(c.backend, c.mode, dict(c.options), c.dynamic).resolve()
     if wrap_backend is not None:
         backend = wrap_backend(backend)
-    return Wrapped(torch.compile(model, backend=backend, dynamic=c.dynamic, fullgraph=c.fullgraph), model)
+    return Wrapped(torch.compile(model, backend=backend, dynamic=c.dynamic, fullgraph=c.fullgraph), model,
+                   compile_cache=cache)

@@ -149,20 +149,13 @@ def check_parallel(p: ParallelConfig) -> None:
 
 
 def check_compile_time(c: CompileConfig, p: ParallelConfig) -> None:
-    """compile.cache_dir and compile.regional need DDP and a compile (whether cache_dir is
-    a directory is ddp_opt.DDPCompileConfig's check)."""
-    if c.cache_dir is not None:
-        if p.name != ParallelMode.DDP:
-            raise ConfigError(
-                f"compile.cache_dir={c.cache_dir!r} with parallel={p.name}: the persistent compile cache is "
-                "implemented for parallel=ddp (compile_ddp). Drop compile.cache_dir; torch's local "
-                "Inductor cache (TORCHINDUCTOR_CACHE_DIR) still serves warm restarts."
-            )
-        if c.backend == "eager":
-            raise ConfigError(
-                f"compile.cache_dir={c.cache_dir!r} with compile.backend=eager: nothing is compiled, so there is "
-                "nothing to cache. Drop compile.cache_dir or pick a compile backend (compile.backend=inductor)."
-            )
+    """compile.cache_dir needs a compile (any parallel mode; whether it is a directory is
+    ddp_opt.DDPCompileConfig's check); compile.regional needs DDP."""
+    if c.cache_dir is not None and c.backend == "eager":
+        raise ConfigError(
+            f"compile.cache_dir={c.cache_dir!r} with compile.backend=eager: nothing is compiled, so there is "
+            "nothing to cache. Drop compile.cache_dir or pick a compile backend (compile.backend=inductor)."
+        )
     if c.regional and p.name == ParallelMode.NONE:
         raise ConfigError(
             "compile.regional=true with parallel=none: regional compile is implemented with DDP, whose buckets "

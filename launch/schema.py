@@ -137,7 +137,7 @@ class CompileConfig:
     fallback: str = "warn"
     # Compile optimizer.step too (launch.optim, Note [Compiled optimizer step]).
     optimizer: bool = False
-    # DDP only: a persistent compile cache directory (Note [Compile cache]), loaded before the
+    # A persistent compile cache directory, any parallel mode (Note [Compile cache]), loaded before the
     # first step and written after it; null: only torch's local caches. Loading a cache is
     # loading code: use a directory as trusted as this code.
     cache_dir: Optional[str] = None

@@ -15,9 +15,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def run_job(cache_dir: Path, inductor_dir: Path, device: str = "cpu") -> dict:
-    """This job in a new process with its own Inductor cache directory; its JSON line."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
+def run_job(cache_dir: Path, inductor_dir: Path, device: str = "cpu", *, then_seq: int | None = None) -> dict:
+    """This job in a new process with its own Inductor cache directory; its JSON line.
+    ``then_seq``: one more step at that sequence length (a new graph), then a save."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1",
+           "CACHE_JOB_THEN_SEQ": str(then_seq or "")}
     out = subprocess.run([sys.executable, __file__, str(cache_dir), device], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -59,9 +61,19 @@ def main(cache_dir: str, device: str = "cpu") -> None:
                 m.zero_grad()
             losses.append(loss.item())
             eager_losses.append(ref_loss.item())
+        saved = path.exists() and path.stat().st_mtime_ns != before
+        if os.environ.get("CACHE_JOB_THEN_SEQ"):  # a new shape after the first save: a new graph
+            seq = int(os.environ["CACHE_JOB_THEN_SEQ"])
+            x = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(9)).to(dev)
+            compiled(x, x)[1].backward()
+            saved_again = compiled.save_compile_cache() is not None
+        inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
         print(json.dumps({
             "load": compiled.compile_cache.last_load.status,
-            "saved": path.exists() and path.stat().st_mtime_ns != before,
+            "saved": saved, "saved_again": os.environ.get("CACHE_JOB_THEN_SEQ") and saved_again,
+            "installed": len(compiled.compile_cache.installed),
+            "so_files": len(list(inductor.rglob("*.so"))),
+            "entry_bytes": path.stat().st_size if path.exists() else 0,
             "partitions": len(compiled.buckets),
             "statuses": [r.status for r in compiled.ddp_optimizer.records],
             "aot": dict(counters["aot_autograd"]),

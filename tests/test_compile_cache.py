@@ -187,18 +187,29 @@ def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_restart_in_a_new_process_loads_every_partition_from_the_cache(tmp_path):
+def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_cache(tmp_path):
     cold = _run_job(tmp_path / "cache", tmp_path / "inductor_cold")
     assert cold["load"] == "missing" and cold["saved"] and cold["partitions"] >= 2
     assert cold["aot"].get("autograd_cache_hit", 0) == 0
     assert cold["aot"].get("autograd_cache_bypass", 0) == 0  # split partitions are cacheable
-    # A fresh Inductor cache dir: every hit below comes from the compile-cache file.
-    warm = _run_job(tmp_path / "cache", tmp_path / "inductor_warm")
-    assert warm["load"] == "loaded" and not warm["saved"]
+    assert cold["so_files"] > 0
+    # A fresh Inductor cache dir: every hit below comes from the compile-cache file, and
+    # every C++ kernel too (Note [Kernels in the compile cache]); then a new shape compiles
+    # new graphs after the load, and they are saved into the entry.
+    warm = _run_job(tmp_path / "cache", tmp_path / "inductor_warm", then_seq=8)
+    assert warm["load"] == "loaded" and not warm["saved"]  # the first save found nothing new
+    assert warm["installed"] == cold["so_files"]
     assert warm["aot"].get("autograd_cache_hit", 0) == warm["partitions"] == cold["partitions"]
-    assert warm["aot"].get("autograd_cache_miss", 0) == 0
+    assert warm["aot"].get("autograd_cache_miss", 0) > 0  # the new shape's graphs
+    assert warm["saved_again"] and warm["entry_bytes"] > cold["entry_bytes"]
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-5)
     assert warm["losses"] == pytest.approx(cold["eager_losses"], rel=1e-4)
+    # Both shapes from the entry, in another fresh dir: no miss, no C++ kernel built.
+    again = _run_job(tmp_path / "cache", tmp_path / "inductor_again", then_seq=8)
+    assert again["load"] == "loaded" and again["aot"].get("autograd_cache_miss", 0) == 0
+    assert again["aot"].get("autograd_cache_hit", 0) == warm["aot"]["autograd_cache_hit"] + warm["aot"]["autograd_cache_miss"]
+    assert again["so_files"] == again["installed"] == warm["so_files"], "a C++ kernel was rebuilt"
+    assert not again["saved"] and not again["saved_again"]
 
 
 @pytest.mark.slow
@@ -225,7 +236,7 @@ def test_inductor_cache_moves_under_cache_dir_only_when_the_user_did_not_choose_
     # "unset" and "the default" both count as not chosen; any other value is the user's.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from ddp_opt.api import _inductor_dir_is_default
+    from compiler.cache import inductor_dir_is_default as _inductor_dir_is_default
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert _inductor_dir_is_default()

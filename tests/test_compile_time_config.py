@@ -21,6 +21,15 @@ def test_cache_dir_and_regional_are_accepted_with_ddp(tmp_path):
     assert _job().compile.cache_dir is None and _job().compile.regional is False
 
 
+@pytest.mark.parametrize("parallel", ["fsdp", "none"])
+def test_cache_dir_is_accepted_with_fsdp_and_none(tmp_path, parallel):
+    from launch.parallel import fsdp_config
+
+    cfg = _job(f"compile.cache_dir={tmp_path / 'cache'}", f"parallel={parallel}")
+    validate(cfg, world_size=2 if parallel == "fsdp" else 1)
+    assert fsdp_config(cfg.fsdp, cfg.compile).compile.cache_dir == str(tmp_path / "cache")
+
+
 def test_regional_with_fsdp_is_accepted():
     # fsdp_opt always compiles per block: regional=true says what already happens.
     validate(_job("parallel=fsdp", "compile.regional=true"), world_size=2)
@@ -28,8 +37,9 @@ def test_regional_with_fsdp_is_accepted():
 
 BAD = [
     (["compile.cache_dir=FILE"], r"compile\.cache_dir='.*not_a_dir' is not a directory: .*compile\.cache_dir=/scratch"),
-    (["compile.cache_dir=/tmp/c", "parallel=fsdp"],
-     r"compile\.cache_dir='/tmp/c' with parallel=fsdp: .*implemented for parallel=ddp.*Drop compile\.cache_dir"),
+    (["compile.cache_dir=FILE", "parallel=fsdp"], r"compile\.cache_dir='.*not_a_dir' is not a directory"),
+    (["compile.cache_dir=/tmp/c", "parallel=fsdp", "compile=eager"],
+     r"compile\.cache_dir='/tmp/c' with compile\.backend=eager: nothing is compiled.*compile\.backend=inductor"),
     (["compile.cache_dir=/tmp/c", "compile=eager"], r"compile\.cache_dir='/tmp/c' with compile\.backend=eager: nothing is compiled"),
     (["compile.regional=true", "parallel=none"],
      r"compile\.regional=true with parallel=none: .*Use parallel=ddp \(also on one rank\) or compile\.regional=false"),
@@ -56,3 +66,13 @@ def test_regional_reaches_compile_ddp_and_a_bad_blocks_name_says_how_to_fix(tmp_
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
         with pytest.raises(ValueError, match=r"blocks='layers': \['layers'\] not found in GPT.*compile\.regional=false"):
             apply_parallel(build_model(cfg.model), cfg, env)
+
+
+def test_fsdp_compile_config_refuses_a_cache_dir_that_is_a_file(tmp_path):
+    import fsdp_opt
+
+    f = tmp_path / "a_file"
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"CompileConfig\(cache_dir='.*a_file'\) is not a directory: .*cache_dir=None"):
+        fsdp_opt.CompileConfig(cache_dir=str(f))
+    assert fsdp_opt.CompileConfig(cache_dir=str(tmp_path / "cache")).cache_dir == str(tmp_path / "cache")

@@ -132,6 +132,26 @@ def test_version_gate_warns_once_outside_the_tested_range(monkeypatch):
 # --- ddp_opt ----------------------------------------------------------------------------
 
 
+def test_compile_cache_internals():
+    # The artifact payload format: one item per artifact type, merged by key; the C++ kernel caches.
+    from torch.compiler._cache import CacheArtifactFactory, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    from torch._inductor.codecache import InductorCacheArtifact
+
+    def payload(*keys):
+        out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+        out.extend([(InductorCacheArtifact.type(),
+                     [CacheArtifactFactory.create(InductorCacheArtifact.type(), k, k.encode()) for k in keys])])
+        return out.to_bytes()
+
+    merged, keys = cti.merge_artifact_payloads(payload("a", "b"), payload("b", "c"))
+    assert keys == {(InductorCacheArtifact.type(), k) for k in "abc"}
+    assert cti.merge_artifact_payloads(merged)[1] == keys
+    assert isinstance(cti.cpp_kernel_keys(), set)
+    assert isinstance(cti.inductor_default_cache_dir(), str)
+
+
 def test_ddp_bucket_settings(gloo_module):
     default = dti.bucket_settings(DDP(nn.Linear(4, 4)))
     assert (default.bucket_bytes_cap, default.first_bucket_cap) == (25 * 2**20, dti.default_first_bucket_bytes())

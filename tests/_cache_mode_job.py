@@ -1,0 +1,77 @@
+"""One launcher-built training step with ``compile.cache_dir``, for the restart tests of
+parallel=none and parallel=fsdp: ``python tests/_cache_mode_job.py CACHE_DIR MODE`` (under
+``torchrun --nproc-per-node 2`` for fsdp) builds the model with ``launch.parallel``, runs one
+step, calls the launcher's ``_after_first_step`` (which saves the cache) and prints one JSON
+line from rank 0: the load status, whether the entry was written, cache counters."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=64", "model.block_size=16"]
+
+
+def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
+    """This job in new processes (2 ranks under torchrun for fsdp) with their own Inductor
+    cache directory; rank 0's JSON line."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
+    if mode == "fsdp":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(cache_dir), mode]
+    else:
+        cmd = [sys.executable, __file__, str(cache_dir), mode]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return next(line for line in lines if line["rank"] == 0)
+
+
+def main(cache_dir: str, mode: str) -> None:
+    from hydra import compose, initialize_config_module
+    from torch._dynamo.utils import counters
+
+    from launch.dist import DistEnv
+    from launch.parallel import apply_parallel, build_model
+    from launch.schema import register_configs
+    from launch.train import _after_first_step, to_job_config
+
+    register_configs()
+    with initialize_config_module("configs", version_base="1.3"):
+        cfg = to_job_config(compose(config_name="config", overrides=[
+            "compile=inductor", f"compile.cache_dir={cache_dir}", f"parallel={mode}", *TINY]))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    rank = int(os.environ.get("RANK", "0"))
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, backend="gloo", device=torch.device("cpu"))
+    torch.manual_seed(0)
+    wrapped = apply_parallel(build_model(cfg.model), cfg, env)
+    cache = wrapped.compile_cache
+    before = cache.path.stat().st_mtime_ns if cache.path.exists() else None
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    loss = wrapped.forward(x, x)[1]
+    loss.backward()
+    _after_first_step(SimpleNamespace(wrapped=wrapped, compiled=True, tally=SimpleNamespace(warmup_s=None)), 0.0)
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    if world > 1:
+        torch.distributed.barrier()  # rank 0 saved
+    if rank == 0:
+        print(json.dumps({
+            "rank": rank, "load": cache.last_load.status,
+            "saved": cache.path.exists() and cache.path.stat().st_mtime_ns != before,
+            "installed": len(cache.installed), "so_files": len(list(inductor.rglob("*.so"))),
+            "aot": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"]), "loss": loss.item(),
+        }), flush=True)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main(*sys.argv[1:3])
