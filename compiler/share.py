@@ -280,6 +280,10 @@ class CompileShare:
             return None
         return payload
 
+    def wrap(self, backend: Callable) -> Callable:
+        """Both wrappers, for a backend that compiles each captured graph in one piece."""
+        return self.wrap_graph(self.wrap_compile(backend))
+
     # -- one graph: nobody leaves before everybody has compiled it --------------------------
 
     def wrap_graph(self, backend: Callable) -> Callable:

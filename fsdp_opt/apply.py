@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from compiler import compile_blocks, resolve_backend
 from compiler.cache import open_cache
+from compiler.share import share_for_group
 
 from ._torch_internals import checkpoint_wrapper, compiled_autograd_active
 from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig
@@ -125,6 +126,11 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
     if cc is not None and cc.cache_dir is not None:  # before the first compile, and before fully_shard renames
         plan = dataclasses.replace(plan, compile_cache=open_cache(model, cc.cache_dir, _cache_settings(config),
                                                                   world_size=mesh.size()))
+    share = share_for_group(dist.get_process_group_ranks(mesh.get_group()), share=cc.share,
+                            timeout_s=cc.share_timeout_s, name="fsdp") if cc is not None else None
+    if share is not None:  # Note [Shared compile]
+        backend = share.wrap(backend)
+        plan = dataclasses.replace(plan, share=share)
     modules = dict(model.named_modules())
     blocks = {name: modules[name] for name in plan.block_names}
     if config.checkpointing:

@@ -49,6 +49,11 @@ class CompileConfig:
         cache_dir: a persistent compile cache (Note [Compile cache]), loaded before
             the first compile; save it after the first step with
             ``compiler.cache.save_on_local_rank0(plan.compile_cache)``. None: off.
+        share: the mesh's ranks take turns compiling the blocks and load each
+            other's artifacts, and no rank leaves a block's compile before every
+            rank has compiled it (Note [Shared compile]); False: every rank
+            compiles every block (the barrier stays). ``share_timeout_s``: the
+            longest a rank waits for another rank's compile.
     """
 
     backend: str | Callable = "inductor"
@@ -59,6 +64,8 @@ class CompileConfig:
     whole_model: bool = False
     compiled_autograd: bool = False
     cache_dir: str | None = None
+    share: bool = True
+    share_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
@@ -66,6 +73,12 @@ class CompileConfig:
                 f"CompileConfig(cache_dir={self.cache_dir!r}) is not a directory: the compile cache writes one file "
                 "per model and config into it (created if missing). Name a directory, e.g. "
                 "cache_dir='/scratch/compile_cache', or cache_dir=None to turn the persistent cache off."
+            )
+        if not self.share_timeout_s > 0:
+            raise ValueError(
+                f"CompileConfig(share_timeout_s={self.share_timeout_s!r}): expected a positive number of seconds, the "
+                "longest a rank waits for another rank's compile (Note [Shared compile]). Give the longest compile "
+                "you expect with margin; the default is 7200."
             )
         if self.compiled_autograd:
             raise ValueError(

@@ -89,12 +89,15 @@ class FSDPPlan:
         config: the configuration the plan was made from.
         compile_cache: the loaded ``compiler.CompileCache`` with
             ``CompileConfig(cache_dir=...)``, set by ``apply``; else None.
+        share: the ``compiler.share.CompileShare`` of the mesh's ranks when the
+            blocks are compiled on more than one rank, set by ``apply``; else None.
     """
 
     units: tuple[ShardUnit, ...]
     root_bytes: int
     config: FSDPConfig
     compile_cache: Any = field(default=None, compare=False, repr=False)
+    share: Any = field(default=None, compare=False, repr=False)
 
     @property
     def block_names(self) -> list[str]:

@@ -172,7 +172,8 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     compile_cfg = None
     if c.backend != "eager":
         compile_cfg = fsdp_opt.CompileConfig(backend=c.backend, mode=c.mode, options=dict(c.options),
-                                             dynamic=c.dynamic, fullgraph=c.fullgraph, cache_dir=c.cache_dir)
+                                             dynamic=c.dynamic, fullgraph=c.fullgraph, cache_dir=c.cache_dir,
+                                             share=c.share, share_timeout_s=c.share_timeout_s)
     mp = None
     if f.mixed_precision == FSDPPrecision.BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -213,7 +214,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == ParallelMode.FSDP:
         plan = _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
-        return Wrapped(model, model, compile_cache=plan.compile_cache)
+        return Wrapped(model, model, compile_cache=plan.compile_cache, share=plan.share)
     if not compile_it:
         return Wrapped(model, model)
     cache = None

@@ -74,4 +74,5 @@ def train_fsdp_vs_reference(rank: int, world_size: int, cfg: GPTConfig, apply_kw
         graph_breaks=sum(counters["graph_break"].values()),
         block_types=[type(b).__name__ for b in model.blocks],
         compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks],
+        share=plan.share.stats.as_dict() if plan.share is not None else None,
     )

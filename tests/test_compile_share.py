@@ -269,3 +269,10 @@ def test_the_launcher_words_a_bad_share_timeout_in_its_own_terms():
     with pytest.raises(ConfigError, match=r"compile.share_timeout_s=-1.0 is not valid: .* a positive number of "
                                           r"seconds\. .* compile.share_timeout_s=3600"):
         validate(_job("compile.share_timeout_s=-1"))
+
+
+def test_fsdp_refuses_a_bad_share_timeout():
+    from fsdp_opt import CompileConfig
+
+    with pytest.raises(ValueError, match=r"CompileConfig\(share_timeout_s=0\): expected a positive number of seconds"):
+        CompileConfig(backend="aot_eager", share_timeout_s=0)
