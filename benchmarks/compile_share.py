@@ -3,7 +3,9 @@
 Every run is a new ``torchrun ... -m launch.train`` job with an empty
 TORCHINDUCTOR_CACHE_DIR of its own (cold: nothing compiled before), once with
 ``compile.share=true`` and once with ``compile.share=false``, in rotating order,
-``--runs`` times for each rank count (Note [Shared compile]). From each run's
+``--runs`` times for each rank count and Inductor-directory setting: one directory
+for all ranks (one machine's default) or one per rank (``benchmarks.rank_inductor``:
+as ranks on separate machines have) (Note [Shared compile]). From each run's
 ``metrics.json``:
 
     first_step_s          rank 0's first step, compile included (the barrier makes
@@ -49,45 +51,54 @@ QUICK_OVERRIDES = ["model.n_embd=32", "model.n_head=2", "train.batch_size=4", "t
 
 
 def run_cold(mode: str, nproc: int, run_dir: Path, *, backend: str, steps: int, extra: Sequence[str],
-             timeout: float = 1800) -> dict:
-    """One cold job: a new process group, an empty Inductor cache directory."""
+             inductor: str = "shared", timeout: float = 1800) -> dict:
+    """One cold job: a new process group, empty Inductor cache directories (``inductor``:
+    ``shared`` one for every rank, ``per_rank`` one each, as on separate machines)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
     overrides = [f"compile={backend}", f"train.steps={steps}", f"compile.share={str(mode == 'shared').lower()}",
                  *extra, f"hydra.run.dir={run_dir / 'run'}"]
+    if inductor == "per_rank":
+        env["DISTCOMPILE_INDUCTOR_BASE"] = str(run_dir / "inductor")
+        cmd = torchrun_command("benchmarks.rank_inductor", ["launch.train", *overrides], nproc)
+    else:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
+        cmd = torchrun_command("launch.train", overrides, nproc)
     t0 = time.perf_counter()
-    run_checked(torchrun_command("launch.train", overrides, nproc), env=env, timeout=timeout, cwd=Path.cwd())
+    run_checked(cmd, env=env, timeout=timeout, cwd=Path.cwd())
     wall = time.perf_counter() - t0
     m = json.loads((run_dir / "run" / "metrics.json").read_text())
     stats = m["compile_stats"]
-    row = {"mode": mode, "nproc": nproc, "first_step_s": m["first_step_s"], "cpu_s_total": stats["cpu_s_total"],
+    row = {"mode": mode, "nproc": nproc, "inductor": inductor, "first_step_s": m["first_step_s"], "cpu_s_total": stats["cpu_s_total"],
            "cpu_since_compile_s": stats["cpu_since_compile_s_total"], "process_wall_s": wall,
            "partitions": len(m["partitions"]), "final_loss": m["final_loss"],
            "compiled": [r.get("compiled") for r in stats["ranks"]], "loaded": [r.get("loaded") for r in stats["ranks"]]}
-    print(f"{nproc} ranks {mode:>8}: first step {row['first_step_s']:.1f} s, CPU {row['cpu_s_total']:.1f} s "
+    print(f"{nproc} ranks, {inductor} Inductor dir, {mode:>8}: first step {row['first_step_s']:.1f} s, CPU {row['cpu_s_total']:.1f} s "
           f"({row['cpu_since_compile_s']:.1f} s since compile_ddp), compiled {row['compiled']}, "
           f"loaded {row['loaded']}", flush=True)
     return row
 
 
 def summarize(rows: Sequence[dict]) -> dict:
-    """Per rank count: each metric's median per mode and shared/unshared per-round ratios."""
+    """Per Inductor-directory setting and rank count (key ``shared/4``): each metric's
+    median per mode and the shared/unshared per-round ratios."""
     out = {}
-    for nproc in sorted({r["nproc"] for r in rows}):
-        by_mode = {mode: [r for r in rows if r["nproc"] == nproc and r["mode"] == mode] for mode in MODES}
+    for setting in dict.fromkeys((r.get("inductor", "shared"), r["nproc"]) for r in rows):
+        by_mode = {mode: [r for r in rows if (r.get("inductor", "shared"), r["nproc"]) == setting
+                          and r["mode"] == mode] for mode in MODES}
         entry = {}
         for metric in METRICS:
             shared = [r[metric] for r in by_mode["shared"]]
             unshared = [r[metric] for r in by_mode["unshared"]]
             value, q1, q3 = ratio_summary(shared, unshared)
             entry[metric] = {"shared": median(shared), "unshared": median(unshared), "ratio": value, "iqr": [q1, q3]}
-        out[str(nproc)] = entry
+        out[f"{setting[0]}/{setting[1]}"] = entry
     return out
 
 
+DIRS = {"shared": "one for all ranks", "per_rank": "one per rank"}
 TARGETS = {"first_step_s": "<= 0.5", "cpu_s_total": "<= 0.35", "cpu_since_compile_s": "<= 0.35"}
 LABELS = {"first_step_s": "first step s (rank 0)", "cpu_s_total": "CPU s, all ranks, process start to first step end",
           "cpu_since_compile_s": "CPU s, all ranks, compile_ddp to first step end"}
@@ -95,19 +106,22 @@ LABELS = {"first_step_s": "first step s (rank 0)", "cpu_s_total": "CPU s, all ra
 
 def results_markdown(result: dict) -> str:
     rows = []
-    for nproc, entry in result["summary"].items():
+    for setting, entry in result["summary"].items():
+        inductor, nproc = setting.split("/")
         for metric in METRICS:
             e = entry[metric]
-            rows.append([nproc, LABELS[metric], fmt(e["shared"], ".1f"), fmt(e["unshared"], ".1f"),
+            rows.append([nproc, DIRS[inductor], LABELS[metric], fmt(e["shared"], ".1f"), fmt(e["unshared"], ".1f"),
                          with_iqr(e["ratio"], *e["iqr"], spec=".2f"), TARGETS[metric]])
     parts = sorted({r["partitions"] for r in result["rows"]})
     return "\n\n".join([
-        f"Backend `{result['backend']}`, {result['steps']} steps per run, {result['runs']} run(s) per mode and rank "
-        f"count, modes in rotating order; every run is a new torchrun job with an empty Inductor cache "
+        f"Backend `{result['backend']}`, {result['steps']} steps per run, {result['runs']} run(s) per mode and setting, "
+        f"modes in rotating order; every run is a new torchrun job with empty Inductor caches: one directory for "
+        f"all ranks (one machine's default), or one per rank (as on separate machines) "
         f"({', '.join(map(str, parts))} partition(s) per rank). Ratios are shared / unshared per run pair, median "
         f"[IQR]. Machine: {result['cpus']} CPU core(s).",
         f"Command: `{result['command']}`",
-        markdown_table(["ranks", "measure", "shared", "unshared", "shared / unshared", "target"], rows),
+        markdown_table(["ranks", "Inductor cache", "measure", "compile.share=true", "false", "true / false",
+                        "target"], rows),
         "Generated by `python -m benchmarks.compile_share --render` from the benchmark's JSON.",
     ])
 
@@ -123,11 +137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="cold runs per mode and rank count")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--inductor", default="shared,per_rank",
+                   help="Inductor cache directories: shared (one for every rank, the default of one machine), "
+                        "per_rank (one each, as on separate machines); comma-separated")
     p.add_argument("--out", default="bench_out/compile_share", help="work directory (emptied per run)")
     p.add_argument("--json", default="benchmarks/results/compile_share.json")
     p.add_argument("--readme", default=None, help="regenerate this README's shared-compile section")
     p.add_argument("--render", nargs=2, metavar=("JSON", "README"), help="only regenerate the README section")
-    p.add_argument("--quick", action="store_true", help="smoke run: aot_eager, 2 ranks, 1 run, a narrow model")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: aot_eager, 2 ranks, 1 run, one shared Inductor dir, a narrow model")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args(argv)
     if a.render:
@@ -135,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     extra = list(a.overrides)
     if a.quick:
-        a.backend, a.nprocs, a.runs = "aot_eager", "2", 1
+        a.backend, a.nprocs, a.runs, a.inductor = "aot_eager", "2", 1, "shared"
         extra += QUICK_OVERRIDES
     try:
         nprocs = [int(n) for n in a.nprocs.split(",") if n]
@@ -144,12 +162,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not nprocs or min(nprocs) < 2 or a.runs < 1:
         p.error(f"--nprocs must list rank counts of 2 or more and --runs be >= 1, got {a.nprocs!r} and {a.runs}: "
                 "sharing needs a second rank, and a ratio needs one run of each mode. Leave them out for 2,4 and 3.")
+    settings = [s for s in a.inductor.split(",") if s]
+    if not settings or set(settings) - set(DIRS):
+        p.error(f"--inductor {a.inductor!r}: expected a comma-separated subset of {', '.join(DIRS)}.")
     rows = []
-    for nproc in nprocs:
-        for order, _, label in interleaved_rounds(list(MODES), 0, a.runs):
-            print(f"{nproc} ranks, {label}", flush=True)
-            rows += [run_cold(mode, nproc, Path(a.out) / f"{nproc}_{mode}", backend=a.backend, steps=a.steps,
-                              extra=extra) for mode in order]
+    for inductor in settings:
+        for nproc in nprocs:
+            for order, _, label in interleaved_rounds(list(MODES), 0, a.runs):
+                print(f"{nproc} ranks, {inductor} Inductor dir, {label}", flush=True)
+                rows += [run_cold(mode, nproc, Path(a.out) / f"{nproc}_{mode}", backend=a.backend, steps=a.steps,
+                                  extra=extra, inductor=inductor) for mode in order]
     result = {
         "command": shlex.join(["python", "-m", "benchmarks.compile_share", *(argv if argv is not None else sys.argv[1:])]),
         "backend": a.backend, "steps": a.steps, "runs": a.runs, "cpus": os.cpu_count(), "rows": rows,

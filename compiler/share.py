@@ -23,9 +23,11 @@ Algorithm
       AOTAutograd's cache: no joint trace, no partitioner, no Inductor lowering.
       Backward graphs are compiled together with their forward
       (``force_non_lazy_backward_lowering``), so one publication holds both and
-      no rank compiles in the middle of backward's all-reduces. On CPU the C++
-      kernels are found in Inductor's cache directory, which the ranks of one
-      machine share by default.
+      no rank compiles in the middle of backward's all-reduces. On CPU the
+      publication also carries the C++ kernels the compile built or loaded
+      (Note [Kernels in the compile cache]); a rank installs those its Inductor
+      directory lacks (another machine, or a directory per rank), so it builds no
+      kernel either.
     - :meth:`wrap_graph` wraps the backend dynamo calls for a whole captured graph
       (for a split graph, the splitter that compiles every partition). After it
       returns, the rank marks the graph done in the store and waits, with the
@@ -53,8 +55,13 @@ Notes
       waiting (one warning) and turns the barrier off.
     - Published payloads are deleted from the store once every rank is done
       with the graph.
-    - Loading artifacts is loading code from the leader rank: the same trust as
-      the training code the leader runs.
+    - Loading artifacts is loading code from another rank: the same trust as
+      the training code that rank runs.
+    - On one machine with one Inductor directory (the default), ranks that
+      compile the same graph at once already share the C++ kernel builds through
+      the directory's file locks: what sharing saves there is the Python side
+      (tracing, AOTAutograd, lowering). With a directory per rank or per machine,
+      it also saves every follower's kernel builds.
 """
 
 from __future__ import annotations
@@ -64,8 +71,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -74,44 +79,17 @@ import torch
 from torch import fx
 
 from . import _torch_internals as _ti
+from .cputime import cpu_seconds
+from .artifacts import inductor_cache_dir
+from .kernels import collect_kernels, install_kernels, kernel_snapshot
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileShare", "ShareStats", "cpu_seconds", "graph_digest", "share_for_group"]
+__all__ = ["CompileShare", "Pending", "ShareStats", "graph_digest", "share_for_group"]
 
 _instances: dict[str, Iterator[int]] = {}
 POLL_S = 0.05
-
-
-def cpu_seconds() -> float:
-    """CPU seconds of this process, of its finished child processes and of its live
-    descendants (Inductor's compile workers, C++ kernel builds; live ones read from
-    ``/proc`` where there is one)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _live_descendants_cpu()
-
-
-def _live_descendants_cpu() -> float:
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return 0.0
-    parent, cpu = {}, {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parent[pid] = int(fields[1])  # ppid; utime and stime are fields 14 and 15 of stat
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    mine, total, frontier = {os.getpid()}, 0.0, [os.getpid()]
-    while frontier:
-        frontier = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in mine]
-        mine.update(frontier)
-        total += sum(cpu[pid] for pid in frontier)
-    return total
+CHUNK = 4 << 20  # a publication goes in parts: TCPStore's server refuses values over 8 MiB
 
 
 def graph_digest(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
@@ -132,6 +110,7 @@ class ShareStats:
     compiled: int = 0  # compiled here, from scratch
     loaded: int = 0  # served from the leader's artifacts
     fell_back: int = 0  # a follower that had to compile for itself
+    kernels_installed: int = 0  # C++ kernel files received from other ranks that this rank's Inductor dir lacked
     compile_s: float = 0.0  # wall seconds inside the backend
     compile_cpu_s: float = 0.0  # CPU seconds inside the backend (this process and its finished children)
     wait_s: float = 0.0  # waiting for the leader's artifacts or for peers to finish a graph
@@ -198,12 +177,15 @@ class CompileShare:
                 return self._compile(backend, gm, example_inputs)
             key = f"{self.prefix}/c{index}"
             if self.owner(index) == self.rank:
+                root = inductor_cache_dir()
+                files_before, keys_before = kernel_snapshot(root), _ti.cpp_kernel_keys()
                 try:
                     out = self._compile(backend, gm, example_inputs)
                 except BaseException:
                     self._publish(key, digest, failed=True)  # the others must not wait for it
                     raise
-                self._publish(key, digest)
+                # the C++ kernels this compile built or loaded: a rank with another Inductor directory lacks them
+                self._publish(key, digest, collect_kernels(root, _ti.cpp_kernel_keys() - keys_before, files_before))
                 return out
             pending = Pending(self, backend, gm, example_inputs, key, digest, index)
             self._pending.append(pending)
@@ -215,8 +197,11 @@ class CompileShare:
         """A compile owned by another rank: its artifacts loaded, then the backend (a cache hit)."""
         payload = self._receive(p)
         if payload:
+            artifacts, kernels = payload
             try:
-                torch.compiler.load_cache_artifacts(payload)
+                if kernels:  # kernels this rank's Inductor directory already has are left alone
+                    self.stats.kernels_installed += len(install_kernels(kernels, inductor_cache_dir()))
+                torch.compiler.load_cache_artifacts(artifacts)
             except Exception as e:  # noqa: BLE001 - a bad publication must never fail the job
                 self._warn(f"could not load rank {self.owner(p.index)}'s compile artifacts for compile #{p.index} "
                            f"({type(e).__name__}: {e}); compiling it on this rank instead")
@@ -241,26 +226,36 @@ class CompileShare:
             self.stats.compile_cpu_s += cpu_seconds() - c0
             self.stats.compiled += int(count)
 
-    def _publish(self, key: str, digest: str, failed: bool = False) -> None:
+    def _publish(self, key: str, digest: str, kernels: bytes = b"", failed: bool = False) -> None:
         artifacts = None if failed else torch.compiler.save_cache_artifacts()
-        payload = artifacts[0] if artifacts is not None and artifacts[0] else b""
-        header = json.dumps({"digest": digest, "failed": failed, "bytes": len(payload),
-                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-        self.store.set(key, header + b"\n" + payload)
+        artifacts = artifacts[0] if artifacts is not None and artifacts[0] else b""
+        payload = artifacts + kernels if artifacts else b""  # kernels without the code that loads them are no use
+        parts = [payload[i:i + CHUNK] for i in range(0, len(payload), CHUNK)]
+        header = {"digest": digest, "failed": failed, "bytes": len(payload), "artifacts": len(artifacts),
+                  "sha256": hashlib.sha256(payload).hexdigest(), "parts": len(parts)}
+        try:
+            for n, part in enumerate(parts):
+                self._published.append(f"{key}/part{n}")
+                self.store.set(f"{key}/part{n}", part)
+        except Exception as e:  # noqa: BLE001 - the others must still hear from this rank
+            self._warn(f"could not publish compile {key.rsplit('/', 1)[-1]} ({len(payload)} bytes) in the store "
+                       f"({type(e).__name__}: {e}); the other ranks compile it themselves")
+            header.update(failed=True, parts=0)
+        self.store.set(key, json.dumps(header))  # last: a rank that sees it finds every part
         self._published.append(key)
-        log.debug("shared compile: published %s (%d bytes%s)", key, len(payload), ", failed" if failed else "")
+        log.debug("shared compile: published %s (%d bytes in %d part(s)%s)", key, len(payload), len(parts),
+                  ", failed" if header["failed"] else "")
 
-    def _receive(self, p: Pending) -> bytes | None:
-        """The owner's payload for a compile, or None when this rank must compile it itself."""
+    def _receive(self, p: Pending) -> tuple[bytes, bytes] | None:
+        """The owner's (artifacts, kernels) for a compile, or None when this rank must compile it itself."""
         owner = self.owner(p.index)
         what = f"rank {owner} to compile graph #{p.index}"
         if not self._wait([p.key], what, self.timeout_s):
             self._warn(f"waited {self.timeout_s:.0f}s for {what} without an answer; compiling it on this rank")
             self.stats.fell_back += 1
             return None
-        head, _, payload = self.store.get(p.key).partition(b"\n")
         try:
-            header = json.loads(head)
+            header = json.loads(self.store.get(p.key))
         except ValueError:
             header = {}
         if header.get("digest") != p.digest:
@@ -273,12 +268,16 @@ class CompileShare:
         if header.get("failed"):
             log.info("rank %d: rank %d's compile #%d failed; compiling it here too", self.rank, owner, p.index)
             return None
+        payload = b"".join(self.store.get(f"{p.key}/part{n}") for n in range(int(header.get("parts", 0))))
         if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
             self._warn(f"rank {owner}'s compile artifacts for compile #{p.index} are damaged (checksum "
                        "mismatch); compiling it on this rank instead")
             self.stats.fell_back += 1
             return None
-        return payload
+        if not payload:
+            return None
+        split = header.get("artifacts", len(payload))
+        return payload[:split], payload[split:]
 
     def wrap(self, backend: Callable) -> Callable:
         """Both wrappers, for a backend that compiles each captured graph in one piece."""

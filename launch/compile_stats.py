@@ -9,18 +9,25 @@ from typing import Any
 import torch.distributed as dist
 
 from compiler.cache import save_on_local_rank0
-from compiler.share import CompileShare, cpu_seconds
+from compiler.cputime import cpu_seconds
+from compiler.share import CompileShare
 
-__all__ = ["after_first_compile", "first_step_compile"]
+__all__ = ["after_first_compile", "first_step_compile", "save_compile_cache"]
 
 
-def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
-    """After the first step: save the compile cache (``compile.cache_dir``), then
-    :func:`first_step_compile` (a collective: every rank calls it)."""
+def save_compile_cache(wrapped: Any) -> None:
+    """Save ``compile.cache_dir``'s entry (local rank 0; written only when this process
+    compiled something the entry lacks, Note [Compile cache]); a no-op without one."""
     if wrapped.compiled_ddp is not None:
         wrapped.compiled_ddp.save_compile_cache()
     else:
         save_on_local_rank0(wrapped.compile_cache)
+
+
+def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
+    """After the first step: :func:`save_compile_cache`, then :func:`first_step_compile`
+    (a collective: every rank calls it)."""
+    save_compile_cache(wrapped)
     return first_step_compile(wrapped.share, world_size)
 
 

@@ -39,7 +39,7 @@ from .agree import check_same_config
 from .bad_input import report_config_error
 from .banner import describe, partition_table
 from .checkpoint import save_checkpoint
-from .compile_stats import after_first_compile
+from .compile_stats import after_first_compile, save_compile_cache
 from .data import TokenSource, build_data, stream_seed
 from .diagnosis import diagnose
 from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
@@ -165,6 +165,7 @@ def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     with Observer(cfg, env, output_dir) as job.observer:
         warm_up(job)
         loop(job)
+        save_compile_cache(job.wrapped)  # graphs compiled after the first step (a new shape) are kept too
         return job.observer.finish(job.tally, report(job))
 
 
@@ -391,8 +392,7 @@ def _after_first_step(job: Job, seconds: float) -> None:
            + (" (includes compile)" if job.compiled and job.tally.warmup_s is None else ""))
     if job.compiled:  # every rank (a collective): forward and backward are compiled now
         job.tally.compile_stats = after_first_compile(job.wrapped, job.env.world_size)
-    table = partition_table(job.wrapped)
-    if table is not None:
+    if (table := partition_table(job.wrapped)) is not None:
         print0(table)
 
 

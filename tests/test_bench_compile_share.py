@@ -16,7 +16,7 @@ ROWS = [_row("shared", 4, 30, 70, 40), _row("unshared", 4, 60, 100, 80),
 
 
 def test_ratios_pair_the_runs_of_one_round():
-    s = compile_share.summarize(ROWS)["4"]
+    s = compile_share.summarize(ROWS)["shared/4"]
     assert s["first_step_s"]["ratio"] == pytest.approx((30 / 60 + 30 / 80) / 2)
     assert s["cpu_since_compile_s"]["shared"] == 30 and s["cpu_since_compile_s"]["ratio"] == pytest.approx(0.375)
 
@@ -25,7 +25,7 @@ def test_the_readme_table_shows_every_measure_with_its_target():
     result = {"summary": compile_share.summarize(ROWS), "rows": ROWS, "backend": "inductor", "steps": 2, "runs": 2,
               "cpus": 2, "command": "python -m benchmarks.compile_share"}
     text = compile_share.results_markdown(result)
-    assert "| 4 | first step s (rank 0) | 30.0 | 70.0 | 0.44 [0.41, 0.47] | <= 0.5 |" in text
+    assert "| 4 | one for all ranks | first step s (rank 0) | 30.0 | 70.0 | 0.44 [0.41, 0.47] | <= 0.5 |" in text
     assert "CPU s, all ranks, compile_ddp to first step end" in text and "(4 partition(s) per rank)" in text
 
 

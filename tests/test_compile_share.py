@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_a_damaged_publication_and_a_failed_load_each_make_the_rank_compile(arti
     store = dist.HashStore()
     ranks, backend = _pair(store), FakeBackend()
     ranks[0].wrap_compile(backend)(_gm("add"), [torch.ones(2)])
-    store.set("t/c0", store.get("t/c0")[:-1] + b"X")  # one flipped byte in the payload
+    store.set("t/c0/part0", store.get("t/c0/part0")[:-1] + b"X")  # one flipped byte in the payload
     with caplog.at_level(logging.WARNING, "compiler.share"):
         ranks[1].wrap_compile(backend)(_gm("add"), [torch.ones(2)]).resolve()
     assert "rank 0's compile artifacts for compile #0 are damaged (checksum mismatch)" in caplog.text
@@ -146,15 +147,20 @@ def test_a_graph_no_peer_compiles_stops_the_barrier_after_the_grace(caplog):
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
 
 
-def _train(rank, share, inductor_dir, break_load=False, damage=False, steps=3):
-    """3 SGD steps of the tiny GPT under compile_ddp(inductor), in a fresh Inductor dir."""
+def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=False, steps=3):
+    """3 SGD steps of the tiny GPT under compile_ddp(inductor), in a fresh Inductor dir
+    (``per_rank``: one per rank, as on separate machines); counts C++ kernel builds."""
+    from torch._inductor.cpp_builder import CppBuilder
+
     import compiler.share as share_mod
     from compiler._torch_internals import aot_counts
     from ddp_opt import compile_ddp
     from models import GPT, GPTConfig
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(inductor_dir, f"rank{rank}") if per_rank else inductor_dir
     torch._dynamo.reset()
+    builds, build = [], CppBuilder.build
+    CppBuilder.build = lambda self: builds.append(1) or build(self)
     if break_load and rank == 1:
         torch.compiler.load_cache_artifacts = lambda payload: (_ for _ in ()).throw(OSError("disk full"))
     if damage and rank == 0:
@@ -162,7 +168,7 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, steps=3):
 
         def damaged(self, key, digest, failed=False):
             publish(self, key, digest, failed)
-            self.store.set(key, self.store.get(key)[:-1] + b"X")
+            self.store.set(f"{key}/part0", self.store.get(f"{key}/part0")[:-1] + b"X")
 
         share_mod.CompileShare._publish = damaged
     torch.manual_seed(0)
@@ -177,10 +183,12 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, steps=3):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    CppBuilder.build = build
     stats = compiled.share.stats
-    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+    return {"builds": len(builds),"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
             "partitions": len(compiled.ddp_optimizer.records), "hits": aot_counts()[1] - hits0,
             "compiled": stats.compiled, "loaded": stats.loaded, "fell_back": stats.fell_back,
+            "installed": stats.kernels_installed,
             "statuses": {r.status for r in compiled.ddp_optimizer.records}}
 
 
@@ -212,6 +220,23 @@ def test_two_ranks_share_the_compile_and_train_as_an_unshared_run(tmp_path):
     assert ranks[0]["cannot_load"]["loaded"] == len(range(1, n, 2))  # rank 0 still loads rank 1's compiles
     # A damaged publication of rank 0: rank 1 compiles rank 0's graphs itself, so every graph is compiled on it.
     assert ranks[1]["damaged"]["compiled"] == n and ranks[1]["damaged"]["fell_back"] == len(range(0, n, 2))
+
+
+def _apart(rank, world_size, tmp):
+    res = _train(rank, share=True, inductor_dir=tmp, per_rank=True)
+    res["so_files"] = len(list(Path(tmp, f"rank{rank}").rglob("*.so")))
+    return res
+
+
+def test_kernels_travel_to_a_rank_with_an_inductor_dir_of_its_own(tmp_path):
+    # One Inductor directory per rank, as on separate machines, in fresh processes (the kernels
+    # loaded in a process stay in its memory). Kernels a rank lacked arrive with the other rank's
+    # artifacts and are installed, not built: its directory holds more libraries than it built.
+    ranks = run_ranks(_apart, str(tmp_path), timeout=600)
+    for res in ranks:
+        assert res["loaded"] > 0 and res["statuses"] == {"compiled"} and res["so_files"] >= res["builds"]
+    assert sum(r["installed"] for r in ranks) > 0
+    assert sum(r["so_files"] for r in ranks) > sum(r["builds"] for r in ranks)
 
 
 def _slow_rank_step(rank, world_size, ours, delay_s):
@@ -276,3 +301,15 @@ def test_fsdp_refuses_a_bad_share_timeout():
 
     with pytest.raises(ValueError, match=r"CompileConfig\(share_timeout_s=0\): expected a positive number of seconds"):
         CompileConfig(backend="aot_eager", share_timeout_s=0)
+
+
+def test_a_publication_over_the_stores_value_limit_goes_in_parts(monkeypatch):
+    big = os.urandom((9 << 20) + 5)  # TCPStore's server refuses one value over 8 MiB
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (big, None))
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    ranks = _pair(store)
+    ranks[0].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)])
+    ranks[1].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)]).resolve()
+    assert loaded == [big] and ranks[1].stats.loaded == 1 and store.check(["t/c0/part2"])
