@@ -162,7 +162,7 @@ class CompileShare:
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
-    # -- one compile: the leader compiles and publishes, the others load ------------------
+    # -- one compile: its owner compiles and publishes, the others load ------------------
 
     def owner(self, index: int) -> int:
         """The rank that compiles compile #``index``: the group's ranks in turn."""
