@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .report import fmt, markdown_table, update_section, with_iqr, write_json
+from .report import fmt, markdown_table, update_section, with_iqr, write_result
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
 from .torchrun import run_checked, torchrun_command
@@ -177,11 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backend": a.backend, "steps": a.steps, "runs": a.runs, "cpus": os.cpu_count(), "rows": rows,
         "summary": summarize(rows), "torch": __import__("torch").__version__,
     }
-    write_json(result, a.json)
-    print(json.dumps(result["summary"], indent=1))
-    if a.readme:
-        render(a.json, a.readme)
-    return 0
+    return write_result(result, a.json, a.readme, render)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .report import fmt, markdown_table, update_section, with_iqr, write_json
+from .report import fmt, markdown_table, update_section, with_iqr, write_result
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
 from .torchrun import run_checked, torchrun_command
@@ -369,11 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summarize(rows, steps, wide),
         "torch": __import__("torch").__version__,
     }
-    write_json(result, a.json)
-    print(json.dumps(result["summary"], indent=1))
-    if a.readme:
-        render(a.json, a.readme)
-    return 0
+    return write_result(result, a.json, a.readme, render)
 
 
 if __name__ == "__main__":
