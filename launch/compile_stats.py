@@ -12,7 +12,9 @@ from compiler.cache import save_on_local_rank0
 from compiler.cputime import cpu_seconds
 from compiler.share import CompileShare
 
-__all__ = ["after_first_compile", "first_step_compile", "save_compile_cache"]
+from .dist import print0
+
+__all__ = ["after_first_compile", "describe", "first_step_compile", "save_compile_cache"]
 
 
 def save_compile_cache(wrapped: Any) -> None:
@@ -31,6 +33,15 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
     return first_step_compile(wrapped.share, world_size)
 
 
+def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str:
+    """One line for the log: who compiled and who loaded, and the CPU it took."""
+    how = ("the ranks took turns compiling (compile.share=true)" if share.share
+           else "every rank compiled every graph (compile.share=false)")
+    counts = ", ".join(f"{r.get('compiled', 0)}/{r.get('loaded', 0)}" for r in ranks)
+    cpu = sum(r.get("cpu_since_compile_s", 0.0) for r in ranks)
+    return f"compile: {how}; compiled/loaded per rank: {counts}; CPU for it, all ranks: {cpu:.1f}s"
+
+
 def first_step_compile(share: CompileShare | None, world_size: int) -> dict[str, Any]:
     """Every rank's ``cpu_s`` (its process and its child processes, from process start to
     now: the end of its first step), ``cpu_since_compile_s`` (the same since the compile
@@ -43,6 +54,8 @@ def first_step_compile(share: CompileShare | None, world_size: int) -> dict[str,
     if world_size > 1 and dist.is_initialized():
         ranks = [None] * world_size
         dist.all_gather_object(ranks, mine)
+    if share is not None:
+        print0(describe(share, ranks))
     return {
         "shared": bool(share is not None and share.share),
         "cpu_s_total": round(sum(r["cpu_s"] for r in ranks), 2),

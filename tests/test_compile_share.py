@@ -313,3 +313,16 @@ def test_a_publication_over_the_stores_value_limit_goes_in_parts(monkeypatch):
     ranks[0].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)])
     ranks[1].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)]).resolve()
     assert loaded == [big] and ranks[1].stats.loaded == 1 and store.check(["t/c0/part2"])
+
+
+def test_the_launcher_says_who_compiled_and_what_it_cost():
+    from types import SimpleNamespace
+
+    from launch.compile_stats import describe
+
+    ranks = [{"compiled": 1, "loaded": 1, "cpu_since_compile_s": 30.0}, {"compiled": 1, "loaded": 1,
+                                                                        "cpu_since_compile_s": 20.5}]
+    assert describe(SimpleNamespace(share=True), ranks) == (
+        "compile: the ranks took turns compiling (compile.share=true); compiled/loaded per rank: 1/1, 1/1; "
+        "CPU for it, all ranks: 50.5s")
+    assert "every rank compiled every graph (compile.share=false)" in describe(SimpleNamespace(share=False), ranks)
