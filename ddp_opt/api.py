@@ -212,7 +212,7 @@ def compile_ddp(
     cache_dir: str | os.PathLike | None = None,
     regional: bool = False,
     blocks: str | Sequence[str] = "auto",
-    share_compile: bool = True,
+    share_compile: bool = False,
     share_timeout_s: float = 7200.0,
     config: DDPCompileConfig | None = None,
     **more: Any,
@@ -344,15 +344,15 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if config.cache_dir is not None:
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)))
     more = dict(config.torch_compile_kwargs)
-    share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group), share=config.share_compile,
-                            timeout_s=config.share_timeout_s, name="ddp")
+    share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
+                            timeout_s=config.share_timeout_s, name="ddp") if config.share_compile else None
     if share is not None:
         backend_fn = share.wrap_compile(backend_fn)
     if config.regional:
         found = find_ddp_blocks(inner, config.blocks)
-        backend_fn = share.wrap_graph(backend_fn) if share is not None else backend_fn
         if config.wrap_backend is not None:
             backend_fn = config.wrap_backend(backend_fn)
+        backend_fn = share.wrap_graph(backend_fn) if share is not None else backend_fn
         compile_blocks(found, backend_fn, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
         _keep_builtin_splitter_out(ddp_model)
         block_buckets = plan_block_buckets(inner, found, caps)
@@ -367,10 +367,10 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             param_names={id(p): n for n, p in inner.named_parameters()}, process_group=ddp_model.process_group,
         )
         backend_fn = optimizer.compile_fn
+    if config.wrap_backend is not None:  # it gets the splitter (or the plain backend), as documented
+        backend_fn = config.wrap_backend(backend_fn)
     if share is not None:
         backend_fn = share.wrap_graph(backend_fn)
-    if config.wrap_backend is not None:
-        backend_fn = config.wrap_backend(backend_fn)
     # Compile the wrapped module's forward in place, then let DDP call it (the
     # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
     # frames below DDP's skipped forward, and it skips a torch.nn container's

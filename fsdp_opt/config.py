@@ -64,7 +64,7 @@ class CompileConfig:
     whole_model: bool = False
     compiled_autograd: bool = False
     cache_dir: str | None = None
-    share: bool = True
+    share: bool = False
     share_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:

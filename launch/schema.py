@@ -149,7 +149,7 @@ class CompileConfig:
     # Ranks take turns compiling the graphs and load each other's artifacts (Note [Shared
     # compile]); false: every rank compiles everything. Either way no rank leaves a graph's
     # compile before every rank has compiled it (no collective timeout from compile skew).
-    share: bool = True
+    share: bool = False
     # The longest a rank waits for another rank's compile before compiling it itself.
     share_timeout_s: float = 7200.0
 
