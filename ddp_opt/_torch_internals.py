@@ -139,13 +139,6 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def inductor_default_cache_dir() -> str:
-    # torch._inductor.runtime.cache_dir_utils.default_cache_dir(): where Inductor caches when not told.
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return default_cache_dir()
-
-
 def graph_slot() -> int | None:
     """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile).
 

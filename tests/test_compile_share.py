@@ -319,8 +319,6 @@ def test_a_publication_over_the_stores_value_limit_goes_in_parts(monkeypatch):
 
 
 def test_the_launcher_says_who_compiled_and_what_it_cost():
-    from types import SimpleNamespace
-
     from launch.compile_stats import describe
 
     ranks = [{"compiled": 1, "loaded": 1, "cpu_since_compile_s": 30.0}, {"compiled": 1, "loaded": 1,
