@@ -158,10 +158,6 @@ class CompileShare:
     def leader(self) -> int:
         return self.ranks[0]
 
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == self.leader
-
     # -- one compile: its owner compiles and publishes, the others load ------------------
 
     def owner(self, index: int) -> int:
@@ -316,11 +312,10 @@ class CompileShare:
             self._warn(f"a peer did not finish compiling graph #{index} within {self.timeout_s:.0f}s; "
                        "no longer waiting for peers after a compile")
             return
-        if self.is_leader:  # every rank is past this graph's compiles: free the store
-            for key in self._published:
-                with contextlib.suppress(Exception):
-                    self.store.delete_key(key)
-            self._published.clear()
+        for key in self._published:  # every rank is past this graph's compiles: free what this rank published
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
+        self._published.clear()
 
     # -- waiting ------------------------------------------------------------------------------
 
