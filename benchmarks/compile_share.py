@@ -13,8 +13,9 @@ as ranks on separate machines have) (Note [Shared compile]). From each run's
     cpu_s_total           CPU seconds of every rank's process tree (child processes:
                           Inductor's compile workers, C++ builds), from process start
                           to the end of its first step, summed over ranks
-    cpu_since_compile_s   the same from compile_ddp to the end of the first step: the
-                          tracing, compiling, loading and waiting of the first step
+    cpu_since_compile_s   the same from the moment the model is wrapped for compile
+                          (compile_ddp or fsdp_opt.apply returned) to the end of the
+                          first step: the tracing, compiling, loading and waiting of it
 
 Ratios are shared over unshared per round (both measured in the same round), the
 median with its IQR. ``OMP_NUM_THREADS=1`` per rank, as torchrun sets it.

@@ -146,7 +146,6 @@ class CompileShare:
         instance = next(_instances.setdefault(f"{name}/{tag}", itertools.count()))
         self.prefix = prefix or f"distcompile/share/{name}/{tag}/{instance}"
         self.stats = ShareStats()
-        self.cpu_at_start = cpu_seconds()  # compile_stats reports the CPU spent since (the first step's compile)
         self._compiles = itertools.count()
         self._graphs = itertools.count()
         self._published: list[str] = []

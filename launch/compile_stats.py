@@ -30,7 +30,7 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
     """After the first step: :func:`save_compile_cache`, then :func:`first_step_compile`
     (a collective: every rank calls it)."""
     save_compile_cache(wrapped)
-    return first_step_compile(wrapped.share, world_size)
+    return first_step_compile(wrapped.share, world_size, wrapped.cpu_at_compile)
 
 
 def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str:
@@ -42,14 +42,16 @@ def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str:
     return f"compile: {how}; compiled/loaded per rank: {counts}; CPU for it, all ranks: {cpu:.1f}s"
 
 
-def first_step_compile(share: CompileShare | None, world_size: int) -> dict[str, Any]:
+def first_step_compile(share: CompileShare | None, world_size: int, cpu_at_compile: float) -> dict[str, Any]:
     """Every rank's ``cpu_s`` (its process and its child processes, from process start to
-    now: the end of its first step), ``cpu_since_compile_s`` (the same since the compile
-    was set up: the first step's tracing, compiles, loads and waits) and its
+    now: the end of its first step), ``cpu_since_compile_s`` (the same since
+    ``cpu_at_compile``, taken once the model was wrapped for compile: the first step's
+    tracing, compiles, loads and waits) and its
     shared-compile counts; a collective."""
-    mine: dict[str, Any] = {"cpu_s": round(cpu_seconds(), 2)}
+    now = cpu_seconds()
+    mine: dict[str, Any] = {"cpu_s": round(now, 2), "cpu_since_compile_s": round(now - cpu_at_compile, 2)}
     if share is not None:
-        mine.update(share.stats.as_dict(), cpu_since_compile_s=round(cpu_seconds() - share.cpu_at_start, 2))
+        mine.update(share.stats.as_dict())
     ranks = [mine]
     if world_size > 1 and dist.is_initialized():
         ranks = [None] * world_size

@@ -9,7 +9,7 @@ then compile (``compile_ddp`` reads DDP's bucket caps to split the graph there).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fsdp_opt
 from compiler import BackendSpec
 from compiler.cache import open_cache
+from compiler.cputime import cpu_seconds
 from ddp_opt import DDPCompileConfig, Spelling, compile_ddp, measure_alignment
 
 from .dist import DistEnv
@@ -105,6 +106,7 @@ class Wrapped:
     compiled_ddp: Any = None
     compile_cache: Any = None
     share: Any = None  # the compiler.share.CompileShare of the compile, when there is one
+    cpu_at_compile: float = field(default_factory=cpu_seconds)  # once wrapped: compiles happen in the first step
 
     def __post_init__(self) -> None:
         if self.share is None and self.compiled_ddp is not None:
