@@ -14,54 +14,65 @@ Algorithm
     FSDP's mesh) and wraps two backends:
 
     - :meth:`wrap_compile` wraps the backend each graph or partition is compiled
-      with. The *leader* (the group's first rank) compiles and publishes what it
-      compiled: ``torch.compiler.save_cache_artifacts()`` (Inductor's FX graph
-      cache and AOTAutograd's cache entries) in the store under the compile's
-      index, with a digest of the graph and its inputs. The other ranks wait for
-      that key (progress logged), check the digest, load the artifacts
-      (``load_cache_artifacts``) and call the backend, which is now served from
-      AOTAutograd's cache: no joint trace, no partitioner, no Inductor lowering.
-      Backward graphs are compiled together with their forward
-      (``force_non_lazy_backward_lowering``), so one publication holds both and
-      no rank compiles in the middle of backward's all-reduces. On CPU the
-      publication also carries the C++ kernels the compile built or loaded
-      (Note [Kernels in the compile cache]); a rank installs those its Inductor
-      directory lacks (another machine, or a directory per rank), so it builds no
-      kernel either.
+      with. A compile is named in the store by the digest of its graph and
+      inputs and by how often this rank has met that digest before, so ranks
+      that compile the same graph use the same key, whatever else each compiles.
+      The first rank to reach a key claims it (the store's atomic ``add``),
+      compiles, and publishes what it compiled under that key:
+      ``torch.compiler.save_cache_artifacts()`` (Inductor's FX graph cache and
+      AOTAutograd's cache entries) with a sha256. Every other rank that reaches
+      the key gets a :class:`Pending` at once and goes on to its next compile,
+      so ranks that start together share a graph's compiles between them. At the
+      end of the graph (``resolve_pending``) a rank waits for each publication
+      (progress logged), loads it (``load_cache_artifacts``) and calls the
+      backend, which is now served from AOTAutograd's cache: no joint trace, no
+      partitioner, no Inductor lowering. Backward graphs are compiled together
+      with their forward (``force_non_lazy_backward_lowering``), so one
+      publication holds both and no rank compiles in the middle of backward's
+      all-reduces. On CPU the publication also carries the C++ kernels the
+      compile built or loaded (Note [Kernels in the compile cache]); a rank
+      installs those its Inductor directory lacks (another machine, or a
+      directory per rank), so it builds no kernel either.
     - :meth:`wrap_graph` wraps the backend dynamo calls for a whole captured graph
       (for a split graph, the splitter that compiles every partition). After it
       returns, the rank marks the graph done in the store and waits, with the
-      long ``timeout_s`` and progress logged, until every rank of the group is
-      done. A rank therefore leaves the compile only when every rank has the
-      graph compiled, and the first collective after it starts on all ranks at
-      about the same time, however long any one rank compiled.
+      long ``timeout_s`` and progress logged, until every peer that compiles the
+      same graph is done with it. So the first collective after a compile starts
+      on all ranks at about the same time, however long any one rank compiled.
 
-    Every rank still calls the backend for every graph, so plans and the set of
-    compiled graphs are the same on every rank whether or not a load worked.
+    Every rank still calls the backend for every graph it captures, so the plans
+    and the set of compiled graphs are the ones an unshared run would have.
 
-Failure handling (a follower compiles for itself, with one warning, when)
-    - the leader's publication does not come within ``timeout_s``;
-    - the digest differs (the ranks captured different graphs at this index:
-      from then on this share is off on that rank, since indices no longer pair);
+Why it cannot deadlock
+    - A rank waits for a publication only after another rank claimed it, and a
+      claiming rank compiles and publishes before it does anything else (a
+      compile that raises publishes a "failed" marker).
+    - At the barrier a rank waits for a peer while the peer has started the graph
+      or is compiling (its collectives would wait for it anyway). It stops
+      waiting for a peer that sits at *another* graph's barrier (neither can
+      start the other's graph before leaving its own barrier, so it also marks
+      itself done with the peer's graph), or that has been idle for ``grace_s``
+      since this rank started the graph (SPMD ranks start a graph they share at
+      about the same time). Such a graph is one only some ranks compile, a
+      recompile for shapes only some ranks saw (one warning, then info lines).
+
+Failure handling (a rank compiles for itself, with one warning, when)
+    - the claiming rank's publication does not come within ``timeout_s``;
+    - the publication is damaged (checksum mismatch);
     - loading the artifacts raises.
-    A leader with nothing to publish (a backend without Inductor, such as
-    ``aot_eager``) publishes an empty payload and the followers compile quietly.
+    A compile with nothing to publish (a backend without Inductor, such as
+    ``aot_eager``) publishes an empty payload and the other ranks compile quietly.
 
 Notes
-    - Indices pair up because SPMD ranks compile the same graphs in the same
-      order. A graph one rank compiles alone (a recompile for a shape only it
-      saw) would leave its barrier waiting for peers that never come: a rank
-      waits at most ``grace_s`` for a peer to *start* that graph, then stops
-      waiting (one warning) and turns the barrier off.
-    - Published payloads are deleted from the store once every rank is done
-      with the graph.
+    - Published payloads are freed once every rank that compiles the graph is
+      past it; a rank that reaches the key later finds it freed and compiles.
     - Loading artifacts is loading code from another rank: the same trust as
       the training code that rank runs.
     - On one machine with one Inductor directory (the default), ranks that
       compile the same graph at once already share the C++ kernel builds through
       the directory's file locks: what sharing saves there is the Python side
       (tracing, AOTAutograd, lowering). With a directory per rank or per machine,
-      it also saves every follower's kernel builds.
+      it also saves every other rank's kernel builds.
 """
 
 from __future__ import annotations
@@ -125,53 +136,50 @@ class CompileShare:
 
     Args:
         store: a key-value store every rank of the group reaches (the default group's).
-        rank: this process's global rank; ``ranks``: the group's global ranks, leader first.
+        rank: this process's global rank; ``ranks``: the group's global ranks.
         share: False keeps the barrier but every rank compiles for itself.
-        spread: the group's ranks take turns compiling (compile #i by rank
-            ``ranks[i % n]``); False: the leader compiles everything.
-        timeout_s: longest wait for the leader's artifacts or for a peer's compile.
-        grace_s: longest wait for a peer to *start* a graph this rank compiled.
+        timeout_s: longest wait for another rank's compile, or for a peer to finish a graph.
+        grace_s: how long after this rank started a graph an idle peer (one that
+            neither compiles nor waits at a barrier) may still start it.
         name: names the entry point in store keys (``ddp``, ``fsdp``); ``prefix``
             replaces the keys' prefix (default: name, group and creation index,
             equal across ranks in SPMD code).
     """
 
     def __init__(self, store: Any, rank: int, ranks: Sequence[int], *, share: bool = True,
-                 timeout_s: float = 7200.0, grace_s: float = 60.0, progress_s: float = 30.0,
-                 spread: bool = True, name: str = "compile", prefix: str | None = None) -> None:
+                 timeout_s: float = 7200.0, grace_s: float = 10.0, progress_s: float = 30.0,
+                 name: str = "compile", prefix: str | None = None) -> None:
         self.store, self.rank, self.ranks = store, rank, list(ranks)
-        self.spread = spread
         self.share, self.timeout_s, self.grace_s, self.progress_s = share, timeout_s, grace_s, progress_s
         tag = "-".join(map(str, self.ranks)) if len(self.ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}x{len(ranks)}"
         instance = next(_instances.setdefault(f"{name}/{tag}", itertools.count()))
         self.prefix = prefix or f"distcompile/share/{name}/{tag}/{instance}"
         self.stats = ShareStats()
-        self._compiles = itertools.count()
-        self._graphs = itertools.count()
+        self._seen: dict[str, int] = {}  # how often this rank has met each key (graph digest) so far
         self._published: list[str] = []
         self._pending: list[Pending] = []
-        self._paired = True  # compile indices still pair up across ranks
         self._barrier = True
+        self._warned_late = False
 
-    @property
-    def leader(self) -> int:
-        return self.ranks[0]
+    def _key(self, kind: str, digest: str) -> str:
+        """The store key of this rank's next occurrence of a graph: ranks that compile the same
+        graphs get the same keys, in whatever order and however many other graphs they compile."""
+        n = self._seen.get(f"{kind}/{digest}", 0)
+        self._seen[f"{kind}/{digest}"] = n + 1
+        return f"{self.prefix}/{kind}/{digest}/{n}"
 
-    # -- one compile: its owner compiles and publishes, the others load ------------------
-
-    def owner(self, index: int) -> int:
-        """The rank that compiles compile #``index``: the group's ranks in turn."""
-        return self.ranks[index % len(self.ranks)] if self.spread else self.leader
+    # -- one compile: the first rank to reach it compiles and publishes, the others load ------
 
     def wrap_compile(self, backend: Callable) -> Callable:
         """``backend`` with each compile done by one rank and loaded by the others (see the Note)."""
 
         def shared_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            index, digest = next(self._compiles), graph_digest(gm, example_inputs)
-            if not (self.share and self._paired):
+            if not self.share:
                 return self._compile(backend, gm, example_inputs)
-            key = f"{self.prefix}/c{index}"
-            if self.owner(index) == self.rank:
+            digest = graph_digest(gm, example_inputs)
+            key = self._key("c", digest)
+            if self.store.add(f"{key}/claim", 1) == 1:  # atomic: exactly one rank claims each compile
+                self.store.set(f"{key}/owner", str(self.rank))
                 root = inductor_cache_dir()
                 files_before, keys_before = kernel_snapshot(root), _ti.cpp_kernel_keys()
                 try:
@@ -182,14 +190,14 @@ class CompileShare:
                 # the C++ kernels this compile built or loaded: a rank with another Inductor directory lacks them
                 self._publish(key, digest, collect_kernels(root, _ti.cpp_kernel_keys() - keys_before, files_before))
                 return out
-            pending = Pending(self, backend, gm, example_inputs, key, digest, index)
+            pending = Pending(self, backend, gm, example_inputs, key, digest)
             self._pending.append(pending)
             return pending
 
         return shared_compile
 
     def _load_or_compile(self, p: Pending) -> Callable:
-        """A compile owned by another rank: its artifacts loaded, then the backend (a cache hit)."""
+        """A compile another rank claimed: its artifacts loaded, then the backend (a cache hit)."""
         payload = self._receive(p)
         if payload:
             artifacts, kernels = payload
@@ -198,7 +206,7 @@ class CompileShare:
                     self.stats.kernels_installed += len(install_kernels(kernels, inductor_cache_dir()))
                 torch.compiler.load_cache_artifacts(artifacts)
             except Exception as e:  # noqa: BLE001 - a bad publication must never fail the job
-                self._warn(f"could not load rank {self.owner(p.index)}'s compile artifacts for compile #{p.index} "
+                self._warn(f"could not load {self._owner(p)}'s compile artifacts for {p.label} "
                            f"({type(e).__name__}: {e}); compiling it on this rank instead")
                 self.stats.fell_back += 1
             else:
@@ -207,7 +215,7 @@ class CompileShare:
         return self._compile(p.backend, p.gm, p.example_inputs)
 
     def resolve_pending(self) -> None:
-        """Load (or compile) every compile owned by another rank, in order."""
+        """Load (or compile) every compile claimed by another rank, in order."""
         while self._pending:
             self._pending.pop(0).resolve()
 
@@ -226,14 +234,14 @@ class CompileShare:
         artifacts = artifacts[0] if artifacts is not None and artifacts[0] else b""
         payload = artifacts + kernels if artifacts else b""  # kernels without the code that loads them are no use
         parts = [payload[i:i + CHUNK] for i in range(0, len(payload), CHUNK)]
-        header = {"digest": digest, "failed": failed, "bytes": len(payload), "artifacts": len(artifacts),
-                  "sha256": hashlib.sha256(payload).hexdigest(), "parts": len(parts)}
+        header = {"digest": digest, "rank": self.rank, "failed": failed, "bytes": len(payload),
+                  "artifacts": len(artifacts), "sha256": hashlib.sha256(payload).hexdigest(), "parts": len(parts)}
         try:
             for n, part in enumerate(parts):
                 self._published.append(f"{key}/part{n}")
                 self.store.set(f"{key}/part{n}", part)
         except Exception as e:  # noqa: BLE001 - the others must still hear from this rank
-            self._warn(f"could not publish compile {key.rsplit('/', 1)[-1]} ({len(payload)} bytes) in the store "
+            self._warn(f"could not publish compile {_label(key)} ({len(payload)} bytes) in the store "
                        f"({type(e).__name__}: {e}); the other ranks compile it themselves")
             header.update(failed=True, parts=0)
         self.store.set(key, json.dumps(header))  # last: a rank that sees it finds every part
@@ -241,31 +249,33 @@ class CompileShare:
         log.debug("shared compile: published %s (%d bytes in %d part(s)%s)", key, len(payload), len(parts),
                   ", failed" if header["failed"] else "")
 
+    def _owner(self, p: Pending) -> str:
+        owner = self.store.get(f"{p.key}/owner").decode() if self.store.check([f"{p.key}/owner"]) else "?"
+        return f"rank {owner}"
+
     def _receive(self, p: Pending) -> tuple[bytes, bytes] | None:
-        """The owner's (artifacts, kernels) for a compile, or None when this rank must compile it itself."""
-        owner = self.owner(p.index)
-        what = f"rank {owner} to compile graph #{p.index}"
+        """The claiming rank's (artifacts, kernels) for a compile, or None when this rank must compile it."""
+        what = f"another rank to compile {p.label}"
         if not self._wait([p.key], what, self.timeout_s):
-            self._warn(f"waited {self.timeout_s:.0f}s for {what} without an answer; compiling it on this rank")
+            self._warn(f"waited {self.timeout_s:.0f}s for {self._owner(p)} to compile {p.label} without an answer; "
+                       "compiling it on this rank")
             self.stats.fell_back += 1
             return None
         try:
             header = json.loads(self.store.get(p.key))
         except ValueError:
             header = {}
-        if header.get("digest") != p.digest:
-            self._paired = False
-            self._warn(f"rank {owner} compiled another graph as compile #{p.index} than this rank (digest "
-                       f"{str(header.get('digest'))[:12]} vs {p.digest[:12]}): the ranks captured different graphs. "
-                       "Each rank compiles for itself from now on; look for rank-dependent code in forward")
-            self.stats.fell_back += 1
+        if header.get("failed") or header.get("freed"):
+            log.info("rank %d: %s's compile of %s %s; compiling it here too", self.rank, self._owner(p), p.label,
+                     "failed" if header.get("failed") else "was freed (every rank was past it)")
             return None
-        if header.get("failed"):
-            log.info("rank %d: rank %d's compile #%d failed; compiling it here too", self.rank, owner, p.index)
-            return None
-        payload = b"".join(self.store.get(f"{p.key}/part{n}") for n in range(int(header.get("parts", 0))))
-        if len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            self._warn(f"rank {owner}'s compile artifacts for compile #{p.index} are damaged (checksum "
+        part_keys = [f"{p.key}/part{n}" for n in range(int(header.get("parts", 0)))]
+        if header.get("digest") != p.digest or not self.store.check(part_keys):
+            header = {}  # a publication that is not this graph's, or parts already freed
+        payload = b"".join(self.store.get(k) for k in part_keys) if header else b""
+        if not header or len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get(
+                "sha256"):
+            self._warn(f"{self._owner(p)}'s compile artifacts for {p.label} are damaged (checksum "
                        "mismatch); compiling it on this rank instead")
             self.stats.fell_back += 1
             return None
@@ -278,43 +288,100 @@ class CompileShare:
         """Both wrappers, for a backend that compiles each captured graph in one piece."""
         return self.wrap_graph(self.wrap_compile(backend))
 
-    # -- one graph: nobody leaves before everybody has compiled it --------------------------
+    # -- one graph: nobody leaves before every rank that compiles it has compiled it ----------
 
     def wrap_graph(self, backend: Callable) -> Callable:
         """``backend`` followed by a barrier over the group (see the Note)."""
 
         def compile_then_meet(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            index = next(self._graphs)
-            base = f"{self.prefix}/g{index}"
-            if self._barrier:
-                self.store.set(f"{base}/start/{self.rank}", b"1")
-            out = backend(gm, example_inputs)
-            self.resolve_pending()
-            if self._barrier:
+            if not self._barrier:
+                out = backend(gm, example_inputs)
+                self.resolve_pending()
+                return out
+            base, started = self._key("g", graph_digest(gm, example_inputs)), time.perf_counter()
+            self.store.set(f"{base}/start/{self.rank}", b"1")
+            self._set_state("compiling")
+            try:
+                out = backend(gm, example_inputs)
+                self.resolve_pending()
+            finally:  # a compile that raised (or a dynamo restart) must not leave peers waiting
                 self.store.set(f"{base}/done/{self.rank}", b"1")
-                self._meet(base, index)
+            self._set_state(f"meeting {base}")
+            try:
+                self._meet(base, started)
+            finally:
+                self._set_state("running")
             return out
 
         return compile_then_meet
 
-    def _meet(self, base: str, index: int) -> None:
-        peers = [r for r in self.ranks if r != self.rank]
-        if not self._wait([f"{base}/start/{r}" for r in peers], f"every rank to start graph #{index}", self.grace_s):
-            missing = [r for r in peers if not self.store.check([f"{base}/start/{r}"])]
-            self._barrier = self._paired = False
-            self._warn(f"rank(s) {missing} did not start compiling graph #{index} within {self.grace_s:.0f}s of "
-                       "this rank (a graph only this rank compiles?); no longer waiting for peers after a compile")
-            return
-        if not self._wait([f"{base}/done/{r}" for r in peers], f"every rank to finish compiling graph #{index}",
-                          self.timeout_s):
-            self._barrier = False
-            self._warn(f"a peer did not finish compiling graph #{index} within {self.timeout_s:.0f}s; "
-                       "no longer waiting for peers after a compile")
-            return
-        for key in self._published:  # every rank is past this graph's compiles: free what this rank published
+    def _set_state(self, state: str) -> None:
+        self.store.set(f"{self.prefix}/state/{self.rank}", state)
+
+    def _peer_state(self, rank: int) -> str:
+        key = f"{self.prefix}/state/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else "running"
+
+    def _meet(self, base: str, started: float) -> None:
+        """Wait until every peer that compiles this graph has compiled it (the Note's barrier)."""
+        waiting = {r: started for r in self.ranks if r != self.rank}  # peer -> last seen compiling
+        late: list[int] = []
+        t0 = next_note = time.perf_counter()
+        next_note += self.progress_s
+        try:
+            while waiting:
+                now = time.perf_counter()
+                for r, seen in list(waiting.items()):
+                    if self.store.check([f"{base}/done/{r}"]):
+                        del waiting[r]
+                        continue
+                    state = self._peer_state(r)
+                    if self.store.check([f"{base}/start/{r}"]) or state == "compiling":
+                        waiting[r] = now  # compiling (this graph or one before it): its collectives wait for it
+                    elif state.startswith("meeting ") or now - seen >= self.grace_s:
+                        # at another graph's barrier (it cannot start this one before it leaves), or idle
+                        # for the grace since this rank started the graph
+                        del waiting[r]
+                        late.append(r)
+                        if state.startswith("meeting "):
+                            self._excuse(state.split(" ", 1)[1])
+                if now - t0 >= self.timeout_s and waiting:
+                    self._barrier = False
+                    self._warn(f"rank(s) {sorted(waiting)} did not finish compiling graph {_label(base)} within "
+                               f"{self.timeout_s:.0f}s; no longer waiting for peers after a compile")
+                    return
+                if waiting and now >= next_note:
+                    log.info("rank %d: waiting for rank(s) %s to finish compiling graph %s (%.0fs)", self.rank,
+                             sorted(waiting), _label(base), now - t0)
+                    next_note += self.progress_s
+                if waiting:
+                    time.sleep(POLL_S)
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        if late:
+            self._late(late, base)
+        for key in self._published:  # every rank that compiles this graph is past it: free what this rank published
             with contextlib.suppress(Exception):
-                self.store.delete_key(key)
+                if not key.rsplit("/", 1)[-1].startswith("part"):
+                    self.store.set(key, json.dumps({"freed": True}))
+                else:
+                    self.store.delete_key(key)
         self._published.clear()
+
+    def _excuse(self, theirs: str) -> None:
+        """A peer waits at the barrier of a graph this rank is not compiling now: mark this rank done
+        with it, so that the peer stops waiting for this rank as this rank stops waiting for it."""
+        if not self.store.check([f"{theirs}/start/{self.rank}"]):
+            self.store.set(f"{theirs}/done/{self.rank}", b"excused")
+
+    def _late(self, late: list[int], base: str) -> None:
+        message = (f"rank(s) {late} did not compile graph {_label(base)} with this rank (a graph only some ranks "
+                   f"compile, such as a recompile for shapes only this rank saw); not waiting for them")
+        if self._warned_late:
+            log.info("Shared compile, rank %d: %s.", self.rank, message)
+        else:
+            self._warned_late = True
+            self._warn(message + f" (waited at most {self.grace_s:.0f}s for an idle rank; said once)")
 
     # -- waiting ------------------------------------------------------------------------------
 
@@ -341,6 +408,12 @@ class CompileShare:
         log.warning("Shared compile, rank %d: %s.", self.rank, message)
 
 
+def _label(key: str) -> str:
+    """``<digest>/<n>`` at the end of a store key, as people read it: ``3f9a0c1b2d4e#0``."""
+    digest, n = key.rsplit("/", 2)[-2:]
+    return f"{digest[:12]}#{n}"
+
+
 def share_for_group(ranks: Sequence[int] | None, **kw: Any) -> CompileShare | None:
     """A :class:`CompileShare` over ``ranks`` (None: the default group) on the default
     store, or None without an initialised process group of more than one rank."""
@@ -362,9 +435,9 @@ class Pending:
     (``compiler.partition.LazyPartition`` falls back to eager there), else raised."""
 
     def __init__(self, share: CompileShare, backend: Callable, gm: fx.GraphModule, example_inputs: list,
-                 key: str, digest: str, index: int) -> None:
+                 key: str, digest: str) -> None:
         self.share, self.backend, self.gm, self.example_inputs = share, backend, gm, example_inputs
-        self.key, self.digest, self.index = key, digest, index
+        self.key, self.digest, self.label = key, digest, _label(key)
         self.fn: Callable | None = None
         self.failure_callbacks: list[Callable[[Exception], Callable]] = []
 

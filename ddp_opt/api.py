@@ -212,7 +212,7 @@ def compile_ddp(
     cache_dir: str | os.PathLike | None = None,
     regional: bool = False,
     blocks: str | Sequence[str] = "auto",
-    share_compile: bool = False,
+    share_compile: bool = True,
     share_timeout_s: float = 7200.0,
     config: DDPCompileConfig | None = None,
     **more: Any,
@@ -269,12 +269,12 @@ def compile_ddp(
             model runs eagerly (Note [Regional compile]). ``split`` is unused.
         blocks: with ``regional``, which blocks: ``"auto"`` (the children of a
             ModuleList of one class), a ModuleList's name, or module names.
-        share_compile: one rank (the first of DDP's group) compiles each graph
-            and the others load its artifacts instead of compiling it again;
-            False makes every rank compile for itself (Note [Shared compile]).
-            Either way, a rank leaves a graph's compile only when every rank of
-            the group has compiled it, so the first all-reduce after a compile
-            cannot time out because one rank compiled longer.
+        share_compile: the first rank of DDP's group to reach a graph or
+            partition compiles it and the others load its artifacts instead of
+            compiling it again, and a rank leaves a graph's compile only when
+            every rank that compiles it is done, so the first all-reduce after a
+            compile cannot time out because one rank compiled longer (Note
+            [Shared compile]). False: every rank compiles for itself, no barrier.
         share_timeout_s: the longest a rank waits for another rank's compile
             before it compiles for itself (with a warning).
         config: all of the above as one :class:`DDPCompileConfig` (validated when

@@ -41,7 +41,7 @@ class DDPCompileConfig:
     cache_dir: str | os.PathLike | None = None
     regional: bool = False
     blocks: str | Sequence[str] = "auto"
-    share_compile: bool = False
+    share_compile: bool = True
     share_timeout_s: float = 7200.0
     wrap_backend: Callable[[Callable], Callable] | None = None
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)

@@ -49,11 +49,11 @@ class CompileConfig:
         cache_dir: a persistent compile cache (Note [Compile cache]), loaded before
             the first compile; save it after the first step with
             ``compiler.cache.save_on_local_rank0(plan.compile_cache)``. None: off.
-        share: the mesh's ranks take turns compiling the blocks and load each
-            other's artifacts, and no rank leaves a block's compile before every
-            rank has compiled it (Note [Shared compile]); False: every rank
-            compiles every block (the barrier stays). ``share_timeout_s``: the
-            longest a rank waits for another rank's compile.
+        share: the first of the mesh's ranks to reach a block's compile does it
+            and the others load its artifacts, and no rank leaves a block's
+            compile before every rank that compiles it is done (Note [Shared
+            compile]); False: every rank compiles every block, with no barrier.
+            ``share_timeout_s``: the longest a rank waits for another rank's compile.
     """
 
     backend: str | Callable = "inductor"
@@ -64,7 +64,7 @@ class CompileConfig:
     whole_model: bool = False
     compiled_autograd: bool = False
     cache_dir: str | None = None
-    share: bool = False
+    share: bool = True
     share_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
 
 def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str:
     """One line for the log: who compiled and who loaded, and the CPU it took."""
-    how = ("the ranks took turns compiling (compile.share=true)" if share.share
+    how = ("the ranks shared the compiles (compile.share=true)" if share.share
            else "every rank compiled every graph (compile.share=false)")
     counts = ", ".join(f"{r.get('compiled', 0)}/{r.get('loaded', 0)}" for r in ranks)
     cpu = sum(r.get("cpu_since_compile_s", 0.0) for r in ranks)

@@ -146,10 +146,10 @@ class CompileConfig:
     regional: bool = False
     # With regional: "auto" (a ModuleList of one block class) or the ModuleList's name.
     blocks: str = "auto"
-    # Ranks take turns compiling the graphs and load each other's artifacts (Note [Shared
-    # compile]); false: every rank compiles everything. Either way no rank leaves a graph's
-    # compile before every rank has compiled it (no collective timeout from compile skew).
-    share: bool = False
+    # The first rank to reach a graph compiles it, the others load its artifacts, and no rank
+    # leaves a graph's compile before every rank that compiles it is done (no collective
+    # timeout from compile skew; Note [Shared compile]). false: every rank compiles everything.
+    share: bool = True
     # The longest a rank waits for another rank's compile before compiling it itself.
     share_timeout_s: float = 7200.0
 
