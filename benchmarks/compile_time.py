@@ -35,6 +35,8 @@ call and regional compile's fixed cost per block call weighs less
     python -m benchmarks.compile_time                      # inductor, 2 ranks (the real run)
     python -m benchmarks.compile_time --quick              # aot_eager smoke run
     python -m benchmarks.compile_time --render benchmarks/results/compile_time.json README.md
+    python -m benchmarks.compile_time --modes ours_fresh --update --readme README.md
+                                                           # re-measure one mode, keep the others' rows
 
 The README section between ``<!-- bench:compile:start -->`` and
 ``<!-- bench:compile:end -->`` is regenerated from the JSON (``--readme``/``--render``).
@@ -275,7 +277,9 @@ def results_markdown(result: dict) -> str:
         "`ours_fresh`'s warm run gets an empty TORCHINDUCTOR_CACHE_DIR and only the `compile.cache_dir` file "
         "(another machine), a new empty one for each warm run. First steps are compared (medians of the warm "
         "runs); step times of separate processes are not.",
-        f"Command: `{result['command']}`",
+        f"Command: `{result['command']}`" + "".join(
+            f"; rows of {', '.join(f'`{m}`' for m in u['modes'])} re-measured later by `{u['command']}` "
+            f"({u['warm_runs']} warm run(s))" for u in result.get("updates", [])),
         markdown_table(["mode", "cold first step s", "warm first step s, median [min, max]", "warm runs",
                         "process wall s, cold / warm"], table),
     ]
@@ -331,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wide-embd", type=int, default=256,
                    help="width of a second interleaved step-time job on a wider 8-block model, where each block "
                         "does more work per compiled call (0: skip it; --quick skips it)")
+    p.add_argument("--update", action="store_true",
+                   help="re-run only --modes and keep the other modes' rows (and the interleaved jobs, unless "
+                        "re-run) from the existing --json; the table says which run each row comes from")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args(argv)
     if a.render:
@@ -352,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown mode(s) {unknown}: compile_time runs only its own modes. Choose a comma-separated "
                 f"subset of {', '.join(MODES)}, or leave --modes out for all of them.")
+    if a.update and not Path(a.json).exists():
+        p.error(f"--update keeps the other modes' rows of {a.json}, which does not exist: run every mode "
+                "once without --update first, or point --json at an earlier result.")
     rows = run_restarts(modes, Path(a.out), warm_runs=a.warm_runs, backend=a.backend, nproc=a.nproc, steps=a.steps,
                         extra=extra)
     steps: list[dict] = []
@@ -361,15 +371,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = interleaved_steps(Path(a.out), model=QUICK_STEP_MODEL if a.quick else STEP_MODEL, **job)
         if a.wide_embd and not a.quick:
             wide = interleaved_steps(Path(a.out), model=step_model(a.wide_embd), name="interleaved_steps_wide", **job)
+    command = shlex.join(["python", "-m", "benchmarks.compile_time", *(argv if argv is not None else sys.argv[1:])])
     result = {
-        "command": shlex.join(["python", "-m", "benchmarks.compile_time", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command,
         "backend": a.backend, "nproc": a.nproc, "steps": a.steps, "warm_runs": a.warm_runs, "rows": rows,
         "steps_interleaved": steps,
         "steps_interleaved_wide": wide,
-        "summary": summarize(rows, steps, wide),
         "torch": __import__("torch").__version__,
     }
+    if a.update:
+        result = merge_update(json.loads(Path(a.json).read_text()), result, modes)
+    result["summary"] = summarize(result["rows"], result["steps_interleaved"], result["steps_interleaved_wide"])
     return write_result(result, a.json, a.readme, render)
+
+
+def merge_update(old: dict, new: dict, modes: Sequence[str]) -> dict:
+    """``old`` with ``modes`` re-measured by ``new`` (``--update``): the other modes' rows and the
+    interleaved jobs ``new`` did not run are kept, and ``updates`` records which run made which rows."""
+    for key in ("backend", "nproc", "steps"):
+        if old.get(key) != new[key]:
+            raise SystemExit(f"--update: the existing result was measured with {key}={old.get(key)!r} and this run "
+                             f"with {new[key]!r}; rows of both would not compare. Re-run every mode without "
+                             "--update, or pass the same settings.")
+    merged = dict(old, rows=[r for r in old["rows"] if r["mode"] not in modes] + new["rows"])
+    for key in ("steps_interleaved", "steps_interleaved_wide"):
+        merged[key] = new[key] or old.get(key) or []
+    merged["updates"] = [u for u in old.get("updates", []) if set(u["modes"]) - set(modes)] + [
+        {"command": new["command"], "modes": list(modes), "warm_runs": new["warm_runs"]}]
+    return merged
 
 
 if __name__ == "__main__":

@@ -108,3 +108,23 @@ def test_the_wider_step_job_gets_its_own_ratios_and_table(tmp_path):
     assert "| regional | 16.0 | 111.1 | 1.010 [1.010, 1.010] |" in text
     assert "| regional8 / whole8 (nosplit) step, wider model [IQR] | 1.010 [1.010, 1.010] | < 1.05 |" in text
     assert "| regional8 / ours8 step, wider model [IQR] | 1.122 [1.122, 1.122] | < 1.05 |" in text
+
+
+def test_update_re_measures_some_modes_keeps_the_others_and_says_so():
+    from benchmarks.compile_time import merge_update
+
+    old = {"backend": "inductor", "nproc": 2, "steps": 8, "warm_runs": 3, "command": "python -m benchmarks.compile_time",
+           "rows": ROWS, "steps_interleaved": STEPS, "steps_interleaved_wide": []}
+    fresh = [_row("ours", "cold", 70.0, 280.0), _row("ours", "warm", 7.0, 280.0)]
+    new = dict(old, command="python -m benchmarks.compile_time --modes ours --update", warm_runs=1, rows=fresh,
+               steps_interleaved=[])
+    merged = merge_update(old, new, ["ours"])
+    assert [r for r in merged["rows"] if r["mode"] == "ours"] == fresh
+    assert [r for r in merged["rows"] if r["mode"] != "ours"] == [r for r in ROWS if r["mode"] != "ours"]
+    assert merged["steps_interleaved"] == STEPS  # not re-run: kept
+    assert summarize(merged["rows"])["ours_warm_over_cold"] == pytest.approx(0.1)
+    merged["summary"] = summarize(merged["rows"], merged["steps_interleaved"])
+    assert ("Command: `python -m benchmarks.compile_time`; rows of `ours` re-measured later by "
+            "`python -m benchmarks.compile_time --modes ours --update` (1 warm run(s))") in results_markdown(merged)
+    with pytest.raises(SystemExit, match=r"measured with nproc=2 and this run with 4; rows of both would not compare"):
+        merge_update(old, dict(new, nproc=4), ["ours"])
