@@ -37,24 +37,18 @@ Algorithm
       (for a split graph, the splitter that compiles every partition). After it
       returns, the rank marks the graph done in the store and waits, with the
       long ``timeout_s`` and progress logged, until every peer that compiles the
-      same graph is done with it. So the first collective after a compile starts
-      on all ranks at about the same time, however long any one rank compiled.
+      same graph is done with it (Note [Compile barrier]). So the first collective
+      after a compile starts on all ranks at about the same time, however long
+      any one rank compiled.
 
     Every rank still calls the backend for every graph it captures, so the plans
     and the set of compiled graphs are the ones an unshared run would have.
 
 Why it cannot deadlock
-    - A rank waits for a publication only after another rank claimed it, and a
-      claiming rank compiles and publishes before it does anything else (a
-      compile that raises publishes a "failed" marker).
-    - At the barrier a rank waits for a peer while the peer has started the graph
-      or is compiling (its collectives would wait for it anyway). It stops
-      waiting for a peer that sits at *another* graph's barrier (neither can
-      start the other's graph before leaving its own barrier, so it also marks
-      itself done with the peer's graph), or that has been idle for ``grace_s``
-      since this rank started the graph (SPMD ranks start a graph they share at
-      about the same time). Such a graph is one only some ranks compile, a
-      recompile for shapes only some ranks saw (one warning, then info lines).
+    A rank waits for a publication only after another rank claimed it, and a
+    claiming rank compiles and publishes before it does anything else (a compile
+    that raises publishes a "failed" marker). The barrier lets go of peers that
+    will not compile the graph (Note [Compile barrier] in ``compiler.barrier``).
 
 Failure handling (a rank compiles for itself, with one warning, when)
     - the claiming rank's publication does not come within ``timeout_s``;
@@ -92,6 +86,7 @@ from torch import fx
 from . import _torch_internals as _ti
 from .cputime import cpu_seconds
 from .artifacts import inductor_cache_dir
+from .barrier import GraphBarrier, key_label
 from .kernels import collect_kernels, install_kernels, kernel_snapshot
 
 log = logging.getLogger(__name__)
@@ -150,7 +145,7 @@ class CompileShare:
                  timeout_s: float = 7200.0, grace_s: float = 10.0, progress_s: float = 30.0,
                  name: str = "compile", prefix: str | None = None) -> None:
         self.store, self.rank, self.ranks = store, rank, list(ranks)
-        self.share, self.timeout_s, self.grace_s, self.progress_s = share, timeout_s, grace_s, progress_s
+        self.share, self.timeout_s, self.progress_s = share, timeout_s, progress_s
         tag = "-".join(map(str, self.ranks)) if len(self.ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}x{len(ranks)}"
         instance = next(_instances.setdefault(f"{name}/{tag}", itertools.count()))
         self.prefix = prefix or f"distcompile/share/{name}/{tag}/{instance}"
@@ -158,8 +153,8 @@ class CompileShare:
         self._seen: dict[str, int] = {}  # how often this rank has met each key (graph digest) so far
         self._published: list[str] = []
         self._pending: list[Pending] = []
-        self._barrier = True
-        self._warned_late = False
+        self.barrier = GraphBarrier(store, rank, self.ranks, self.prefix, timeout_s=timeout_s, grace_s=grace_s,
+                                    progress_s=progress_s, stats=self.stats, warn=self._warn)
 
     def _key(self, kind: str, digest: str) -> str:
         """The store key of this rank's next occurrence of a graph: ranks that compile the same
@@ -241,7 +236,7 @@ class CompileShare:
                 self._published.append(f"{key}/part{n}")
                 self.store.set(f"{key}/part{n}", part)
         except Exception as e:  # noqa: BLE001 - the others must still hear from this rank
-            self._warn(f"could not publish compile {_label(key)} ({len(payload)} bytes) in the store "
+            self._warn(f"could not publish compile {key_label(key)} ({len(payload)} bytes) in the store "
                        f"({type(e).__name__}: {e}); the other ranks compile it themselves")
             header.update(failed=True, parts=0)
         self.store.set(key, json.dumps(header))  # last: a rank that sees it finds every part
@@ -284,6 +279,17 @@ class CompileShare:
         split = header.get("artifacts", len(payload))
         return payload[:split], payload[split:]
 
+    def _free_published(self) -> None:
+        """Every rank that compiles the graph is past it: free what this rank published (a rank
+        that reaches one of these compiles later finds it freed and compiles it)."""
+        for key in self._published:
+            with contextlib.suppress(Exception):
+                if key.rsplit("/", 1)[-1].startswith("part"):
+                    self.store.delete_key(key)
+                else:
+                    self.store.set(key, json.dumps({"freed": True}))
+        self._published.clear()
+
     def wrap(self, backend: Callable) -> Callable:
         """Both wrappers, for a backend that compiles each captured graph in one piece."""
         return self.wrap_graph(self.wrap_compile(backend))
@@ -294,94 +300,22 @@ class CompileShare:
         """``backend`` followed by a barrier over the group (see the Note)."""
 
         def compile_then_meet(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            if not self._barrier:
+            if not self.barrier.on:
                 out = backend(gm, example_inputs)
                 self.resolve_pending()
                 return out
-            base, started = self._key("g", graph_digest(gm, example_inputs)), time.perf_counter()
-            self.store.set(f"{base}/start/{self.rank}", b"1")
-            self._set_state("compiling")
+            base = self._key("g", graph_digest(gm, example_inputs))
+            started = self.barrier.enter(base)
             try:
                 out = backend(gm, example_inputs)
                 self.resolve_pending()
             finally:  # a compile that raised (or a dynamo restart) must not leave peers waiting
-                self.store.set(f"{base}/done/{self.rank}", b"1")
-            self._set_state(f"meeting {base}")
-            try:
-                self._meet(base, started)
-            finally:
-                self._set_state("running")
+                self.barrier.done(base)
+            self.barrier.meet(base, started)
+            self._free_published()
             return out
 
         return compile_then_meet
-
-    def _set_state(self, state: str) -> None:
-        self.store.set(f"{self.prefix}/state/{self.rank}", state)
-
-    def _peer_state(self, rank: int) -> str:
-        key = f"{self.prefix}/state/{rank}"
-        return self.store.get(key).decode() if self.store.check([key]) else "running"
-
-    def _meet(self, base: str, started: float) -> None:
-        """Wait until every peer that compiles this graph has compiled it (the Note's barrier)."""
-        waiting = {r: started for r in self.ranks if r != self.rank}  # peer -> last seen compiling
-        late: list[int] = []
-        t0 = next_note = time.perf_counter()
-        next_note += self.progress_s
-        try:
-            while waiting:
-                now = time.perf_counter()
-                for r, seen in list(waiting.items()):
-                    if self.store.check([f"{base}/done/{r}"]):
-                        del waiting[r]
-                        continue
-                    state = self._peer_state(r)
-                    if self.store.check([f"{base}/start/{r}"]) or state == "compiling":
-                        waiting[r] = now  # compiling (this graph or one before it): its collectives wait for it
-                    elif state.startswith("meeting ") or now - seen >= self.grace_s:
-                        # at another graph's barrier (it cannot start this one before it leaves), or idle
-                        # for the grace since this rank started the graph
-                        del waiting[r]
-                        late.append(r)
-                        if state.startswith("meeting "):
-                            self._excuse(state.split(" ", 1)[1])
-                if now - t0 >= self.timeout_s and waiting:
-                    self._barrier = False
-                    self._warn(f"rank(s) {sorted(waiting)} did not finish compiling graph {_label(base)} within "
-                               f"{self.timeout_s:.0f}s; no longer waiting for peers after a compile")
-                    return
-                if waiting and now >= next_note:
-                    log.info("rank %d: waiting for rank(s) %s to finish compiling graph %s (%.0fs)", self.rank,
-                             sorted(waiting), _label(base), now - t0)
-                    next_note += self.progress_s
-                if waiting:
-                    time.sleep(POLL_S)
-        finally:
-            self.stats.wait_s += time.perf_counter() - t0
-        if late:
-            self._late(late, base)
-        for key in self._published:  # every rank that compiles this graph is past it: free what this rank published
-            with contextlib.suppress(Exception):
-                if not key.rsplit("/", 1)[-1].startswith("part"):
-                    self.store.set(key, json.dumps({"freed": True}))
-                else:
-                    self.store.delete_key(key)
-        self._published.clear()
-
-    def _excuse(self, theirs: str) -> None:
-        """A peer waits at the barrier of a graph this rank is not compiling now: mark this rank done
-        with it, so that the peer stops waiting for this rank as this rank stops waiting for it."""
-        if not self.store.check([f"{theirs}/start/{self.rank}"]):
-            self.store.set(f"{theirs}/done/{self.rank}", b"excused")
-
-    def _late(self, late: list[int], base: str) -> None:
-        message = (f"rank(s) {late} did not compile graph {_label(base)} with this rank (a graph only some ranks "
-                   f"compile, such as a recompile for shapes only this rank saw); not waiting for them")
-        if self._warned_late:
-            log.info("Shared compile, rank %d: %s.", self.rank, message)
-        else:
-            self._warned_late = True
-            self._warn(message + f" (waited at most {self.grace_s:.0f}s for an idle rank; said once)")
 
     # -- waiting ------------------------------------------------------------------------------
 
@@ -408,12 +342,6 @@ class CompileShare:
         log.warning("Shared compile, rank %d: %s.", self.rank, message)
 
 
-def _label(key: str) -> str:
-    """``<digest>/<n>`` at the end of a store key, as people read it: ``3f9a0c1b2d4e#0``."""
-    digest, n = key.rsplit("/", 2)[-2:]
-    return f"{digest[:12]}#{n}"
-
-
 def share_for_group(ranks: Sequence[int] | None, **kw: Any) -> CompileShare | None:
     """A :class:`CompileShare` over ``ranks`` (None: the default group) on the default
     store, or None without an initialised process group of more than one rank."""
@@ -437,7 +365,7 @@ class Pending:
     def __init__(self, share: CompileShare, backend: Callable, gm: fx.GraphModule, example_inputs: list,
                  key: str, digest: str) -> None:
         self.share, self.backend, self.gm, self.example_inputs = share, backend, gm, example_inputs
-        self.key, self.digest, self.label = key, digest, _label(key)
+        self.key, self.digest, self.label = key, digest, key_label(key)
         self.fn: Callable | None = None
         self.failure_callbacks: list[Callable[[Exception], Callable]] = []
 

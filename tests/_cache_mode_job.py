@@ -1,8 +1,8 @@
 """One launcher-built training step with ``compile.cache_dir``, for the restart tests of
 parallel=none and parallel=fsdp: ``python tests/_cache_mode_job.py CACHE_DIR MODE`` (under
 ``torchrun --nproc-per-node 2`` for fsdp) builds the model with ``launch.parallel``, runs one
-step, calls the launcher's ``_after_first_step`` (which saves the cache) and prints one JSON
-line from rank 0: the load status, whether the entry was written, cache counters."""
+step, calls the launcher's ``_after_first_step`` (which saves the cache on rank 0) and prints
+one JSON line per rank: the load status, whether the entry was written, cache counters."""
 
 import json
 import os
@@ -18,7 +18,8 @@ TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_siz
 
 def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
     """This job in new processes (2 ranks under torchrun for fsdp) with their own Inductor
-    cache directory; rank 0's JSON line."""
+    cache directory: rank 0's JSON line, with the cache counters summed over the ranks
+    (with shared compile each compile happens on one rank, whichever reached it first)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
     if mode == "fsdp":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -28,7 +29,10 @@ def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return next(line for line in lines if line["rank"] == 0)
+    out = next(line for line in lines if line["rank"] == 0)
+    for kind in ("aot", "inductor"):
+        out[kind] = {k: sum(line[kind].get(k, 0) for line in lines) for line0 in lines for k in line0[kind]}
+    return out
 
 
 def main(cache_dir: str, mode: str) -> None:
@@ -61,13 +65,12 @@ def main(cache_dir: str, mode: str) -> None:
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     if world > 1:
         torch.distributed.barrier()  # rank 0 saved
-    if rank == 0:
-        print(json.dumps({
-            "rank": rank, "load": cache.last_load.status,
-            "saved": cache.path.exists() and cache.path.stat().st_mtime_ns != before,
-            "installed": len(cache.installed), "so_files": len(list(inductor.rglob("*.so"))),
-            "aot": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"]), "loss": loss.item(),
-        }), flush=True)
+    print(json.dumps({
+        "rank": rank, "load": cache.last_load.status,
+        "saved": cache.path.exists() and cache.path.stat().st_mtime_ns != before,
+        "installed": len(cache.installed), "so_files": len(list(inductor.rglob("*.so"))),
+        "aot": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"]), "loss": loss.item(),
+    }), flush=True)
     if world > 1:
         torch.distributed.destroy_process_group()
 

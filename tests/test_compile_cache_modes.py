@@ -15,9 +15,12 @@ def test_a_restart_hits_the_cache_and_builds_no_kernel(tmp_path, mode):
     assert cold["aot"].get("autograd_cache_miss", 0) > 0 and cold["inductor"].get("fxgraph_cache_miss", 0) > 0
     warm = run_mode_job(tmp_path / "cache", tmp_path / "inductor_warm", mode)
     assert warm["load"] == "loaded" and not warm["saved"]  # nothing new to write
-    assert warm["aot"].get("autograd_cache_hit", 0) == cold["aot"]["autograd_cache_miss"]
+    # Counters summed over ranks. Cold, with shared compile, each graph missed on the rank that
+    # compiled it and hit on the ranks that loaded its artifacts; warm, every rank hits every graph
+    # (rank 0's entry holds the graphs the other rank compiled too).
+    for kind, counter in (("aot", "autograd_cache"), ("inductor", "fxgraph_cache")):
+        assert warm[kind].get(f"{counter}_hit", 0) == sum(cold[kind].get(f"{counter}_{x}", 0) for x in ("hit", "miss"))
     assert warm["aot"].get("autograd_cache_miss", 0) == 0
-    assert warm["inductor"].get("fxgraph_cache_hit", 0) == cold["inductor"]["fxgraph_cache_miss"]
     assert warm["so_files"] == cold["so_files"], "a C++ kernel was rebuilt"
     if mode == "none":  # with 2 ranks both install into the one Inductor dir: whichever came first wrote the files
         assert warm["installed"] == cold["so_files"]

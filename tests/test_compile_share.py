@@ -152,23 +152,23 @@ def test_graphs_only_some_ranks_compile_do_not_hold_the_barrier():
     # other never does, then both compile a common one. Nobody waits for a graph its peer will not start.
     ranks = _pair(share=False)
     for r in ranks:
-        r.grace_s = 30.0
+        r.barrier.grace_s = 30.0
     t0 = time.perf_counter()
     left = _graphs_on_threads(ranks, {0: [("add", 0.0), ("mul", 0.5)], 1: [("mul", 0.0)]})
     assert max(left.values()) - t0 < 10  # not the 30 s grace: a peer at another graph's barrier is not waited for
-    assert ranks[0]._barrier and ranks[1]._barrier
+    assert ranks[0].barrier.on and ranks[1].barrier.on
 
 
 def test_a_graph_no_peer_compiles_is_left_after_the_grace_with_one_warning(caplog):
     rank0 = _pair(share=False)[0]
-    rank0.grace_s = 0.3
-    with caplog.at_level(logging.INFO, "compiler.share"):
+    rank0.barrier.grace_s = 0.3
+    with caplog.at_level(logging.INFO, "compiler"):
         for _ in range(2):
             rank0.wrap_graph(lambda gm, inputs: gm)(_gm("add"), [torch.ones(2)])
     assert re.search(r"rank\(s\) \[1\] did not compile graph \w{12}#0 with this rank .* not waiting for them "
                      r"\(waited at most 0s for an idle rank; said once\)", caplog.text)
     assert len(rank0.stats.warnings) == 1 and "graph " in caplog.text.split("said once")[1]  # then info lines
-    assert rank0._barrier and 0.5 < rank0.stats.wait_s < 5
+    assert rank0.barrier.on and 0.5 < rank0.stats.wait_s < 5
 
 
 # --- real ranks ---------------------------------------------------------------------------------
