@@ -301,7 +301,7 @@ def results_markdown(result: dict) -> str:
             ["ours warm / nosplit warm", fmt(s["ours_warm_over_nosplit_warm"], ".2f"), "<= 1"],
             ["ours_cache warm / cold", fmt(s["ours_cache_warm_over_cold"], ".2f"), "<= 0.25"],
             ["ours_cache warm / nosplit warm", fmt(s["ours_cache_warm_over_nosplit_warm"], ".2f"), "<= 1"],
-            ["ours_fresh warm / cold", fmt(s["ours_fresh_warm_over_cold"], ".2f"), "-"],
+            ["ours_fresh warm / cold", fmt(s["ours_fresh_warm_over_cold"], ".2f"), "<= 0.25"],
             ["whole8 cold / regional8 cold (restarts)", fmt(s["whole8_cold_over_regional8_cold"], ".2f"), ">= 2"],
             ["whole8 cold / regional8 cold (one job)", fmt(s.get("whole8_cold_over_regional8_cold_one_process"), ".2f"),
              ">= 2"],

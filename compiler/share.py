@@ -114,12 +114,12 @@ class ShareStats:
     """What one rank's compiles did: counts, and seconds spent compiling and waiting."""
 
     compiled: int = 0  # compiled here, from scratch
-    loaded: int = 0  # served from the leader's artifacts
+    loaded: int = 0  # served from another rank's artifacts
     fell_back: int = 0  # a follower that had to compile for itself
     kernels_installed: int = 0  # C++ kernel files received from other ranks that this rank's Inductor dir lacked
     compile_s: float = 0.0  # wall seconds inside the backend
     compile_cpu_s: float = 0.0  # CPU seconds inside the backend (this process and its finished children)
-    wait_s: float = 0.0  # waiting for the leader's artifacts or for peers to finish a graph
+    wait_s: float = 0.0  # waiting for other ranks' artifacts or for peers to finish a graph
     warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
