@@ -181,7 +181,6 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
     (``per_rank``: one per rank, as on separate machines); counts C++ kernel builds."""
     from torch._inductor.cpp_builder import CppBuilder
 
-    import compiler.share as share_mod
     from compiler._torch_internals import aot_counts
     from ddp_opt import compile_ddp
     from models import GPT, GPTConfig
@@ -192,18 +191,11 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
     CppBuilder.build = lambda self: builds.append(1) or build(self)
     if break_load and rank == 1:
         torch.compiler.load_cache_artifacts = lambda payload: (_ for _ in ()).throw(OSError("disk full"))
-    if damage:  # every publication of every rank is damaged
-        publish = share_mod.CompileShare._publish
-
-        def damaged(self, key, *args, **kw):
-            publish(self, key, *args, **kw)
-            if self.store.check([f"{key}/part0"]):
-                self.store.set(f"{key}/part0", self.store.get(f"{key}/part0")[:-1] + b"X")
-
-        share_mod.CompileShare._publish = damaged
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
     compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="inductor", share_compile=share)
+    if damage:  # every part of every publication of every rank is damaged on its way into the store
+        compiled.share.store = _DamagingStore(compiled.share.store)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, hits0 = [], aot_counts()[1]
     for step in range(steps):
@@ -222,6 +214,22 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
             "compiled": stats.compiled, "loaded": stats.loaded, "fell_back": stats.fell_back,
             "installed": stats.kernels_installed,
             "statuses": {r.status for r in compiled.ddp_optimizer.records}}
+
+
+class _DamagingStore:
+    """A store whose publication parts arrive with their last byte flipped (before the header
+    that announces them: a peer never sees an intact part)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def set(self, key, value):
+        if "/part" in key:
+            value = bytes(value)[:-1] + b"X"
+        self._store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
 
 
 def _share_scenarios(rank, world_size, tmp):
