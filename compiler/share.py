@@ -86,7 +86,7 @@ from torch import fx
 from . import _torch_internals as _ti
 from .cputime import cpu_seconds
 from .artifacts import inductor_cache_dir
-from .barrier import GraphBarrier, key_label
+from .barrier import POLL_S, GraphBarrier, key_label
 from .kernels import collect_kernels, install_kernels, kernel_snapshot
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,6 @@ log = logging.getLogger(__name__)
 __all__ = ["CompileShare", "Pending", "ShareStats", "graph_digest", "share_for_group"]
 
 _instances: dict[str, Iterator[int]] = {}
-POLL_S = 0.05
 CHUNK = 4 << 20  # a publication goes in parts: TCPStore's server refuses values over 8 MiB
 
 
@@ -115,7 +114,7 @@ class ShareStats:
 
     compiled: int = 0  # compiled here, from scratch
     loaded: int = 0  # served from another rank's artifacts
-    fell_back: int = 0  # a follower that had to compile for itself
+    fell_back: int = 0  # another rank's compile that this rank had to compile itself
     kernels_installed: int = 0  # C++ kernel files received from other ranks that this rank's Inductor dir lacked
     compile_s: float = 0.0  # wall seconds inside the backend
     compile_cpu_s: float = 0.0  # CPU seconds inside the backend (this process and its finished children)
@@ -171,8 +170,7 @@ class CompileShare:
         def shared_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
             if not self.share:
                 return self._compile(backend, gm, example_inputs)
-            digest = graph_digest(gm, example_inputs)
-            key = self._key("c", digest)
+            key = self._key("c", graph_digest(gm, example_inputs))
             if self.store.add(f"{key}/claim", 1) == 1:  # atomic: exactly one rank claims each compile
                 self.store.set(f"{key}/owner", str(self.rank))
                 root = inductor_cache_dir()
@@ -180,12 +178,12 @@ class CompileShare:
                 try:
                     out = self._compile(backend, gm, example_inputs)
                 except BaseException:
-                    self._publish(key, digest, failed=True)  # the others must not wait for it
+                    self._publish(key, failed=True)  # the others must not wait for it
                     raise
                 # the C++ kernels this compile built or loaded: a rank with another Inductor directory lacks them
-                self._publish(key, digest, collect_kernels(root, _ti.cpp_kernel_keys() - keys_before, files_before))
+                self._publish(key, collect_kernels(root, _ti.cpp_kernel_keys() - keys_before, files_before))
                 return out
-            pending = Pending(self, backend, gm, example_inputs, key, digest)
+            pending = Pending(self, backend, gm, example_inputs, key)
             self._pending.append(pending)
             return pending
 
@@ -224,13 +222,13 @@ class CompileShare:
             self.stats.compile_cpu_s += cpu_seconds() - c0
             self.stats.compiled += int(count)
 
-    def _publish(self, key: str, digest: str, kernels: bytes = b"", failed: bool = False) -> None:
+    def _publish(self, key: str, kernels: bytes = b"", failed: bool = False) -> None:
         artifacts = None if failed else torch.compiler.save_cache_artifacts()
         artifacts = artifacts[0] if artifacts is not None and artifacts[0] else b""
         payload = artifacts + kernels if artifacts else b""  # kernels without the code that loads them are no use
         parts = [payload[i:i + CHUNK] for i in range(0, len(payload), CHUNK)]
-        header = {"digest": digest, "rank": self.rank, "failed": failed, "bytes": len(payload),
-                  "artifacts": len(artifacts), "sha256": hashlib.sha256(payload).hexdigest(), "parts": len(parts)}
+        header = {"failed": failed, "bytes": len(payload), "artifacts": len(artifacts),
+                  "sha256": hashlib.sha256(payload).hexdigest(), "parts": len(parts)}
         try:
             for n, part in enumerate(parts):
                 self._published.append(f"{key}/part{n}")
@@ -265,11 +263,10 @@ class CompileShare:
                      "failed" if header.get("failed") else "was freed (every rank was past it)")
             return None
         part_keys = [f"{p.key}/part{n}" for n in range(int(header.get("parts", 0)))]
-        if header.get("digest") != p.digest or not self.store.check(part_keys):
-            header = {}  # a publication that is not this graph's, or parts already freed
-        payload = b"".join(self.store.get(k) for k in part_keys) if header else b""
-        if not header or len(payload) != header.get("bytes") or hashlib.sha256(payload).hexdigest() != header.get(
-                "sha256"):
+        present = not part_keys or self.store.check(part_keys)  # not freed in the meantime
+        payload = b"".join(self.store.get(k) for k in part_keys) if present else None
+        if payload is None or len(payload) != header.get("bytes") or hashlib.sha256(
+                payload).hexdigest() != header.get("sha256"):
             self._warn(f"{self._owner(p)}'s compile artifacts for {p.label} are damaged (checksum "
                        "mismatch); compiling it on this rank instead")
             self.stats.fell_back += 1
@@ -363,9 +360,9 @@ class Pending:
     (``compiler.partition.LazyPartition`` falls back to eager there), else raised."""
 
     def __init__(self, share: CompileShare, backend: Callable, gm: fx.GraphModule, example_inputs: list,
-                 key: str, digest: str) -> None:
+                 key: str) -> None:
         self.share, self.backend, self.gm, self.example_inputs = share, backend, gm, example_inputs
-        self.key, self.digest, self.label = key, digest, key_label(key)
+        self.key, self.label = key, key_label(key)
         self.fn: Callable | None = None
         self.failure_callbacks: list[Callable[[Exception], Callable]] = []
 

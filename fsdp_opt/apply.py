@@ -126,7 +126,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
     if cc is not None and cc.cache_dir is not None:  # before the first compile, and before fully_shard renames
         plan = dataclasses.replace(plan, compile_cache=open_cache(model, cc.cache_dir, _cache_settings(config),
                                                                   world_size=mesh.size()))
-    share = share_for_group(dist.get_process_group_ranks(mesh.get_group()), share=cc.share,
+    share = share_for_group(dist.get_process_group_ranks(mesh.get_group()),
                             timeout_s=cc.share_timeout_s, name="fsdp") if cc is not None and cc.share else None
     if share is not None:  # Note [Shared compile]
         backend = share.wrap(backend)

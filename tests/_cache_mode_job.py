@@ -31,7 +31,8 @@ def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     out = next(line for line in lines if line["rank"] == 0)
     for kind in ("aot", "inductor"):
-        out[kind] = {k: sum(line[kind].get(k, 0) for line in lines) for line0 in lines for k in line0[kind]}
+        names = {k for line in lines for k in line[kind]}
+        out[kind] = {k: sum(line[kind].get(k, 0) for line in lines) for k in names}
     return out
 
 

@@ -44,5 +44,6 @@ def test_two_rank_tiny_inductor_matches_reference(run_ranks):
     results = run_ranks(train_fsdp_vs_reference, TINY, dict(compile=CompileConfig(backend="inductor", share=True)),
                         timeout=600)
     _check(results, [("blocks.0",), ("blocks.1",)])
-    # Both blocks run one compiled graph: rank 0 compiled it, rank 1 loaded it (Note [Shared compile]).
-    assert [(r["share"]["compiled"], r["share"]["loaded"]) for r in results] == [(1, 0), (0, 1)]
+    # Both blocks run one compiled graph: one rank compiled it (whichever reached it first), the other
+    # loaded it (Note [Shared compile]).
+    assert sorted((r["share"]["compiled"], r["share"]["loaded"]) for r in results) == [(0, 1), (1, 0)]
