@@ -1,8 +1,9 @@
 """One launcher-built training step with ``compile.cache_dir``, for the restart tests of
 parallel=none and parallel=fsdp: ``python tests/_cache_mode_job.py CACHE_DIR MODE`` (under
 ``torchrun --nproc-per-node 2`` for fsdp) builds the model with ``launch.parallel``, runs one
-step, calls the launcher's ``_after_first_step`` (which saves the cache on rank 0) and prints
-one JSON line per rank: the load status, whether the entry was written, cache counters."""
+step, calls the launcher's ``_after_first_step`` (which saves the cache on rank 0) and writes
+one JSON file per rank into OUT_DIR (``... CACHE_DIR MODE OUT_DIR``): the load status, whether
+the entry was written, cache counters. Files, not stdout: two ranks' lines can interleave."""
 
 import json
 import os
@@ -21,14 +22,17 @@ def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
     cache directory: rank 0's JSON line, with the cache counters summed over the ranks
     (with shared compile each compile happens on one rank, whichever reached it first)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
+    out_dir = inductor_dir.with_name(inductor_dir.name + "_results")
+    out_dir.mkdir(parents=True)
+    args = [__file__, str(cache_dir), mode, str(out_dir)]
     if mode == "fsdp":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(cache_dir), mode]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     else:
-        cmd = [sys.executable, __file__, str(cache_dir), mode]
+        cmd = [sys.executable, *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
+    assert len(lines) == (2 if mode == "fsdp" else 1), (lines, out.stdout[-3000:])
     out = next(line for line in lines if line["rank"] == 0)
     for kind in ("aot", "inductor"):
         names = {k for line in lines for k in line[kind]}
@@ -36,7 +40,7 @@ def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
     return out
 
 
-def main(cache_dir: str, mode: str) -> None:
+def main(cache_dir: str, mode: str, out_dir: str) -> None:
     from hydra import compose, initialize_config_module
     from torch._dynamo.utils import counters
 
@@ -66,12 +70,12 @@ def main(cache_dir: str, mode: str) -> None:
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     if world > 1:
         torch.distributed.barrier()  # rank 0 saved
-    print(json.dumps({
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "load": cache.last_load.status,
         "saved": cache.path.exists() and cache.path.stat().st_mtime_ns != before,
         "installed": len(cache.installed), "so_files": len(list(inductor.rglob("*.so"))),
         "aot": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"]), "loss": loss.item(),
-    }), flush=True)
+    }))
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -79,4 +83,4 @@ def main(cache_dir: str, mode: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
