@@ -11,9 +11,10 @@ own buckets instead of calling helpers that may no longer exist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -209,3 +210,80 @@ def placeholder_parameter(node: fx.Node) -> tuple[str, torch.nn.Parameter] | Non
     if isinstance(value, torch.nn.Parameter):
         return str(node.target), value
     return None
+
+
+# --- the traced strategy: DDP's python reducer under compiled autograd ---------------------------
+
+
+def traced_strategy_missing() -> str | None:
+    """Why this torch cannot run ``strategy="traced"``, or None when it can."""
+    try:
+        from torch._dynamo import compiled_autograd  # noqa: F401
+        from torch._inductor.fx_passes import ddp_fusion
+    except ImportError as e:
+        return f"compiled autograd or Inductor's DDP fusion is missing ({e})"
+    needed = [(DistributedDataParallel, "_register_accum_grad_hook"), (ddp_fusion, "_fuse_ddp_communication"),
+              (ddp_fusion, "_fuse_allreduce"), (compiled_autograd, "_enable")]
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
+    return f"{', '.join(missing)} not found" if missing else None
+
+
+def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
+    """Switch a built DDP module to PyTorch's python reducer, as ``DistributedDataParallel.__init__``
+    does under ``torch._dynamo.config.optimize_ddp = "python_reducer"``: each parameter's gradient is
+    all-reduced by a post-accumulate-grad hook (functional collectives), which compiled autograd
+    traces into the backward graph, and the C++ reducer is detached from the parameters."""
+    # Reducer._remove_autograd_hooks(): the C++ reducer no longer sees gradients.
+    ddp_model.reducer._remove_autograd_hooks()
+    # DDP._use_python_reducer: DDP's _pre_forward/_post_forward/_run_ddp_forward skip the C++ reducer.
+    ddp_model._use_python_reducer = True
+    # As DDP.__init__ does: dynamo inlines torch.nn.parallel.distributed (the hooks are traced).
+    torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.add("torch.nn.parallel.distributed")
+    torch._dynamo.trace_rules.get_legacy_mod_inlinelist.cache_clear()
+    # DDP._register_accum_grad_hook(): the python reducer's per-parameter all-reduce hooks
+    # (skipped while require_backward_grad_sync is False, as under no_sync).
+    ddp_model._register_accum_grad_hook()
+
+
+@contextlib.contextmanager
+def traced_backward(compiler_fn: Any, fusion_passes: list) -> Iterator[None]:
+    """The context a traced-strategy backward runs in: compiled autograd on with ``compiler_fn``,
+    Inductor's DDP all-reduce fusion on with ``fusion_passes`` (callables ``graph -> None`` or the
+    names of Inductor's own passes)."""
+    from torch._dynamo import compiled_autograd
+
+    # torch._dynamo.config.optimize_ddp = "python_reducer": read while the backward is traced.
+    # Inductor's private _fuse_ddp_communication(_passes): fuse the traced all-reduces into buckets.
+    # torch._dynamo.compiled_autograd._enable(compiler_fn): backward() runs as one compiled graph.
+    with (torch._dynamo.config.patch(optimize_ddp="python_reducer"),
+          torch._inductor.config.patch(_fuse_ddp_communication=True, _fuse_ddp_communication_passes=fusion_passes),
+          compiled_autograd._enable(compiler_fn)):
+        yield
+
+
+def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any) -> None:
+    """Fuse the python reducer's per-gradient all-reduces in ``graph`` into the buckets
+    ``group_fn(sizes) -> list of bucket lengths`` chooses (sizes in bytes, graph order)."""
+    from functools import partial
+
+    from torch._inductor.fx_passes import ddp_fusion
+
+    def buckets(graph: fx.Graph, blocks: list) -> Any:
+        # CommBlock.comm_node.meta["tensor_meta"] / .shape: each all-reduce's gradient.
+        sizes = [block.shape.numel() * block.comm_node.meta["tensor_meta"].dtype.itemsize for block in blocks]
+        start = 0
+        for length in group_fn(sizes):
+            yield blocks[start:start + length]
+            start += length
+
+    # ddp_fusion._fuse_ddp_communication(graph, algorithm_fn, fusion_fn): finds the python reducer's
+    # all-reduce blocks (div -> all_reduce -> wait -> copy_) and fuses each group algorithm_fn yields;
+    # _fuse_allreduce(use_concat=True) is what Inductor's default "fuse_ddp_with_concat_op" uses.
+    ddp_fusion._fuse_ddp_communication(graph, buckets, partial(ddp_fusion._fuse_allreduce, use_concat=True))
+
+
+def custom_graph_pass_base() -> type:
+    # torch._inductor.custom_graph_pass.CustomGraphPass: a pass with a uuid() keeps the FX graph cache on.
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps
 from .realign import check_realignment, realign_reducer
 from .regional import find_ddp_blocks, plan_block_buckets
+from .traced import TracedPlan, convert, fallback_reason
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,20 @@ class CompiledDDP:
         share: the :class:`compiler.share.CompileShare` of DDP's group (its
             ``stats`` say what this rank compiled, loaded and waited for), or
             None on one rank.
+        traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
+        strategy: the strategy in use, ``"split"`` or ``"traced"`` (``"split"`` also
+            when ``"traced"`` was asked for and fell back, with a warning).
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
                  align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
-                 compile_cache: CompileCache | None = None, share: CompileShare | None = None) -> None:
+                 compile_cache: CompileCache | None = None, share: CompileShare | None = None,
+                 traced: TracedPlan | None = None) -> None:
         self.ddp_model = ddp_model
+        self.traced = traced
+        self.strategy = "traced" if traced is not None else "split"
+        self._backward_pending = False  # a traced forward ran; its backward has not entered backward_context()
+        self._warned_plain_backward = False
         self.share = share
         self.ddp_optimizer = ddp_optimizer
         self.block_buckets = block_buckets
@@ -89,6 +99,12 @@ class CompiledDDP:
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
+        if self.traced is not None:
+            raise RuntimeError(
+                "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
+                "all-reduced inside the compiled backward graph, where DDP's comm hooks are never called. "
+                "Compile with strategy='split' (the default) to use a comm hook."
+            )
         self._comm_hooks.append((state, hook))
         self.ddp_model.register_comm_hook(state, hook)
 
@@ -128,7 +144,38 @@ class CompiledDDP:
     @property
     def prediction(self) -> Timeline | None:
         """With ``bucket_cap_mb="auto"``: the last plan's predicted backward + comm timeline."""
+        if self.traced is not None:
+            return self.traced.prediction
         return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """What ``loss.backward()`` must run in: under ``strategy="traced"`` compiled autograd
+        with the planned all-reduce fusion (Note [Traced strategy]); nothing under ``"split"``."""
+        if self.traced is None:
+            return contextlib.nullcontext()
+        self._backward_pending = False
+        return self.traced.backward()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` in :meth:`backward_context`: call this in place of
+        ``loss.backward()``; it works for every strategy."""
+        with self.backward_context():
+            loss.backward(**kwargs)
+
+    def _check_backward_path(self) -> None:
+        if self.traced is None:
+            return
+        if self._backward_pending and not self._warned_plain_backward:
+            self._warned_plain_backward = True
+            warnings.warn(
+                "compile_ddp(strategy='traced'): a forward ran again without compiled.backward(loss) since the "
+                "last one. If that forward's backward ran as plain loss.backward(), its gradients were all-reduced "
+                "one parameter at a time, eagerly, without overlap: correct, but slow. Call "
+                "compiled.backward(loss) (or run it in compiled.backward_context()) instead of loss.backward(), or "
+                "compile with strategy='split'.",
+                stacklevel=3,
+            )
+        self._backward_pending = torch.is_grad_enabled()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.auto_save_cache and self.compile_cache is not None and not self._save_attempted:
@@ -136,6 +183,7 @@ class CompiledDDP:
             if self._calls >= 2 and torch.is_grad_enabled():
                 self.save_compile_cache()
         self._maybe_realign()
+        self._check_backward_path()
         out = self.ddp_model(*args, **kwargs)
         self._check_realigned()
         return out
@@ -214,6 +262,7 @@ def compile_ddp(
     blocks: str | Sequence[str] = "auto",
     share_compile: bool = True,
     share_timeout_s: float = 7200.0,
+    strategy: str = "split",
     config: DDPCompileConfig | None = None,
     **more: Any,
 ) -> CompiledDDP:
@@ -277,6 +326,15 @@ def compile_ddp(
             [Shared compile]). False: every rank compiles for itself, no barrier.
         share_timeout_s: the longest a rank waits for another rank's compile
             before it compiles for itself (with a warning).
+        strategy: ``"split"`` (the default) splits the forward at the bucket
+            boundaries and DDP's reducer all-reduces each bucket; ``"traced"``
+            compiles the forward whole and traces the all-reduces into one
+            compiled backward graph, fused into buckets of DDP's caps or, with
+            ``bucket_cap_mb="auto"``, of the cost-model plan (Note [Traced
+            strategy]). Under ``"traced"`` run the backward as
+            ``compiled.backward(loss)``; it falls back to ``"split"`` with a
+            warning where it cannot run (a comm hook already registered,
+            ``find_unused_parameters=True``, a torch without compiled autograd).
         config: all of the above as one :class:`DDPCompileConfig` (validated when
             built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.
@@ -292,7 +350,7 @@ def compile_ddp(
         backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph, fallback=fallback,
         split=split, check_plans=check_plans, align_buckets=align_buckets, bucket_cap_mb=bucket_cap_mb, link=link,
         cache_dir=cache_dir, regional=regional, blocks=blocks, share_compile=share_compile,
-        share_timeout_s=share_timeout_s, wrap_backend=wrap_backend, torch_compile_kwargs=more,
+        share_timeout_s=share_timeout_s, strategy=strategy, wrap_backend=wrap_backend, torch_compile_kwargs=more,
     ) if config is None else None
     if config is not None and DDPCompileConfig(wrap_backend=wrap_backend, torch_compile_kwargs=more,
                                                **_keywords_given(locals())).changed_from_default():
@@ -307,7 +365,7 @@ def compile_ddp(
 def _keywords_given(args: dict[str, Any]) -> dict[str, Any]:
     names = ("backend", "mode", "options", "dynamic", "fullgraph", "fallback", "split", "check_plans",
              "align_buckets", "bucket_cap_mb", "link", "cache_dir", "regional", "blocks", "share_compile",
-             "share_timeout_s")
+             "share_timeout_s", "strategy")
     return {n: args[n] for n in names}
 
 
@@ -325,7 +383,14 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "(module.compile() or an earlier compile_ddp call). Compiling it again would nest two compilers. "
             "Call compile_ddp once, on a DDP model whose module is not compiled."
         )
-    align = config.align_buckets
+    traced = config.strategy == "traced"
+    if traced:
+        why = fallback_reason(ddp_model)
+        if why is not None:
+            warnings.warn(f"compile_ddp(strategy='traced') runs the split strategy instead: {why}. To silence "
+                          "this, pass strategy='split'.", stacklevel=3)
+            traced = False
+    align = config.align_buckets and not traced  # the traced strategy leaves DDP's reducer out
     if align and not REALIGN_SUPPORTED:
         realign_unsupported_warning()
         align = False
@@ -358,8 +423,14 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         block_buckets = plan_block_buckets(inner, found, caps)
         return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
                            share=share)
-    optimizer = None
-    if config.split:
+    optimizer = plan = None
+    if traced:
+        # The backward graph compiles with the plain backend: no shared-compile claim for a graph that
+        # only compiled autograd's trace names.
+        plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto")
+        convert(ddp_model)
+        backend_fn = plan.forward_backend(backend_fn)
+    elif config.split:
         optimizer = DDPOptimizer(
             caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
             bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
@@ -379,4 +450,4 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=config.dynamic,
                                   fullgraph=config.fullgraph, **more)
     _keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share)
+    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan)

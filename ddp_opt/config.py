@@ -14,6 +14,7 @@ from compiler import FALLBACKS, BackendFn, SettingError, check_blocks_setting, r
 from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
 from .cost import CostModel
+from .traced import STRATEGIES
 
 __all__ = ["DDPCompileConfig"]
 
@@ -43,6 +44,7 @@ class DDPCompileConfig:
     blocks: str | Sequence[str] = "auto"
     share_compile: bool = True
     share_timeout_s: float = 7200.0
+    strategy: str = "split"
     wrap_backend: Callable[[Callable], Callable] | None = None
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # How messages name a setting: an entry point of its own (the launcher) passes its spelling.
@@ -58,6 +60,7 @@ class DDPCompileConfig:
             )
         object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "compile_ddp"))
         self._check_plan_choice()
+        self._check_strategy()
         if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
             raise SettingError(
                 "cache_dir",
@@ -98,6 +101,23 @@ class DDPCompileConfig:
                 f"and {which} does not split it at planned buckets. Drop one of the two.",
             )
 
+    def _check_strategy(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise SettingError(
+                "strategy",
+                f"compile_ddp(strategy={self.strategy!r}): expected one of {', '.join(map(repr, STRATEGIES))}: "
+                "'split' splits the forward graph at the bucket boundaries and lets DDP's reducer all-reduce "
+                "(the default); 'traced' all-reduces inside one compiled backward graph (Note [Traced strategy]).",
+            )
+        if self.strategy == "traced" and (not self.split or self.regional):
+            which = "split=False" if not self.split else "regional=True"
+            raise SettingError(
+                "strategy",
+                f"compile_ddp(strategy='traced', {which}): the traced strategy compiles the whole forward and "
+                f"traces the gradient all-reduces into the backward graph, and {which} chooses another way to "
+                "compile. Drop one of the two (strategy='split' is the default).",
+            )
+
     def resolve_backend(self) -> BackendFn:
         """The dynamo backend each partition (or block) is compiled with."""
         return resolve_backend(self.backend, mode=self.mode, options=dict(self.options) if self.options else None,
@@ -118,4 +138,4 @@ class DDPCompileConfig:
                                                                              repr(self.backend))
         return dict(backend=backend, mode=self.mode, options=self.options, dynamic=self.dynamic,
                     fullgraph=self.fullgraph, split=self.split, regional=self.regional, blocks=self.blocks,
-                    bucket_cap_mb=self.bucket_cap_mb, more=dict(self.torch_compile_kwargs))
+                    bucket_cap_mb=self.bucket_cap_mb, strategy=self.strategy, more=dict(self.torch_compile_kwargs))

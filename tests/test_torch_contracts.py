@@ -254,6 +254,44 @@ def test_what_dynamo_graphs_carry(gloo_module):
     assert dti.is_ddp_ignored(m.lin.bias) and not dti.is_ddp_ignored(m.lin.weight)
 
 
+def test_the_traced_strategys_pieces(gloo_module):
+    assert dti.traced_strategy_missing() is None
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    ddp = DDP(model)
+    inlined = "torch.nn.parallel.distributed" in torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST
+    dti.use_python_reducer(ddp)
+    assert any(p.endswith("nn/parallel/distributed") for p in torch._dynamo.trace_rules.get_legacy_mod_inlinelist())
+    if not inlined:  # the conversion is process-wide, as DDP's own under python_reducer: undone for later tests
+        torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.discard("torch.nn.parallel.distributed")
+        torch._dynamo.trace_rules.get_legacy_mod_inlinelist.cache_clear()
+    assert ddp._use_python_reducer and len(ddp._accum_grad_hooks) == 3  # one per trainable parameter
+    # Eagerly (no compiled autograd) the hooks still all-reduce: world size 1 leaves the gradient as is.
+    x = torch.randn(3, 4)
+    ddp(x).sum().backward()
+    expected = torch.autograd.grad(model(x).sum(), model[0].weight)[0]
+    torch.testing.assert_close(model[0].weight.grad, expected)
+    seen = []
+    with dti.traced_backward(lambda gm: gm, ["schedule_comm_wait"]):
+        seen.append((torch._dynamo.config.optimize_ddp, torch._inductor.config._fuse_ddp_communication,
+                     torch._inductor.config._fuse_ddp_communication_passes))
+    assert seen == [("python_reducer", True, ["schedule_comm_wait"])]
+    assert torch._inductor.config._fuse_ddp_communication is False  # restored on exit
+
+    class Pass(dti.custom_graph_pass_base()):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return "x"
+
+    assert Pass().uuid() == "x"
+    # fuse_ddp_allreduces: a graph without the python reducer's all-reduces asks for no bucket.
+    asked = []
+    dti.fuse_ddp_allreduces(torch.fx.symbolic_trace(nn.Linear(2, 2)).graph, lambda sizes: asked.append(sizes) or [])
+    assert asked == [[]]
+
+
 # --- fsdp_opt ---------------------------------------------------------------------------
 
 

@@ -1,0 +1,201 @@
+"""The traced strategy (``compile_ddp(..., strategy="traced")``): gradients all-reduced
+inside one compiled backward graph, fused into buckets our plan chooses.
+
+Note [Traced strategy]
+
+Background
+    The split strategy (Note [Bucket planning]) cuts the forward graph where DDP's
+    buckets end, so that DDP's C++ reducer can all-reduce a bucket while the
+    backward of the next partition runs. Each cut is a graph break: fusion across
+    it is lost, and each partition's backward is a separate call. PyTorch's
+    python reducer (``optimize_ddp="python_reducer"``) takes the other road: DDP
+    registers a post-accumulate-grad hook per parameter that all-reduces its
+    gradient with functional collectives, compiled autograd traces the whole
+    backward, hooks included, into one graph, and an Inductor pass fuses the
+    per-gradient all-reduces into buckets of one fixed size (1 MiB first, then
+    the cap) and moves each wait to its first use.
+
+Algorithm
+    - Convert: the built DDP module switches to the python reducer
+      (``_torch_internals.use_python_reducer``): the C++ reducer's hooks are
+      removed and the per-parameter all-reduce hooks registered, as
+      ``DistributedDataParallel.__init__`` does under ``python_reducer``.
+    - Forward: the wrapped module's forward is compiled whole (no split). With
+      ``bucket_cap_mb="auto"`` its graph is planned first by the cost-model DP
+      (Note [Cost-model bucket plan]) with ``gamma = 0``, since a bucket boundary
+      here costs no graph break; the plan's per-bucket byte sizes become the caps.
+      Without it, the caps are DDP's (first bucket, then ``bucket_cap_mb``).
+    - Backward: ``compiled.backward(loss)`` runs ``loss.backward()`` under
+      compiled autograd with Inductor's DDP fusion on and our pass
+      (:class:`FuseByPlan`) in place of its fixed-size one: the all-reduce blocks,
+      in graph (gradient-ready) order, are grouped greedily by ``group_by_caps``
+      (bucket k closes when its bytes reach cap k) and each group becomes one
+      concatenated all-reduce; Inductor's ``schedule_comm_wait`` then delays each
+      wait to its first use, so the collectives run against the rest of backward.
+    - Every rank traces the same backward and plans from the same graph and the
+      same cost model (rank 0's measurement, broadcast), so the buckets agree.
+
+Notes
+    - Fusion is an Inductor pass: with another backend (``aot_eager``) the
+      gradients are all-reduced one per parameter, still inside the compiled graph.
+    - What it cannot run falls back to the split strategy with a warning (see
+      ``fallback_reason``): a torch without the pieces, a comm hook already
+      registered, ``find_unused_parameters=True`` (a parameter without gradient
+      on one rank would leave the ranks' all-reduces unmatched), DDP mixed precision.
+    - ``no_sync()`` works: the hooks skip the all-reduce while DDP's
+      ``require_backward_grad_sync`` is False; compiled autograd compiles that
+      backward as a graph of its own.
+
+Debugging
+    - ``compiled.traced.fused`` lists, per compiled backward, the fused buckets'
+      byte sizes in gradient-ready order; INFO logs them, and the auto plan's table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch.nn.parallel import DistributedDataParallel
+
+from compiler import BackendFn
+
+from ._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, registered_hook_name,
+                               traced_backward, traced_strategy_missing, use_python_reducer)
+from .autoplan import Timeline
+from .cost import CostModel, describe, plan_auto
+from .plan import BucketCaps
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STRATEGIES", "TracedPlan", "FuseByPlan", "group_by_caps", "fallback_reason"]
+
+STRATEGIES = ("split", "traced")
+
+
+def group_by_caps(sizes: Sequence[int], caps: BucketCaps) -> list[int]:
+    """Bucket lengths for gradients of ``sizes`` bytes (gradient-ready order): bucket k
+    closes once its bytes reach ``caps.cap_for(k)``; the last one takes what is left."""
+    lengths: list[int] = []
+    count = total = 0
+    for size in sizes:
+        count += 1
+        total += size
+        if total >= caps.cap_for(len(lengths)):
+            lengths.append(count)
+            count = total = 0
+    if count:
+        lengths.append(count)
+    return lengths
+
+
+def fallback_reason(ddp_model: DistributedDataParallel) -> str | None:
+    """Why ``strategy="traced"`` cannot run on ``ddp_model`` (it then splits), or None."""
+    missing = traced_strategy_missing()
+    if missing is not None:
+        return f"this torch lacks what it needs: {missing}"
+    hook = registered_hook_name(ddp_model)
+    if hook is not None:
+        return (f"the comm hook {hook!r} is registered on this DDP module, and the python reducer calls no "
+                "DDP comm hook")
+    if ddp_model.find_unused_parameters:
+        return ("find_unused_parameters=True: a parameter without a gradient on one rank would leave the ranks' "
+                "traced all-reduces unmatched")
+    if getattr(ddp_model, "mixed_precision", None) is not None:
+        return "DDP's mixed_precision is not applied by the python reducer"
+    return None
+
+
+class FuseByPlan(custom_graph_pass_base()):
+    """Inductor's DDP-fusion pass slot, grouping the traced all-reduces by a :class:`TracedPlan`.
+    A ``CustomGraphPass``: its ``uuid`` (the caps) keeps Inductor's FX graph cache on."""
+
+    def __init__(self, plan: TracedPlan) -> None:
+        self.plan = plan
+
+    def __call__(self, graph: fx.Graph) -> None:
+        fuse_ddp_allreduces(graph, self.plan.group)
+
+    def uuid(self) -> Any:
+        return f"distcompile.FuseByPlan:{self.plan.caps!r}"
+
+
+class TracedPlan:
+    """The traced strategy's bucket plan and the contexts it runs in.
+
+    Args:
+        caps: the caps to fuse by (DDP's), replaced by the cost-model plan when ``auto``.
+        backend_fn: the backend the backward graph is compiled with.
+        cost_model: with ``auto``, what the plan is chosen by.
+        auto: plan from the forward graph (``bucket_cap_mb="auto"``).
+
+    Attributes:
+        caps: the caps in use (gradient-ready order).
+        prediction: with ``auto``, the predicted timeline of the plan.
+        fused: per compiled backward, the byte sizes of the fused buckets (gradient-ready order).
+    """
+
+    def __init__(self, caps: BucketCaps, backend_fn: BackendFn, cost_model: CostModel | None = None,
+                 auto: bool = False) -> None:
+        self.caps = caps
+        self.backend_fn = backend_fn
+        self.cost_model = replace(cost_model, gamma_s=0.0) if cost_model is not None else None
+        self.auto = auto and cost_model is not None
+        self.prediction: Timeline | None = None
+        self.fused: list[list[int]] = []
+        self._graph_caps: dict[frozenset, tuple[int, ...]] = {}  # params of a forward graph -> its planned caps
+
+    def forward_backend(self, backend_fn: Callable) -> Callable:
+        """The forward's backend: with ``auto``, plan from the graph first, then compile it whole."""
+        if not self.auto:
+            return backend_fn
+
+        def plan_then_compile(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+            self._plan(gm)
+            return backend_fn(gm, example_inputs, **kwargs)
+
+        return plan_then_compile
+
+    def _plan(self, gm: fx.GraphModule) -> None:
+        caps, buckets, timeline = plan_auto(gm, self.cost_model)
+        params = frozenset(p for b in buckets for p in b.params)
+        if not params:
+            return  # a graph without parameters (a loss after a graph break) has no gradients to plan
+        # A recompile of a graph replaces its plan; graphs run later hold earlier-ready gradients.
+        self._graph_caps[params] = caps.per_bucket_caps
+        ordered = [c for graph_caps in reversed(self._graph_caps.values()) for c in graph_caps]
+        self.caps = BucketCaps(ordered[0], per_bucket_caps=tuple(ordered))
+        self.prediction = timeline
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+            log.info("ddp_opt traced plan: %d bucket(s) fused in the backward graph\n%s", len(buckets),
+                     describe(timeline, buckets))
+
+    def group(self, sizes: list[int]) -> list[int]:
+        """Called by :class:`FuseByPlan`: bucket lengths for the traced gradients of ``sizes`` bytes."""
+        lengths = group_by_caps(sizes, self.caps)
+        if not lengths:
+            return lengths  # a graph without the reducer's all-reduces (a forward, a no_sync backward)
+        start, fused = 0, []
+        for n in lengths:
+            fused.append(sum(sizes[start:start + n]))
+            start += n
+        self.fused.append(fused)
+        log.info("ddp_opt traced backward: %d all-reduce(s) of %s bytes", len(fused), fused)
+        return lengths
+
+    def compile_backward(self, gm: fx.GraphModule) -> Callable:
+        """compiled autograd's compiler: the whole backward graph, our fusion pass in Inductor."""
+        return torch.compile(gm, backend=self.backend_fn, fullgraph=True)
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        """The context ``loss.backward()`` runs in under this strategy."""
+        return traced_backward(self.compile_backward, [FuseByPlan(self), "schedule_comm_wait"])
+
+
+def convert(ddp_model: DistributedDataParallel) -> None:
+    """Switch ``ddp_model`` to the python reducer (Note [Traced strategy])."""
+    use_python_reducer(ddp_model)

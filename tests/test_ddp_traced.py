@@ -1,0 +1,161 @@
+"""compile_ddp(strategy="traced") (Note [Traced strategy]): the bucket grouping, the settings
+it refuses, its fallbacks to the split strategy, and two gloo ranks training like eager DDP
+step by step (aot_eager: one all-reduce per gradient; inductor: fused by our plan)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from compiler import SettingError
+from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
+from ddp_opt.traced import group_by_caps
+from models import GPT, GPTConfig
+
+STEPS = 4
+
+
+# --- the grouping, no process group -----------------------------------------------------
+
+
+def test_group_by_caps_closes_each_bucket_at_its_cap():
+    # First bucket capped at 100 bytes, then 250: closes when the bytes reach the cap.
+    assert group_by_caps([60, 50, 100, 100, 100, 10], BucketCaps(250, 100)) == [2, 3, 1]
+    # Per-bucket caps, the last repeating.
+    assert group_by_caps([10, 10, 10, 10, 10], BucketCaps(10, per_bucket_caps=(20, 10))) == [2, 1, 1, 1]
+    # One gradient larger than its cap is a bucket alone; what is left is the last bucket.
+    assert group_by_caps([500, 1, 1], BucketCaps(100)) == [1, 2]
+    assert group_by_caps([], BucketCaps(100)) == []
+
+
+def test_strategy_settings_refused_before_anything_runs():
+    with pytest.raises(SettingError, match=r"strategy='pipelined'.*expected one of 'split', 'traced'") as e:
+        DDPCompileConfig(backend="aot_eager", strategy="pipelined")
+    assert e.value.setting == "strategy"
+    with pytest.raises(SettingError, match=r"strategy='traced', split=False.*Drop one of the two"):
+        DDPCompileConfig(backend="aot_eager", strategy="traced", split=False)
+    with pytest.raises(SettingError, match=r"strategy='traced', regional=True"):
+        DDPCompileConfig(backend="aot_eager", strategy="traced", regional=True)
+    assert DDPCompileConfig(backend="aot_eager", strategy="traced").cache_settings()["strategy"] == "traced"
+
+
+# --- two gloo ranks ------------------------------------------------------------------------
+
+
+def _batch(rank, step, vocab, batch=4, seq=16):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model):
+    """compile_ddp(strategy="traced") and eager DDP side by side; each step accumulates one
+    micro-batch under no_sync, then one synchronised; losses and gradients compared."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref_model = copy.deepcopy(model)
+    ddp, ref = DDP(model, bucket_cap_mb=bucket_cap_mb), DDP(ref_model, bucket_cap_mb=bucket_cap_mb)
+    more = dict(bucket_cap_mb="auto", link=auto_model) if auto_model is not None else {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*strategy='traced'")  # no fallback, no plain-backward warning
+        compiled = compile_ddp(ddp, backend=backend, strategy="traced", **more)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        losses = []
+        for step in range(STEPS):
+            (x0, y0), (x1, y1) = _batch(rank, 2 * step, cfg.vocab_size), _batch(rank, 2 * step + 1, cfg.vocab_size)
+            with compiled.no_sync():
+                compiled.backward(compiled(x0, y0)[1])
+            with ref.no_sync():
+                ref(x0, y0)[1].backward()
+            loss, ref_loss = compiled(x1, y1)[1], ref(x1, y1)[1]
+            compiled.backward(loss)
+            ref_loss.backward()
+            for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"rank {rank} step {step} grad {name}: {m}")
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+            losses.append((loss.item(), ref_loss.item()))
+    with pytest.raises(RuntimeError, match=r"strategy='traced'.*comm hooks are never called.*strategy='split'"):
+        compiled.register_comm_hook(None, lambda state, bucket: None)
+    # A plain loss.backward() still all-reduces (eagerly, one gradient at a time) and is warned about.
+    plain = compiled(x1, y1)[1]
+    plain.backward()
+    ref(x1, y1)[1].backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, ref_model.lm_head.weight.grad, rtol=1e-4, atol=1e-5)
+    with pytest.warns(UserWarning, match=r"a forward ran again without compiled.backward\(loss\)"):
+        compiled(x1, y1)
+    grads = [p.numel() * p.element_size() for p in model.parameters()]
+    return dict(losses=losses, strategy=compiled.strategy, fused=compiled.traced.fused,
+                caps=compiled.traced.caps, grad_bytes=sum(grads),
+                predicted=compiled.prediction is not None)
+
+
+def _check_parity(results):
+    for rank, r in enumerate(results):
+        assert r["strategy"] == "traced"
+        for step, (loss, ref_loss) in enumerate(r["losses"]):
+            assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"rank {rank} step {step}"
+    assert results[0]["losses"][0] != results[1]["losses"][0]  # ranks saw different data, DDP kept them in sync
+
+
+@pytest.mark.slow
+def test_two_rank_traced_aot_eager_matches_eager_ddp_with_accumulation(run_ranks):
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=128, block_size=16, tie_weights=True)
+    results = run_ranks(_traced_rank, "aot_eager", cfg, 0.05, None)
+    _check_parity(results)
+    assert results[0]["fused"] == []  # no Inductor, no fusion pass: one all-reduce per gradient
+
+
+@pytest.mark.slow
+def test_two_rank_traced_inductor_fuses_by_ddp_caps_and_by_the_auto_plan(run_ranks):
+    cfg = GPTConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+    results = run_ranks(_traced_rank, "inductor", cfg, 0.01, None, timeout=600)
+    _check_parity(results)
+    for r in results:
+        fused = r["fused"][0]  # the synchronised backward (the no_sync one has no all-reduce)
+        assert len(r["fused"]) == 1 and sum(fused) == r["grad_bytes"]
+        cap = int(0.01 * 2**20)
+        assert len(fused) > 1 and all(b >= cap for b in fused[:-1]), fused  # each closed at DDP's cap
+    # The auto plan: a slow link and a fast device make the DP choose few, large buckets; the fusion follows it.
+    slow = CostModel(LinkEstimate(5e-3, 1e6), DeviceRates(1e12, 1e11))
+    results = run_ranks(_traced_rank, "inductor", cfg, 0.01, slow, timeout=600)
+    _check_parity(results)
+    for r in results:
+        caps = r["caps"].per_bucket_caps
+        assert r["predicted"] and caps, r
+        assert len(r["fused"][0]) == len(caps) and r["fused"][0] == list(caps), r
+
+
+def _fallback_rank(rank, world_size, why):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    if why == "unused":
+        ddp = DDP(model, find_unused_parameters=True)
+    else:
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, lambda state, bucket: _allreduce_future(bucket))
+    with pytest.warns(UserWarning, match=r"strategy='traced'\) runs the split strategy instead: (.*)") as caught:
+        compiled = compile_ddp(ddp, backend="aot_eager", strategy="traced", align_buckets=False)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    compiled.backward(compiled(x).sum())  # the split strategy: a plain backward through DDP's reducer
+    return compiled.strategy, str(caught[0].message), model[0].weight.grad.clone()
+
+
+def _allreduce_future(bucket):
+    import torch.distributed as dist
+
+    t = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("why, reason", [("unused", "find_unused_parameters=True"), ("hook", "comm hook")])
+def test_traced_falls_back_to_split_with_a_warning(run_ranks, why, reason):
+    results = run_ranks(_fallback_rank, why)
+    for strategy, message, _ in results:
+        assert strategy == "split"
+        assert reason in message and "pass strategy='split'" in message
+    torch.testing.assert_close(results[0][2], results[1][2])  # still all-reduced
