@@ -37,7 +37,9 @@ def describe(cfg: JobConfig) -> str:
         ("model", model),
         ("parallel", f"{cfg.parallel.name} ({cfg.parallel.dist_backend})"),
         ("compile", comp),
-        *([("ddp", ddp + (" static_graph" if d.static_graph else ""))] if cfg.parallel.name == ParallelMode.DDP else []),
+        *([("ddp", ddp + (" static_graph" if d.static_graph else "") + (f" strategy={d.strategy}"
+                                                                           if d.strategy != "split" else ""))]
+          if cfg.parallel.name == ParallelMode.DDP else []),
         *([("fsdp", _describe_fsdp(cfg.fsdp))] if cfg.parallel.name == ParallelMode.FSDP else []),
         ("data", data),
         ("train", f"steps={t.steps} batch={t.batch_size} seq={t.seq_len} lr={t.lr} seed={t.seed} "

@@ -70,7 +70,8 @@ def probe_exposed_comm(wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env:
             with contextlib.nullcontext() if sync else ddp.no_sync():
                 with autocast(cfg.train.precision, env.device):
                     loss = wrapped.forward(x, y)[1]
-                loss.backward()
+                with wrapped.backward_context():
+                    loss.backward()
             times.append((time.perf_counter() - t0) * 1e3)
             ddp.zero_grad(set_to_none=True)
     sync_ms, nosync_ms = statistics.median(synced), statistics.median(unsynced)

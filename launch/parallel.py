@@ -8,6 +8,7 @@ then compile (``compile_ddp`` reads DDP's bucket caps to split the graph there).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -123,13 +124,24 @@ class Wrapped:
 
     def alignment(self) -> Alignment | None:
         """DDP's runtime buckets against the partitions (None without compile_ddp)."""
-        if self.compiled_ddp is None:
+        if self.compiled_ddp is None or self.compiled_ddp.strategy == "traced":  # no DDP reducer buckets in use
             return None
         return measure_alignment(self.compiled_ddp.ddp_model, self.compiled_ddp.buckets)
 
     def prediction(self) -> Timeline | None:
         """The cost model's predicted timeline (``ddp.bucket_cap_mb=auto``), else None."""
         return self.compiled_ddp.prediction if self.compiled_ddp is not None else None
+
+    def traced_buckets(self) -> list[int] | None:
+        """Under ``ddp.strategy=traced``: the fused all-reduces' bytes of the last compiled
+        synchronising backward, gradient-ready order; None otherwise."""
+        traced = getattr(self.compiled_ddp, "traced", None)
+        return (traced.fused[-1] if traced.fused else []) if traced is not None else None
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """What every ``loss.backward()`` runs in: under ``ddp.strategy=traced`` compiled autograd
+        with the planned all-reduce fusion (Note [Traced strategy]); nothing otherwise."""
+        return self.compiled_ddp.backward_context() if self.compiled_ddp is not None else contextlib.nullcontext()
 
 
 def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
@@ -161,6 +173,7 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
         fallback=c.fallback, split=c.split, cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks,
         bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
         align_buckets=cfg.ddp.align_buckets, share_compile=c.share, share_timeout_s=c.share_timeout_s,
+        strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP else "split",
         spelling=OVERRIDE_SPELLING,
     )
 

@@ -42,6 +42,7 @@ __all__ = [
     "check_ddp",
     "check_auto_caps",
     "auto_caps_error",
+    "strategy_error",
     "check_fsdp",
     "check_data",
     "check_diagnose",
@@ -215,9 +216,29 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
 
 def check_auto_caps(d: DDPConfig, c: CompileConfig) -> None:
     """ddp.bucket_cap_mb=auto plans where compile_ddp splits the graph, so it needs a compile
-    (with compile.split=false or compile.regional=true, DDPCompileConfig refuses it)."""
+    (with compile.split=false or compile.regional=true, DDPCompileConfig refuses it); so does
+    ddp.strategy=traced."""
     if d.bucket_cap_mb == "auto" and c.backend == "eager":
         raise auto_caps_error("compile.backend=eager")
+    if d.strategy == "traced" and c.backend == "eager":
+        raise strategy_error(d.strategy, c)
+
+
+def strategy_error(strategy: str, c: CompileConfig) -> ConfigError:
+    """``ddp.strategy`` refused: an unknown name, or traced with a setting that compiles otherwise."""
+    if strategy not in ("split", "traced"):
+        return ConfigError(
+            f"ddp.strategy={strategy!r} is not valid: it must be split (the forward split at the bucket boundaries, "
+            "DDP's reducer all-reduces each bucket; the default) or traced (the all-reduces traced into one "
+            "compiled backward graph). Use ddp.strategy=split or ddp.strategy=traced."
+        )
+    off = ("compile.backend=eager" if c.backend == "eager" else "compile.split=false" if not c.split
+           else "compile.regional=true")
+    return ConfigError(
+        f"ddp.strategy=traced with {off}: the traced strategy compiles the whole forward and traces the gradient "
+        f"all-reduces into the compiled backward, and {off} compiles otherwise (or not at all). Drop one of the "
+        "two: ddp.strategy=split is the default."
+    )
 
 
 def auto_caps_error(off: str) -> ConfigError:

@@ -169,6 +169,9 @@ class DDPConfig:
     static_graph: bool = False
     # After step 1, make DDP's runtime buckets equal the compiled partitions (Note [Bucket realignment]).
     align_buckets: bool = True
+    # split: the forward split at the buckets, DDP's reducer all-reduces; traced: the all-reduces
+    # traced into one compiled backward graph (Note [Traced strategy]).
+    strategy: str = "split"
 
     def __post_init__(self) -> None:
         # The one check a type cannot make: `Any` lets every word through.

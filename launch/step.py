@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -110,6 +110,8 @@ class StepRunner:
         no_recompile_after_warmup: raise on a recompile after :meth:`warm_up`.
         skip_nonfinite: when the loss is not finite on some rank, skip the update on
             every rank (one all-reduce per step; Note [Finite-loss guard] in ``launch.guard``).
+        backward_context: what every backward runs in (``Wrapped.backward_context``: compiled
+            autograd under ``ddp.strategy=traced``).
     """
 
     forward: Callable[..., Any]
@@ -120,6 +122,7 @@ class StepRunner:
     input_names: tuple[str, str] = ("idx", "targets")
     no_recompile_after_warmup: bool = False
     skip_nonfinite: bool = False
+    backward_context: Callable[[], ContextManager] = contextlib.nullcontext
     warmup_shapes: list[tuple[int, ...]] = field(default_factory=list)
     _warm: bool = False
     skipped: bool = False  # the last step's update was skipped (non-finite loss, skip_nonfinite)
@@ -138,7 +141,8 @@ class StepRunner:
             with _grad_sync(self.module, enabled=i == k - 1):
                 loss = self._forward(b, step)
                 scaled = loss / k
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                with self.backward_context():
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
             total += scaled.detach().float()
         # Note [Finite-loss guard] in launch.guard: under skip, every rank agrees before the update.
         self.skipped = self.skip_nonfinite and not all_finite(total)
@@ -177,7 +181,9 @@ class StepRunner:
         for length in warmup_lengths(seq_len, padding, pad_multiple):
             full = torch.full((micro_batch,), length, dtype=torch.int64)
             b = pad_batch(x, y, full, padding, pad_multiple, self.device)
-            self._forward(b, step=0).backward()
+            loss = self._forward(b, step=0)
+            with self.backward_context():
+                loss.backward()
             shapes.append(tuple(b.inputs.shape))
         self.optimizer_step.optimizer.zero_grad(set_to_none=not self.optimizer_step.compiled)
         torch.set_rng_state(cpu_rng)

@@ -199,7 +199,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
                                       max_grad_norm=t.max_grad_norm, tensor_lr=schedule.varies),
                         precision=t.precision, device=env.device, input_names=input_names,
                         no_recompile_after_warmup=t.no_recompile_after_warmup,
-                        skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP)
+                        skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP, backward_context=wrapped.backward_context)
     counter = CompileCounter(diagnoser) if diagnoser is not None else None
     if counter is not None:
         counter.start()  # graphs and recompiles are counted from here on
@@ -292,6 +292,11 @@ def report(job: Job) -> dict[str, Any]:
     if alignment is not None:
         print0(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly one "
                f"partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
+    traced = wrapped.traced_buckets()
+    if traced is not None:
+        print0(f"ddp.strategy=traced: {len(traced)} all-reduce(s) fused in the compiled backward graph, "
+               f"MiB {[round(b / 2**20, 2) for b in traced]} (gradient-ready order; none with a backend other "
+               "than inductor, whose pass fuses them: then one per parameter)")
     prediction = wrapped.prediction()
     if prediction is not None:
         print0("bucket plan (ddp.bucket_cap_mb=auto; gradient-ready order, times from the start of backward):\n"

@@ -66,10 +66,10 @@ def _compile_settings(cfg: JobConfig) -> None:
     try:
         ddp_compile_config(cfg)
     except SettingError as e:
-        raise _compile_error(e, cfg.compile) from None
+        raise _compile_error(e, cfg.compile, cfg.ddp.strategy) from None
 
 
-def _compile_error(e: SettingError, c: CompileConfig) -> ConfigError:
+def _compile_error(e: SettingError, c: CompileConfig, strategy: str) -> ConfigError:
     """DDPCompileConfig's refusal of ``e.setting``, in the launcher's spelling."""
     if e.setting == "share_timeout_s":
         return ConfigError(
@@ -90,6 +90,8 @@ def _compile_error(e: SettingError, c: CompileConfig) -> ConfigError:
             "to keep one compile-cache file per model and config in. Pass a directory path, e.g. "
             "compile.cache_dir=/scratch/compile_cache."
         )
+    if e.setting == "strategy":
+        return rules.strategy_error(strategy, c)
     if e.setting == "bucket_cap_mb":  # the launcher passes only 'auto' to compile_ddp
         return rules.auto_caps_error("compile.split=false" if not c.split else "compile.regional=true")
     return ConfigError(f"the compile.* settings cannot work together: {e}")

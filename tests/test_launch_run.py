@@ -53,6 +53,41 @@ def test_one_process_ddp_aot_eager_prints_partition_table(tmp_path, capsys, capl
     assert "partition 1/" in caplog.text  # compile progress, logger compiler.partition
 
 
+@pytest.fixture
+def inline_list_restored():
+    """The traced strategy makes dynamo inline torch.nn.parallel.distributed process-wide (as DDP
+    does under optimize_ddp='python_reducer'); put the list back for the tests after."""
+    rules = torch._dynamo.trace_rules
+    saved = set(rules.LEGACY_MOD_INLINELIST)
+    yield
+    rules.LEGACY_MOD_INLINELIST.clear()
+    rules.LEGACY_MOD_INLINELIST.update(saved)
+    rules.get_legacy_mod_inlinelist.cache_clear()
+
+
+def test_one_process_ddp_traced_strategy_trains(tmp_path, capsys, inline_list_restored):
+    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(strategy="traced"),
+               train=dict(steps=3, grad_accum=2))
+    metrics = run(cfg)
+    out = capsys.readouterr().out
+    # aot_eager has no Inductor fusion pass: one all-reduce per gradient, inside the compiled backward.
+    assert "ddp.strategy=traced: 0 all-reduce(s) fused" in out and "DDP buckets = graph partitions" not in out
+    assert len(metrics["losses"]) == 3 and all(loss == loss for _, loss in metrics["losses"])
+    assert metrics["buckets"] == []
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(ddp=DDPConfig(strategy="pipelined")), r"ddp\.strategy='pipelined' is not valid: it must be split .* or traced"),
+    (dict(ddp=DDPConfig(strategy="traced"), compile=CompileConfig(backend="aot_eager", split=False)),
+     r"ddp\.strategy=traced with compile\.split=false: .* Drop one of the two"),
+    (dict(ddp=DDPConfig(strategy="traced"), compile=CompileConfig(backend="eager")),
+     r"ddp\.strategy=traced with compile\.backend=eager"),
+])
+def test_ddp_strategy_refused_before_a_process_group(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        run(_job(tmp_path, **overrides))
+
+
 @pytest.mark.parametrize("model", ["gpt_tiny", "hf_gpt2"])
 def test_parallel_none_compiles_the_plain_model(model, tmp_path):
     if model == "hf_gpt2":
