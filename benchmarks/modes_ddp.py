@@ -222,7 +222,38 @@ class CompiledAutograd(DDPMode):
         return [c for c in caps if c != "auto"]
 
 
-DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), Regional(), CompiledAutograd()],
+class OursTraced(Ours):
+    name = "ours_traced"
+    summary = ("compile_ddp(ddp, strategy='traced'): all-reduces traced into one compiled backward, "
+               "fused into buckets of DDP's caps or the cost-model plan")
+    takes_hook = False  # the python reducer's all-reduces never reach a comm hook
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        r.fn = self.compile(r.ddp, backend, cap, link, cost_model)
+
+    def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
+        more = {}
+        if cap == "auto":  # measured on the real link (a traced mode takes no simulated one)
+            more = dict(bucket_cap_mb="auto", link=cost_model)
+        # A backend object of its own, as for builtin: no runner runs another's compiled backward.
+        return compile_ddp(ddp, backend=functools.partial(resolve_backend(backend)), strategy="traced", **more)
+
+    def during_step(self, r: DDPRunner) -> ContextManager:
+        return r.fn.backward_context()
+
+    def partitions(self, r: DDPRunner) -> int | None:
+        fused = r.fn.traced.fused
+        return len(fused[0]) if fused else None  # all-reduces in the synchronised backward, one graph
+
+    def plan(self, r: DDPRunner) -> list | None:
+        return None
+
+    def alignment(self, r: DDPRunner) -> float | None:
+        return None
+
+
+DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), Regional(), CompiledAutograd(),
+                                           OursTraced()],
                                           default=("eager", "builtin", "nosplit", "ours"))
 
 

@@ -78,7 +78,7 @@ def _print_auto_plans(runners: Sequence[DDPRunner]) -> None:
     for r in runners:
         pred = r.mode.prediction(r)
         if pred is not None and r.cap == "auto":
-            print0(f"[sweep] {r.label} plan:\n{describe(pred, r.mode.plan(r))}")
+            print0(f"[sweep] {r.label} plan:\n{describe(pred, r.mode.plan(r) or [])}")
 
 
 def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:

@@ -66,6 +66,10 @@ def relaunch_on_nodes(module: str, argv: Sequence[str], nproc: int, command_env:
     env = dict(os.environ, **{command_env: shlex.join(["python", "-m", module, *argv])})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
                                                     env.get("PYTHONPATH")) if p)
+    # torchrun sets OMP_NUM_THREADS=1 only for more than one rank per node; here the two nodes share
+    # one machine, and a rank per node with every core's threads oversubscribed it (measured: a
+    # 2-core machine's forward and backward took twice the one-thread time, load average 4).
+    env.setdefault("OMP_NUM_THREADS", "1")
     with shaped_network(rate) as net:
         cmds = [net.torchrun(node, RDZV_PORT, nproc // 2, job, python=sys.executable) for node in (0, 1)]
         for node, cmd in enumerate(cmds):
