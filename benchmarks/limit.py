@@ -75,7 +75,7 @@ from typing import Sequence
 from .stats import median, ratio_summary
 
 __all__ = ["LimitParts", "FSDPLimitParts", "limit_parts", "add_limit_columns", "measure_comm", "measure_fsdp_comm",
-           "PEER_MODES", "FSDP_PEER_MODES"]
+           "PEER_MODES", "FSDP_PEER_MODES", "against_peers"]
 
 PEER_MODES = ("eager", "builtin", "compiled_autograd")  # what users run today (the modes we must beat)
 FSDP_PEER_MODES = ("eager", "per_block")  # FSDP2 as is, and torchtitan's per-block compile recipe
@@ -187,3 +187,24 @@ def measure_fsdp_comm(nbytes: int, device, repeats: int) -> tuple[float, float]:
     ag = _timed(lambda: dist.all_gather_into_tensor(full, part), full.device, repeats)
     rs = _timed(lambda: dist.reduce_scatter_tensor(part, full), full.device, repeats)
     return ag, rs
+
+
+def against_peers(rows: Sequence[dict], default_cap: float = 25.0) -> list[dict]:
+    """Each of our ``auto`` rows against every peer mode at its default cap and at its best cap
+    (median of per-round ratios with IQR; below 1 is faster), with its ``step_over_limit``."""
+    ours = [r for r in rows if r["mode"] not in PEER_MODES and r.get("bucket_cap_mb") == "auto"
+            and r.get("step_ms_rounds")]
+    out = []
+    for mine in ours:
+        for peer in PEER_MODES:
+            runs = [r for r in rows if r["mode"] == peer and r.get("step_ms_rounds")]
+            if not runs:
+                continue
+            default = next((r for r in runs if r.get("bucket_cap_mb") == default_cap), None)
+            best = min(runs, key=lambda r: r["step_ms_median"])
+            for which, other in (("default", default), ("best", best)):
+                if other is not None:
+                    mid, lo, hi = ratio_summary(mine["step_ms_rounds"], other["step_ms_rounds"])
+                    out.append({"ours": mine["runner"], "peer": other["runner"], "which": which, "ratio": mid,
+                                "ratio_q1": lo, "ratio_q3": hi, "step_over_limit": mine.get("step_over_limit")})
+    return out

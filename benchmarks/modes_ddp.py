@@ -243,7 +243,8 @@ class OursTraced(Ours):
 
     def partitions(self, r: DDPRunner) -> int | None:
         fused = r.fn.traced.fused
-        return len(fused[0]) if fused else None  # all-reduces in the synchronised backward, one graph
+        # All-reduces of the synchronised backward; None when Inductor's cache served it (the pass did not run).
+        return len(fused[0]) if fused else None
 
     def plan(self, r: DDPRunner) -> list | None:
         return None

@@ -106,9 +106,26 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
         summary = format_summary(sweep_summary(rows))
         if summary:
             parts.append(summary)
+    if sweep and limit:
+        parts.append(_peers_markdown(rows))
     if plot:
         parts.append(f"![step time vs bucket cap]({plot})")
     return "\n\n".join(parts)
+
+
+def _peers_markdown(rows: Sequence[dict]) -> str:
+    """Each of our auto rows against every peer at its default cap and at its best cap."""
+    from .limit import against_peers
+
+    found = against_peers(rows)
+    if not found:
+        return ""
+    lines = [[v["ours"], f"{v['peer']} ({v['which']})",
+              f"{fmt(v['ratio'], '.3f')} [{fmt(v['ratio_q1'], '.3f')}, {fmt(v['ratio_q3'], '.3f')}]",
+              fmt(v["step_over_limit"], ".2f")] for v in found]
+    return ("Ours at `auto` against each peer at its default cap (what users run) and at its best cap in this "
+            "sweep; median of per-round ratios [IQR], below 1 is faster:\n\n"
+            + markdown_table(["ours", "peer", "ours / peer [IQR]", "ours step / limit"], lines))
 
 
 def replace_section(text: str, body: str) -> str:

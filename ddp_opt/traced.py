@@ -49,6 +49,8 @@ Notes
 Debugging
     - ``compiled.traced.fused`` lists, per compiled backward, the fused buckets'
       byte sizes in gradient-ready order; INFO logs them, and the auto plan's table.
+      A backward loaded from Inductor's FX graph cache (keyed with the pass's
+      ``uuid``, the caps) is fused as when compiled and records nothing.
 """
 
 from __future__ import annotations

@@ -293,10 +293,13 @@ def report(job: Job) -> dict[str, Any]:
         print0(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly one "
                f"partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
     traced = wrapped.traced_buckets()
-    if traced is not None:
+    if traced:
         print0(f"ddp.strategy=traced: {len(traced)} all-reduce(s) fused in the compiled backward graph, "
-               f"MiB {[round(b / 2**20, 2) for b in traced]} (gradient-ready order; none with a backend other "
-               "than inductor, whose pass fuses them: then one per parameter)")
+               f"MiB {[round(b / 2**20, 2) for b in traced]} (gradient-ready order)")
+    elif traced is not None:
+        print0("ddp.strategy=traced: the all-reduces run inside the compiled backward graph; no fusion recorded "
+               "(a backend without Inductor's fusion pass all-reduces one gradient at a time; a backward "
+               "loaded from Inductor's cache fused as when it was compiled, without running the pass again)")
     prediction = wrapped.prediction()
     if prediction is not None:
         print0("bucket plan (ddp.bucket_cap_mb=auto; gradient-ready order, times from the start of backward):\n"

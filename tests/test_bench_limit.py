@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.limit import FSDPLimitParts, LimitParts, add_limit_columns, limit_parts
+from benchmarks.limit import FSDPLimitParts, LimitParts, add_limit_columns, against_peers, limit_parts
 
 
 def _row(mode, runner, steps, fwd, bwd, opt):
@@ -60,3 +60,22 @@ def test_fsdp_limit_charges_two_all_gathers_and_a_reduce_scatter_and_no_scatter_
     add_limit_columns(rows, link_bound, peers=("eager", "per_block"))
     assert rows[1]["best_peer"] == "per_block" and rows[1]["ratio_vs_best_peer"] == pytest.approx(190 / 210)
     assert rows[1]["limit_allgather_ms"] == pytest.approx(50.0)
+
+
+def test_our_auto_rows_against_each_peer_at_its_default_and_its_best_cap():
+    def row(mode, cap, steps):
+        r = _row(mode, f"{mode}@{cap}", steps, fwd=1, bwd=1, opt=1)
+        r["bucket_cap_mb"] = cap
+        return r
+
+    rows = [row("builtin", 1.0, [100, 100, 100]), row("builtin", 25.0, [200, 200, 200]),
+            row("compiled_autograd", 25.0, [120, 120, 120]), row("ours", 1.0, [95, 95, 95]),
+            dict(row("ours_traced", "auto", [90, 96, 110]), step_over_limit=1.02)]
+    found = {(v["ours"], v["peer"], v["which"]): v for v in against_peers(rows)}
+    assert set(found) == {("ours_traced@auto", "builtin@25.0", "default"), ("ours_traced@auto", "builtin@1.0", "best"),
+                          ("ours_traced@auto", "compiled_autograd@25.0", "default"),
+                          ("ours_traced@auto", "compiled_autograd@25.0", "best")}  # no eager row, no ours@auto row
+    best = found[("ours_traced@auto", "builtin@1.0", "best")]
+    assert best["ratio"] == pytest.approx(0.96) and (best["ratio_q1"], best["ratio_q3"]) == pytest.approx((0.93, 1.03))
+    assert found[("ours_traced@auto", "builtin@25.0", "default")]["ratio"] == pytest.approx(0.48)
+    assert best["step_over_limit"] == 1.02

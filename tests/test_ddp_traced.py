@@ -53,6 +53,9 @@ def _batch(rank, step, vocab, batch=4, seq=16):
 def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model):
     """compile_ddp(strategy="traced") and eager DDP side by side; each step accumulates one
     micro-batch under no_sync, then one synchronised; losses and gradients compared."""
+    # The fusion is recorded when the pass runs; a backward served by Inductor's or AOTAutograd's cache
+    # (left by an earlier run on this machine) would skip it. This spawned rank's process only.
+    torch._inductor.config.force_disable_caches = True
     torch.manual_seed(0)
     model = GPT(cfg)
     ref_model = copy.deepcopy(model)

@@ -71,7 +71,8 @@ def test_one_process_ddp_traced_strategy_trains(tmp_path, capsys, inline_list_re
     metrics = run(cfg)
     out = capsys.readouterr().out
     # aot_eager has no Inductor fusion pass: one all-reduce per gradient, inside the compiled backward.
-    assert "ddp.strategy=traced: 0 all-reduce(s) fused" in out and "DDP buckets = graph partitions" not in out
+    assert "ddp.strategy=traced: the all-reduces run inside the compiled backward graph; no fusion recorded" in out
+    assert "DDP buckets = graph partitions" not in out
     assert len(metrics["losses"]) == 3 and all(loss == loss for _, loss in metrics["losses"])
     assert metrics["buckets"] == []
 
