@@ -12,9 +12,11 @@ from ddp_opt import format_buckets
 from .schema import FSDPOptions, JobConfig, ParallelMode, Padding
 
 if TYPE_CHECKING:
+    from ddp_opt import Alignment
+
     from .parallel import Wrapped
 
-__all__ = ["describe", "partition_table"]
+__all__ = ["describe", "partition_table", "ddp_lines"]
 
 
 def describe(cfg: JobConfig) -> str:
@@ -59,6 +61,25 @@ def _describe_fsdp(f: FSDPOptions) -> str:
     units = f"shard_unit_mb={f.shard_unit_mb}" if f.shard_unit_mb is not None else "one unit per block"
     return (f"{units} prefetch={f.prefetch} reshard_after_forward={f.reshard_after_forward} "
             f"checkpointing={f.checkpointing} mixed_precision={f.mixed_precision}")
+
+
+def ddp_lines(wrapped: Wrapped, alignment: Alignment | None) -> list[str]:
+    """What DDP's gradients went through: the realigned buckets' alignment, or under
+    ``ddp.strategy=traced`` the fused all-reduces of the compiled backward."""
+    lines = []
+    if alignment is not None:
+        lines.append(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly "
+                     f"one partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
+    traced = wrapped.traced_buckets()
+    if traced:
+        lines.append(f"ddp.strategy=traced: {len(traced)} all-reduce(s) fused in the compiled backward graph, "
+                     f"MiB {[round(b / 2**20, 2) for b in traced]} (gradient-ready order)")
+    elif traced is not None:
+        lines.append("ddp.strategy=traced: the all-reduces run inside the compiled backward graph; no fusion "
+                     "recorded (a backend without Inductor's fusion pass all-reduces one gradient at a time; a "
+                     "backward loaded from Inductor's cache fused as when it was compiled, without running the "
+                     "pass again)")
+    return lines
 
 
 def partition_table(wrapped: Wrapped) -> str | None:

@@ -37,7 +37,7 @@ from ddp_opt.cost import describe as describe_plan
 
 from .agree import check_same_config
 from .bad_input import report_config_error
-from .banner import describe, partition_table
+from .banner import ddp_lines, describe, partition_table
 from .checkpoint import save_checkpoint
 from .compile_stats import after_first_compile, save_compile_cache
 from .data import TokenSource, build_data, stream_seed
@@ -289,17 +289,8 @@ def report(job: Job) -> dict[str, Any]:
     cfg, env, tally, wrapped = job.cfg, job.env, job.tally, job.wrapped
     summary = tally.summary(job.counter.snapshot() if job.counter is not None else None)
     alignment = wrapped.alignment()
-    if alignment is not None:
-        print0(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly one "
-               f"partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
-    traced = wrapped.traced_buckets()
-    if traced:
-        print0(f"ddp.strategy=traced: {len(traced)} all-reduce(s) fused in the compiled backward graph, "
-               f"MiB {[round(b / 2**20, 2) for b in traced]} (gradient-ready order)")
-    elif traced is not None:
-        print0("ddp.strategy=traced: the all-reduces run inside the compiled backward graph; no fusion recorded "
-               "(a backend without Inductor's fusion pass all-reduces one gradient at a time; a backward "
-               "loaded from Inductor's cache fused as when it was compiled, without running the pass again)")
+    for line in ddp_lines(wrapped, alignment):
+        print0(line)
     prediction = wrapped.prediction()
     if prediction is not None:
         print0("bucket plan (ddp.bucket_cap_mb=auto; gradient-ready order, times from the start of backward):\n"

@@ -1,0 +1,176 @@
+"""CompiledDDP: what the training loop calls in place of the DDP model that
+``compile_ddp`` compiled, and what it keeps: the plan, bucket realignment, the
+compile cache and, under ``strategy="traced"``, the backward context."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from compiler import CompileCache
+from compiler.cache import save_on_local_rank0
+from compiler.share import CompileShare
+
+from ._torch_internals import has_rebuilt_buckets, reducer_finalized
+from .alignment import Alignment
+from .autoplan import Timeline
+from .optimizer import DDPOptimizer
+from .plan import Bucket
+from .realign import check_realignment, realign_reducer
+from .traced import TracedPlan
+
+__all__ = ["CompiledDDP"]
+
+
+class CompiledDDP:
+    """What the training loop calls in place of the DDP model.
+
+    Calling it calls the DDP model, whose wrapped module ``compile_ddp`` compiled
+    in place. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
+    ``module``, ...) is the DDP model's, and checkpoints keep DDP's keys.
+
+    Attributes:
+        ddp_model: the wrapped DDP module.
+        ddp_optimizer: the splitter, or None when compiled with ``split=False``.
+        align_buckets: re-create DDP's reducer once, after the first step, so that
+            its buckets equal the partitions (Note [Bucket realignment]).
+        aligned_caps: the caps given to the reducer, once realigned.
+        realignment: the alignment of the realigned buckets, measured (and warned
+            about when below 1.0) in the forward where DDP rebuilt them.
+        block_buckets: with regional compile, the buckets of whole blocks
+            (Note [Regional compile]); None otherwise.
+        compile_cache: the :class:`compiler.cache.CompileCache` with
+            ``cache_dir``, else None; saved by :meth:`save_compile_cache`.
+        share: the :class:`compiler.share.CompileShare` of DDP's group (its
+            ``stats`` say what this rank compiled, loaded and waited for), or
+            None on one rank.
+        traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
+        strategy: the strategy in use, ``"split"`` or ``"traced"`` (``"split"`` also
+            when ``"traced"`` was asked for and fell back, with a warning).
+    """
+
+    def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
+                 align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
+                 compile_cache: CompileCache | None = None, share: CompileShare | None = None,
+                 traced: TracedPlan | None = None) -> None:
+        self.ddp_model = ddp_model
+        self.traced = traced
+        self.strategy = "traced" if traced is not None else "split"
+        self._backward_pending = False  # a traced forward ran; its backward has not entered backward_context()
+        self._warned_plain_backward = False
+        self.share = share
+        self.ddp_optimizer = ddp_optimizer
+        self.block_buckets = block_buckets
+        self.compile_cache = compile_cache
+        self._calls = 0
+        self.auto_save_cache = True
+        self._save_attempted = False
+        planned = ddp_optimizer is not None or block_buckets is not None
+        self.align_buckets = align_buckets and planned
+        self.aligned_caps: tuple[int, ...] | None = None
+        self.realignment: Alignment | None = None  # measured once the realigned buckets exist
+        # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
+        self._min_realign_buckets = 1 if ddp_optimizer is not None and ddp_optimizer.auto_plan else 2
+        self._comm_hooks: list[tuple[Any, Callable]] = []
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
+        if self.traced is not None:
+            raise RuntimeError(
+                "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
+                "all-reduced inside the compiled backward graph, where DDP's comm hooks are never called. "
+                "Compile with strategy='split' (the default) to use a comm hook."
+            )
+        self._comm_hooks.append((state, hook))
+        self.ddp_model.register_comm_hook(state, hook)
+
+    def _maybe_realign(self) -> None:
+        if not (self.align_buckets and self.aligned_caps is None and torch.is_grad_enabled()
+                and reducer_finalized(self.ddp_model)):
+            return
+        buckets = [b for b in self.buckets if b.size > 0]
+        if len(buckets) >= self._min_realign_buckets:
+            self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks)
+
+    def _check_realigned(self) -> None:
+        # DDP rebuilds its buckets at the start of a forward: measured right after it.
+        if self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
+            self.realignment = check_realignment(self.ddp_model, [b for b in self.buckets if b.size > 0])
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        if self.block_buckets is not None:
+            return self.block_buckets
+        return self.ddp_optimizer.buckets if self.ddp_optimizer is not None else []
+
+    def save_compile_cache(self) -> str | None:
+        """Save the compile artifacts and kernels to ``cache_dir`` (Note [Compile cache]).
+
+        Call it after the first full step (forward and backward: AOTAutograd
+        compiles the backward at the first backward), and again after new graphs
+        compiled (a new shape); it is called automatically once, at the start of
+        the second call, unless ``auto_save_cache`` is set False. Only local rank 0
+        writes, and only what the entry does not hold yet (after a load: the
+        graphs that missed). Returns the entry's path when one was written.
+        """
+        self._save_attempted = True
+        path = save_on_local_rank0(self.compile_cache)
+        return str(path) if path is not None else None
+
+    @property
+    def prediction(self) -> Timeline | None:
+        """With ``bucket_cap_mb="auto"``: the last plan's predicted backward + comm timeline."""
+        if self.traced is not None:
+            return self.traced.prediction
+        return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """What ``loss.backward()`` must run in: under ``strategy="traced"`` compiled autograd
+        with the planned all-reduce fusion (Note [Traced strategy]); nothing under ``"split"``."""
+        if self.traced is None:
+            return contextlib.nullcontext()
+        self._backward_pending = False
+        return self.traced.backward()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` in :meth:`backward_context`: call this in place of
+        ``loss.backward()``; it works for every strategy."""
+        with self.backward_context():
+            loss.backward(**kwargs)
+
+    def _check_backward_path(self) -> None:
+        if self.traced is None:
+            return
+        if self._backward_pending and not self._warned_plain_backward:
+            self._warned_plain_backward = True
+            warnings.warn(
+                "compile_ddp(strategy='traced'): a forward ran again without compiled.backward(loss) since the "
+                "last one. If that forward's backward ran as plain loss.backward(), its gradients were all-reduced "
+                "one parameter at a time, eagerly, without overlap: correct, but slow. Call "
+                "compiled.backward(loss) (or run it in compiled.backward_context()) instead of loss.backward(), or "
+                "compile with strategy='split'.",
+                stacklevel=3,
+            )
+        self._backward_pending = torch.is_grad_enabled()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.auto_save_cache and self.compile_cache is not None and not self._save_attempted:
+            self._calls += 1  # counted only while a save is pending
+            if self._calls >= 2 and torch.is_grad_enabled():
+                self.save_compile_cache()
+        self._maybe_realign()
+        self._check_backward_path()
+        out = self.ddp_model(*args, **kwargs)
+        self._check_realigned()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not set in __init__.
+        return getattr(self.__dict__["ddp_model"], name)
+
+    def __repr__(self) -> str:
+        return f"CompiledDDP({self.ddp_model!r})"
