@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler import SettingError
 from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
-from ddp_opt.traced import group_by_caps
+from ddp_opt.traced import TracedPlan, group_by_caps
 from models import GPT, GPTConfig
 
 STEPS = 4
@@ -28,6 +28,14 @@ def test_group_by_caps_closes_each_bucket_at_its_cap():
     # One gradient larger than its cap is a bucket alone; what is left is the last bucket.
     assert group_by_caps([500, 1, 1], BucketCaps(100)) == [1, 2]
     assert group_by_caps([], BucketCaps(100)) == []
+
+
+def test_traced_first_bucket_is_small_unless_ddp_was_given_a_list():
+    mib = 2**20
+    assert TracedPlan(BucketCaps(4 * mib, 4 * mib), "aot_eager").caps == BucketCaps(4 * mib, mib)
+    assert TracedPlan(BucketCaps(mib // 100, mib // 100), "aot_eager").caps.cap_for(0) == mib // 100
+    listed = BucketCaps(4 * mib, per_bucket_caps=(4 * mib, 8 * mib))
+    assert TracedPlan(listed, "aot_eager").caps == listed
 
 
 def test_strategy_settings_refused_before_anything_runs():
