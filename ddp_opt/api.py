@@ -18,7 +18,7 @@ from compiler.cache import open_cache
 from compiler.share import share_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, no_builtin_ddp_splitter,
-                               realign_unsupported_warning, registered_hook_name)
+                               realign_unsupported_warning, registered_hook_name, use_python_reducer)
 from .autoplan import LinkEstimate
 from .compiled import CompiledDDP
 from .config import DDPCompileConfig
@@ -26,7 +26,7 @@ from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import BucketCaps
 from .regional import find_ddp_blocks, plan_block_buckets
-from .traced import TracedPlan, convert, fallback_reason
+from .traced import TracedPlan, fallback_reason
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         # The backward graph compiles with the plain backend: no shared-compile claim for a graph that
         # only compiled autograd's trace names.
         plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto")
-        convert(ddp_model)
+        use_python_reducer(ddp_model)  # Note [Traced strategy]
         backend_fn = plan.forward_backend(backend_fn)
     elif config.split:
         optimizer = DDPOptimizer(

@@ -59,7 +59,6 @@ class CompiledDDP:
                  traced: TracedPlan | None = None) -> None:
         self.ddp_model = ddp_model
         self.traced = traced
-        self.strategy = "traced" if traced is not None else "split"
         self._backward_pending = False  # a traced forward ran; its backward has not entered backward_context()
         self._warned_plain_backward = False
         self.share = share
@@ -100,6 +99,10 @@ class CompiledDDP:
         # DDP rebuilds its buckets at the start of a forward: measured right after it.
         if self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
             self.realignment = check_realignment(self.ddp_model, [b for b in self.buckets if b.size > 0])
+
+    @property
+    def strategy(self) -> str:
+        return "traced" if self.traced is not None else "split"
 
     @property
     def buckets(self) -> list[Bucket]:

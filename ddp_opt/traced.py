@@ -71,7 +71,7 @@ from torch.nn.parallel import DistributedDataParallel
 from compiler import BackendFn
 
 from ._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, registered_hook_name,
-                               traced_backward, traced_strategy_missing, use_python_reducer)
+                               traced_backward, traced_strategy_missing)
 from .autoplan import Timeline
 from .cost import CostModel, describe, plan_auto
 from .plan import BucketCaps
@@ -203,8 +203,3 @@ class TracedPlan:
     def backward(self) -> contextlib.AbstractContextManager:
         """The context ``loss.backward()`` runs in under this strategy."""
         return traced_backward(self.compile_backward, [FuseByPlan(self), "schedule_comm_wait"])
-
-
-def convert(ddp_model: DistributedDataParallel) -> None:
-    """Switch ``ddp_model`` to the python reducer (Note [Traced strategy])."""
-    use_python_reducer(ddp_model)
