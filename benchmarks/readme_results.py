@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import report
+from .ablation import ablation_markdown
 from .report import cap_label, fmt, markdown_table, update_section, with_iqr
 
 __all__ = ["START", "END", "results_markdown", "replace_section", "update_file", "main"]
@@ -41,9 +42,11 @@ def _cells(r: dict, predicted: bool, peak: bool, limit: bool) -> list[str]:
     ]
 
 
-def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
+def results_markdown(rows: Sequence[dict], plot: str | None = None, before: Sequence[dict] | None = None) -> str:
     """A Markdown table (one line per mode and cap) and, if given, the plot link. The
-    predicted and peak-memory columns appear when some row has them (peak: CUDA runs)."""
+    predicted and peak-memory columns appear when some row has them (peak: CUDA runs).
+    A sweep with a limit gets the against-peers and lever-ablation tables; ``before``:
+    an earlier sweep's rows for the ablation (Note [Lever ablation])."""
     predicted = any(r.get("predicted_exposed_comm_ms") is not None for r in rows)
     peak = any(r.get("peak_mib") is not None for r in rows)
     limit = any(r.get("limit_ms") is not None for r in rows)
@@ -108,9 +111,10 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None) -> str:
             parts.append(summary)
     if sweep and limit:
         parts.append(_peers_markdown(rows))
+        parts.append(ablation_markdown(rows, before))
     if plot:
         parts.append(f"![step time vs bucket cap]({plot})")
-    return "\n\n".join(parts)
+    return "\n\n".join(p for p in parts if p)
 
 
 def _peers_markdown(rows: Sequence[dict]) -> str:
@@ -133,17 +137,27 @@ def replace_section(text: str, body: str) -> str:
     return report.replace_section(text, body, START, END)
 
 
+def _per_file(value: str | Sequence[str] | None, n: int) -> list[str | None]:
+    """One entry per JSON file: a list as given ("-" for none), padded with None."""
+    values = [value] if value is None or isinstance(value, str) else list(value)
+    values = [None if v == "-" else v for v in values]
+    return values + [None] * (n - len(values))
+
+
 def update_file(json_path: str | Path | Sequence[str | Path], target: str | Path,
-                plot: str | Sequence[str] | None = None) -> str:
+                plot: str | Sequence[str] | None = None, before: str | Sequence[str] | None = None) -> str:
     """Rewrite ``target``'s marked section from the rows in ``json_path``; return the new body.
 
     Several JSON files (e.g. one sweep per link) give one block each, in order;
-    ``plot`` is then a list with one image per file (or None).
+    ``plot`` and ``before`` (an earlier sweep's JSON for the ablation) are then lists
+    with one entry per file ("-" or None for none).
     """
     paths = [json_path] if isinstance(json_path, (str, Path)) else list(json_path)
-    plots = [plot] if plot is None or isinstance(plot, str) else list(plot)
-    plots += [None] * (len(paths) - len(plots))
-    body = "\n\n".join(results_markdown(json.loads(Path(p).read_text()), plot=pl) for p, pl in zip(paths, plots))
+    plots, befores = _per_file(plot, len(paths)), _per_file(before, len(paths))
+    body = "\n\n".join(
+        results_markdown(json.loads(Path(p).read_text()), plot=pl,
+                         before=json.loads(Path(b).read_text()) if b else None)
+        for p, pl, b in zip(paths, plots, befores))
     return update_section(target, body, START, END)
 
 
@@ -153,8 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("target", help="Markdown file with the bench:ddp markers (e.g. README.md)")
     p.add_argument("--plot", action="append", default=None,
                    help="image path to link, relative to the target file (once per JSON file, in order)")
+    p.add_argument("--before", action="append", default=None,
+                   help="an earlier sweep's JSON for the lever ablation (once per JSON file, in order; - for none)")
     args = p.parse_args(argv)
-    update_file(args.json, args.target, plot=args.plot)
+    update_file(args.json, args.target, plot=args.plot, before=args.before)
     print(f"updated {args.target}")
     return 0
 
