@@ -45,6 +45,9 @@ Notes
     - Forward cost of a graph break is folded into ``gamma`` as well.
     - ``simulate`` evaluates any plan (list of unit counts per bucket) with the
       same model, so fixed-cap plans can be predicted too.
+    - ``first`` pins the first bucket's unit count (``F[0][i]`` only for that
+      ``i``): the traced strategy plans over 1 MiB chunks with the first chunk
+      alone (Note [Traced strategy]).
 """
 
 from __future__ import annotations
@@ -170,7 +173,8 @@ def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimat
     return Timeline(tuple(timings), backward, free, link, gamma_s)
 
 
-def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, max_buckets: int | None = None) -> Timeline:
+def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, max_buckets: int | None = None,
+          first: int | None = None) -> Timeline:
     """The plan (a merge of consecutive units) with the least predicted finish.
 
     Args:
@@ -178,6 +182,7 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
         link: the link model.
         gamma_s: seconds each extra partition adds to backward.
         max_buckets: an upper bound on the number of buckets (default: one per unit).
+        first: the first bucket holds exactly this many units (default: the DP chooses).
 
     Returns:
         The optimal plan's :class:`Timeline` (``caps`` gives its per-bucket caps).
@@ -185,6 +190,8 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
     n = len(units)
     if n == 0:
         raise ValueError("solve needs at least one unit")
+    if first is not None and not 1 <= first <= n:
+        raise ValueError(f"solve(first={first}): the first bucket must hold between 1 and the {n} units")
     kmax = min(n, max_buckets or n)
     cum_c = [0.0]
     cum_b = [0]
@@ -196,7 +203,8 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
     F = [[inf] * n for _ in range(kmax)]
     P = [[-1] * n for _ in range(kmax)]
     for i in range(n):
-        F[0][i] = cum_c[i + 1] + link.transfer_s(cum_b[i + 1])
+        if first is None or i == first - 1:
+            F[0][i] = cum_c[i + 1] + link.transfer_s(cum_b[i + 1])
     for k in range(1, kmax):
         prev, row, back = F[k - 1], F[k], P[k]
         for i in range(k, n):
@@ -222,10 +230,11 @@ DEFAULT_SCALES = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 
 
 def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0,
-                 scales: Sequence[float] = DEFAULT_SCALES) -> Timeline:
+                 scales: Sequence[float] = DEFAULT_SCALES, first: int | None = None) -> Timeline:
     """The plan with the least worst-case regret when backward really takes ``scale`` x the estimate.
 
-    Candidates: the exact optimum (``solve``) for every scale, and the finest split.
+    Candidates: the exact optimum (``solve``, with ``first`` as there) for every scale,
+    and the finest split (after a first bucket of ``first`` units).
     Regret of a plan at a scale = its finish / the optimum's finish at that scale.
     Returns the chosen plan's timeline at scale 1, with ``extra["regret"]`` (the
     worst case) and ``extra["scales"]`` (see Note [Cost-model bucket plan]).
@@ -234,8 +243,9 @@ def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float =
         return [UnitCost(u.backward_s * s, u.nbytes) for u in units]
 
     tables = {s: scaled(s) for s in scales}
-    optimum = {s: solve(t, link, gamma_s) for s, t in tables.items()}
-    candidates = {tuple(b.units for b in t.buckets) for t in optimum.values()} | {(1,) * len(units)}
+    optimum = {s: solve(t, link, gamma_s, first=first) for s, t in tables.items()}
+    finest = (1,) * len(units) if first is None else (first,) + (1,) * (len(units) - first)
+    candidates = {tuple(b.units for b in t.buckets) for t in optimum.values()} | {finest}
 
     def regret(counts: tuple[int, ...]) -> float:
         return max(simulate(tables[s], counts, link, gamma_s).finish_s / max(optimum[s].finish_s, 1e-12)

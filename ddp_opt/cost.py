@@ -53,13 +53,13 @@ from torch import fx
 
 from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example
 from .autoplan import LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
-from .plan import Bucket, BucketCaps, plan_buckets
+from .plan import Bucket, BucketCaps, group_by_caps, plan_buckets
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DeviceRates", "CostModel", "fit_link", "measure_link", "measure_rates", "node_backward_costs",
-    "unit_costs", "plan_auto", "predict_plan", "describe", "DEFAULT_PROBE_SIZES",
+    "unit_costs", "chunk_units", "plan_auto", "predict_plan", "describe", "DEFAULT_PROBE_SIZES",
 ]
 
 DEFAULT_PROBE_SIZES = (64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -302,8 +302,29 @@ def unit_costs(units: list[Bucket], costs: dict[fx.Node, float]) -> list[UnitCos
     return [UnitCost(sum(costs.get(n, 0.0) for n in b.nodes), b.size) for b in reversed(units)]
 
 
-def plan_auto(gm: fx.GraphModule, model: CostModel) -> tuple[BucketCaps, list[Bucket], Timeline]:
+def chunk_units(table: Sequence[UnitCost], min_bytes: int) -> list[int]:
+    """Units per chunk (gradient-ready order): consecutive units joined until a chunk holds
+    ``min_bytes``; the last chunk takes what is left."""
+    return group_by_caps([u.nbytes for u in table], BucketCaps(min_bytes))
+
+
+def _merge(table: Sequence[UnitCost], lengths: Sequence[int]) -> list[UnitCost]:
+    out, start = [], 0
+    for n in lengths:
+        chunk = table[start:start + n]
+        out.append(UnitCost(sum(u.backward_s for u in chunk), sum(u.nbytes for u in chunk)))
+        start += n
+    return out
+
+
+def plan_auto(gm: fx.GraphModule, model: CostModel, *,
+              min_bucket_bytes: int = 0) -> tuple[BucketCaps, list[Bucket], Timeline]:
     """Choose per-bucket caps for ``gm`` by the DP (Note [Cost-model bucket plan]).
+
+    Args:
+        min_bucket_bytes: when > 0, the DP merges chunks of at least this many bytes
+            (``chunk_units``) instead of units, and the first chunk is a bucket alone:
+            no bucket but the last is smaller, and the first is no larger than it must be.
 
     Returns:
         The caps, the buckets ``plan_buckets(gm, caps)`` makes with them (the DP's
@@ -311,7 +332,10 @@ def plan_auto(gm: fx.GraphModule, model: CostModel) -> tuple[BucketCaps, list[Bu
     """
     units = plan_buckets(gm, BucketCaps(1))  # the finest legal split, forward order
     table = unit_costs(units, node_backward_costs(gm, model.rates))
-    best = solve_robust(table, model.link, model.gamma_s)
+    if min_bucket_bytes > 0:
+        best = solve_robust(_merge(table, chunk_units(table, min_bucket_bytes)), model.link, model.gamma_s, first=1)
+    else:
+        best = solve_robust(table, model.link, model.gamma_s)
     caps = BucketCaps(best.caps[0], per_bucket_caps=best.caps)
     # The prediction is for the plan plan_buckets really makes with these caps.
     planned = plan_buckets(gm, caps)

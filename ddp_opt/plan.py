@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import fx
@@ -68,8 +69,8 @@ from ._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MO
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Bucket", "BucketCaps", "format_buckets", "kind_groups", "main_kind", "param_kind", "partition_map", "plan_buckets",
-           "plan_details", "realign_caps"]
+__all__ = ["Bucket", "BucketCaps", "format_buckets", "group_by_caps", "kind_groups", "main_kind", "param_kind",
+           "partition_map", "plan_buckets", "plan_details", "realign_caps"]
 
 MiB = 1024 * 1024
 
@@ -140,6 +141,22 @@ class BucketCaps:
         if k == 0 and self.first_bucket_cap is not None:
             return self.first_bucket_cap
         return self.bucket_bytes_cap
+
+
+def group_by_caps(sizes: Sequence[int], caps: BucketCaps) -> list[int]:
+    """Bucket lengths for gradients of ``sizes`` bytes (gradient-ready order): bucket k
+    closes once its bytes reach ``caps.cap_for(k)``; the last one takes what is left."""
+    lengths: list[int] = []
+    count = total = 0
+    for size in sizes:
+        count += 1
+        total += size
+        if total >= caps.cap_for(len(lengths)):
+            lengths.append(count)
+            count = total = 0
+    if count:
+        lengths.append(count)
+    return lengths
 
 
 def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:

@@ -359,3 +359,64 @@ def test_launcher_accepts_auto_and_numbers_and_rejects_other_words():
         validate(_job("ddp.bucket_cap_mb=auto", "compile.backend=aot_eager", "compile.split=false"))
     with pytest.raises(ConfigError, match=r"ddp\.bucket_cap_mb=auto and ddp\.bucket_cap_mb_list are both set"):
         validate(_job("ddp.bucket_cap_mb=auto", "ddp.bucket_cap_mb_list=[1,4]"))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_with_a_pinned_first_bucket_finds_the_best_such_plan(seed):
+    from ddp_opt.autoplan import solve_robust
+
+    rng = random.Random(100 + seed)
+    n = rng.randint(2, 8)
+    units = [UnitCost(rng.uniform(0, 5e-3), rng.randint(1, 4 * 2**20)) for _ in range(n)]
+    link = LinkEstimate(rng.choice([0.0, 1e-4, 1e-3]), rng.choice([1e7, 1e8, 1e9]))
+    first = rng.randint(1, n)
+    best = None
+    for cuts in itertools.product((0, 1), repeat=max(n - first - 1, 0)):  # every plan with that first bucket
+        counts, run = [first], 1
+        for c in cuts:
+            if c:
+                counts.append(run)
+                run = 0
+            run += 1
+        if first < n:
+            counts.append(run)
+        t = simulate(units, counts, link)
+        best = t if best is None or t.finish_s < best.finish_s else best
+    dp = solve(units, link, first=first)
+    assert dp.buckets[0].units == first and dp.finish_s == pytest.approx(best.finish_s, rel=1e-9, abs=1e-12)
+    assert solve_robust(units, link, first=first).buckets[0].units == first
+    with pytest.raises(ValueError, match="first bucket must hold between 1 and"):
+        solve(units, link, first=n + 1)
+
+
+def test_a_plan_over_chunks_keeps_every_bucket_but_the_last_at_the_minimum_and_the_first_alone():
+    from ddp_opt.cost import chunk_units, plan_auto
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    x = torch.randint(0, 64, (2, 16))
+    seen = {}
+
+    def inspect(gm, example_inputs):
+        units = plan_buckets(gm, BucketCaps(1))
+        total = sum(b.size for b in units)
+        minimum = total // 6
+        table = unit_costs(units, node_backward_costs(gm, DeviceRates(1e10, 1e10)))
+        chunks = chunk_units(table, minimum)
+        assert sum(chunks) == len(units) and len(chunks) > 2
+        for link in (LinkEstimate(0.0, 1e6), LinkEstimate(0.0, 1e8), LinkEstimate(1e-3, 1e8), LinkEstimate(1.0, 1e9)):
+            caps, planned, timeline = plan_auto(gm, CostModel(link, DeviceRates(1e10, 1e10), 0.0),
+                                                min_bucket_bytes=minimum)
+            sizes = [b.size for b in reversed(planned)]  # gradient-ready order
+            assert sum(sizes) == total and all(s >= minimum for s in sizes[:-1]), (link, sizes)
+            assert _unit_counts(units, planned)[0] == chunks[0]  # the first chunk is a bucket alone
+            seen[link] = len(planned)
+        # Without the minimum, the zero-latency link splits below it (the first LayerNorm alone).
+        _, unchunked, _ = plan_auto(gm, CostModel(LinkEstimate(0.0, 1e8), DeviceRates(1e10, 1e10), 0.0))
+        seen["unchunked"] = [b.size for b in reversed(unchunked)]
+        seen["chunks"], seen["minimum"] = len(chunks), minimum
+
+    capture(model, x, inspect=inspect)
+    assert min(seen["unchunked"][:-1]) < seen["minimum"]
+    assert seen[LinkEstimate(0.0, 1e8)] == seen["chunks"]  # zero latency: one bucket per chunk
+    assert seen[LinkEstimate(1.0, 1e9)] == 2  # a huge latency: the first chunk, then all the rest
