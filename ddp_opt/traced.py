@@ -25,7 +25,7 @@ Algorithm
       (Note [Cost-model bucket plan]) with ``gamma = 0``, since a bucket boundary
       here costs no graph break, over chunks of at least 1 MiB (``FIRST_BUCKET_CAP``)
       with the first chunk a bucket alone; the plan's per-bucket byte sizes become
-      the caps. Smaller buckets lost the overlap in the compiled graph: with a
+      the caps. A plan with smaller buckets lost the overlap in the compiled graph: with a
       link fitted at zero latency the DP over single units chose 27 buckets, down
       to 2 KiB, and the step took 260.4 ms against 185.1 ms with 1 MiB buckets
       (2 nodes, 800 Mbit, 4x256 GPT, one interleaved sweep).
