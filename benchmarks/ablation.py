@@ -60,6 +60,10 @@ def _ratio(lever: str, what: str, a: dict | None, b: dict | None, note: str = ""
             "ratio_q1": q1, "ratio_q3": q3, "note": note}
 
 
+def _quoted(r: dict) -> str:
+    return f"{r['ratio']:.3f} [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
+
+
 def _prediction_note(r: dict | None) -> str:
     if r is None or r.get("predicted_exposed_comm_ms") is None or not r.get("exposed_comm_ms"):
         return ""
@@ -80,10 +84,10 @@ def ablation_rows(rows: Sequence[dict], before: Sequence[dict] | None = None) ->
     after = _ratio("4 first bucket <= 1 MiB", "traced at 4 MiB vs the same grouping in compiled autograd",
                    _row(rows, TRACED, 4.0), _row(rows, "compiled_autograd", 4.0))
     if after is not None and before:
-        earlier = _ratio("", "", _row(before, TRACED, 4.0), _row(before, "compiled_autograd", 4.0))
+        earlier = _ratio("4 first bucket <= 1 MiB", "before the cap", _row(before, TRACED, 4.0),
+                         _row(before, "compiled_autograd", 4.0))
         if earlier is not None:
-            after["note"] = (f"before the cap (4 MiB first bucket, earlier sweep): {earlier['ratio']:.3f} "
-                             f"[{earlier['ratio_q1']:.3f}, {earlier['ratio_q3']:.3f}]")
+            after["note"] = f"before the cap (4 MiB first bucket, earlier sweep): {_quoted(earlier)}"
     out.append(after)
     ours = [r for r in (split, traced) if r is not None]
     if ours:
@@ -95,12 +99,10 @@ def ablation_rows(rows: Sequence[dict], before: Sequence[dict] | None = None) ->
                         "ratio_q1": None, "ratio_q3": None,
                         "note": f"optimizer step {opt:.1f} ms of a {step:.1f} ms step"})
     if split is not None and traced is not None:
-        faster = _ratio("", "", split, traced)
+        faster = _ratio("5 strategy=auto", "split vs traced", split, traced)
         out.append({"lever": "5 strategy=auto", "comparison": f"ceiling over {traced['runner']}",
                     "what": "not built: at most the faster strategy", "ratio": min(1.0, faster["ratio"]),
-                    "ratio_q1": None, "ratio_q3": None,
-                    "note": f"split / traced at auto: {faster['ratio']:.3f} [{faster['ratio_q1']:.3f}, "
-                            f"{faster['ratio_q3']:.3f}]"})
+                    "ratio_q1": None, "ratio_q3": None, "note": f"split / traced at auto: {_quoted(faster)}"})
         peers = [r for r in rows if r["mode"] in PEER_MODES and r.get("step_ms_rounds")]
         if peers:
             mine = min((split, traced), key=lambda r: r["step_ms_median"])
