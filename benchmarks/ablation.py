@@ -13,7 +13,10 @@ Background
 Algorithm
     - 1, cost-model plan: a strategy at ``auto`` against the same strategy at its
       best fixed cap in this sweep (below 1: the plan beats every cap tried), and
-      the plan's predicted exposed communication over the measured one.
+      the plan's predicted exposed communication over the measured one, before
+      and after calibrating the prediction to the backward of the first measured
+      rounds (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``),
+      and whether the calibrated model would choose another plan.
     - 2, traced strategy: ``ours_traced@auto`` over ``ours@auto`` (split).
     - 4, first bucket at most 1 MiB: ``ours_traced@4`` over ``compiled_autograd@4``,
       whose fusion pass groups 1 MiB first, then 4 MiB. With an earlier sweep run
@@ -68,7 +71,14 @@ def _prediction_note(r: dict | None) -> str:
     if r is None or r.get("predicted_exposed_comm_ms") is None or not r.get("exposed_comm_ms"):
         return ""
     pred, meas = r["predicted_exposed_comm_ms"], r["exposed_comm_ms"]
-    return f"exposed comm predicted {pred:.1f} ms, measured {meas:.1f} ms ({pred / meas:.2f}x)"
+    note = f"exposed comm predicted {pred:.1f} ms, measured {meas:.1f} ms ({pred / meas:.2f}x)"
+    calibrated = r.get("calibrated_predicted_exposed_comm_ms")
+    if calibrated is None:
+        return note
+    plan = (f"re-plans to {len(r['calibrated_plan_mib'])} buckets, {r['calibrated_plan_gain_ms']:.1f} ms sooner"
+            if r.get("calibrated_plan_changes") else "keeps the plan")
+    return (f"{note}; calibrated to the measured backward (x{r['backward_scale']:.2f}): {calibrated:.1f} ms "
+            f"({calibrated / meas:.2f}x), {plan}")
 
 
 def ablation_rows(rows: Sequence[dict], before: Sequence[dict] | None = None) -> list[dict]:

@@ -201,18 +201,29 @@ def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: boo
     return step_s
 
 
+CALIBRATION_ROUNDS = 3  # the first measured rounds' no_sync backward calibrates the prediction
+
+
 def _prediction(r: DDPRunner) -> dict:
-    """The cost model's prediction (ours with a cost model), flattened for the row."""
+    """The cost model's prediction (ours with a cost model), flattened for the row, and the
+    same prediction calibrated to the backward of the first ``CALIBRATION_ROUNDS`` measured
+    rounds' ``no_sync`` steps (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``)."""
     pred = r.mode.prediction(r)
     if pred is None:
         return {"predicted_backward_ms": None, "predicted_exposed_comm_ms": None, "predicted_comm_ms": None,
                 "predicted_link": None}
-    return {
+    out = {
         "predicted_backward_ms": pred.backward_s * 1e3,
         "predicted_exposed_comm_ms": pred.exposed_s * 1e3,
         "predicted_comm_ms": sum(pred.link.transfer_s(b.nbytes) for b in pred.buckets) * 1e3,
         "predicted_link": f"{pred.link.alpha_s * 1e3:.3g}ms,{pred.link.bandwidth / 1e6:.4g}MB/s",
     }
+    first = [fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)][:CALIBRATION_ROUNDS]
+    if first and pred.units:
+        from ddp_opt.calibrate import calibrate
+
+        out.update(calibrate(pred, median(first)).as_dict())
+    return out
 
 
 def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, base: DDPRunner | None,

@@ -123,6 +123,12 @@ class Timeline:
     link: LinkEstimate
     gamma_s: float = 0.0
     extra: dict = field(default_factory=dict, compare=False)  # e.g. regret, scales (solve_robust)
+    units: tuple[UnitCost, ...] = field(default=(), compare=False, repr=False)  # the table simulated
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Units per bucket, gradient-ready order (``simulate``'s ``counts``)."""
+        return tuple(b.units for b in self.buckets)
 
     @property
     def exposed_s(self) -> float:
@@ -170,7 +176,7 @@ def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimat
         free = start + link.transfer_s(nbytes)
         timings.append(BucketTiming(c, nbytes, ready, start, free))
     backward = compute + (len(counts) - 1) * gamma_s
-    return Timeline(tuple(timings), backward, free, link, gamma_s)
+    return Timeline(tuple(timings), backward, free, link, gamma_s, units=tuple(units))
 
 
 def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, max_buckets: int | None = None,
@@ -245,7 +251,7 @@ def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float =
     tables = {s: scaled(s) for s in scales}
     optimum = {s: solve(t, link, gamma_s, first=first) for s, t in tables.items()}
     finest = (1,) * len(units) if first is None else (first,) + (1,) * (len(units) - first)
-    candidates = {tuple(b.units for b in t.buckets) for t in optimum.values()} | {finest}
+    candidates = {t.counts for t in optimum.values()} | {finest}
 
     def regret(counts: tuple[int, ...]) -> float:
         return max(simulate(tables[s], counts, link, gamma_s).finish_s / max(optimum[s].finish_s, 1e-12)

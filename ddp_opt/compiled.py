@@ -5,6 +5,7 @@ compile cache and, under ``strategy="traced"``, the backward context."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any, Callable
 
@@ -18,10 +19,13 @@ from compiler.share import CompileShare
 from ._torch_internals import has_rebuilt_buckets, reducer_finalized
 from .alignment import Alignment
 from .autoplan import Timeline
+from .calibrate import Calibration, calibrate
 from .optimizer import DDPOptimizer
 from .plan import Bucket
 from .realign import check_realignment, realign_reducer
 from .traced import TracedPlan
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompiledDDP"]
 
@@ -130,6 +134,35 @@ class CompiledDDP:
         if self.traced is not None:
             return self.traced.prediction
         return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
+
+    def calibrate(self, measured_backward_s: float) -> Calibration:
+        """The prediction calibrated to a backward measured after warm-up, and the plan the
+        calibrated model would choose (Note [Calibration from a measured backward]); the
+        running plan is left as it is.
+
+        Args:
+            measured_backward_s: seconds of backward without communication, after warm-up
+                (forward + backward minus forward of a ``no_sync`` step), the same on every rank.
+        """
+        planner = self.traced if self.traced is not None else self.ddp_optimizer
+        if self.prediction is None:
+            raise RuntimeError(
+                "calibrate: this model has no cost-model prediction to calibrate. Only a plan the cost model "
+                "made (bucket_cap_mb='auto'; under strategy='split' also fixed caps with link=...) has one, and "
+                "only once its first forward compiled. Compile with bucket_cap_mb='auto' and call calibrate "
+                "after a warm-up step.")
+        if planner.planned_graphs > 1:
+            raise RuntimeError(
+                f"calibrate: the model was captured as {planner.planned_graphs} graphs with parameters (graph "
+                "breaks), and the prediction covers only the last one, so a backward measured over the whole "
+                "model cannot calibrate it. Remove the graph breaks (torch._dynamo.explain lists them) to "
+                "calibrate.")
+        result = calibrate(self.prediction, measured_backward_s)
+        log.info("ddp_opt calibration: backward x%.2f (measured %.1f ms); the plan's exposed comm predicted %.1f ms; "
+                 "the calibrated model %s", result.scale, measured_backward_s * 1e3, result.current.exposed_s * 1e3,
+                 f"would re-plan to {len(result.best.buckets)} bucket(s), {result.gain_s * 1e3:.1f} ms sooner"
+                 if result.changes_plan else "keeps the plan")
+        return result
 
     def backward_context(self) -> contextlib.AbstractContextManager:
         """What ``loss.backward()`` must run in: under ``strategy="traced"`` compiled autograd

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DeviceRates", "CostModel", "fit_link", "measure_link", "measure_rates", "node_backward_costs",
-    "unit_costs", "chunk_units", "plan_auto", "predict_plan", "describe", "DEFAULT_PROBE_SIZES",
+    "unit_costs", "chunk_units", "solve_table", "plan_auto", "predict_plan", "describe", "DEFAULT_PROBE_SIZES",
 ]
 
 DEFAULT_PROBE_SIZES = (64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -135,15 +135,9 @@ def _broadcast_floats(values: list[float], group: dist.ProcessGroup | None) -> l
     return [float(v) for v in box[0]]
 
 
-def measure_link(
-    probe: Probe | None = None,
-    *,
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | str = "cpu",
-    sizes: Sequence[int] = DEFAULT_PROBE_SIZES,
-    reps: int = 3,
-    warmup: int = 2,
-) -> LinkEstimate:
+def measure_link(probe: Probe | None = None, *, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu", sizes: Sequence[int] = DEFAULT_PROBE_SIZES, reps: int = 3,
+                 warmup: int = 2) -> LinkEstimate:
     """Time an all-reduce sweep and fit the link; every rank returns rank 0's fit.
 
     Args:
@@ -317,6 +311,26 @@ def _merge(table: Sequence[UnitCost], lengths: Sequence[int]) -> list[UnitCost]:
     return out
 
 
+def solve_table(table: Sequence[UnitCost], link: LinkEstimate, gamma_s: float,
+                min_bucket_bytes: int = 0) -> Timeline:
+    """``solve_robust`` on a unit table (gradient-ready order), over chunks of at least
+    ``min_bucket_bytes`` with the first chunk alone when that is > 0 (``plan_auto``);
+    the timeline is over ``table``'s units either way, ``extra["min_bucket_bytes"]`` set."""
+    if min_bucket_bytes > 0:
+        chunks = chunk_units(table, min_bucket_bytes)
+        best = solve_robust(_merge(table, chunks), link, gamma_s, first=1)
+        counts, start = [], 0
+        for n in best.counts:
+            counts.append(sum(chunks[start:start + n]))
+            start += n
+        timeline = simulate(table, counts, link, gamma_s)
+        timeline.extra.update(best.extra)
+    else:
+        timeline = solve_robust(table, link, gamma_s)
+    timeline.extra["min_bucket_bytes"] = min_bucket_bytes
+    return timeline
+
+
 def plan_auto(gm: fx.GraphModule, model: CostModel, *,
               min_bucket_bytes: int = 0) -> tuple[BucketCaps, list[Bucket], Timeline]:
     """Choose per-bucket caps for ``gm`` by the DP (Note [Cost-model bucket plan]).
@@ -332,10 +346,7 @@ def plan_auto(gm: fx.GraphModule, model: CostModel, *,
     """
     units = plan_buckets(gm, BucketCaps(1))  # the finest legal split, forward order
     table = unit_costs(units, node_backward_costs(gm, model.rates))
-    if min_bucket_bytes > 0:
-        best = solve_robust(_merge(table, chunk_units(table, min_bucket_bytes)), model.link, model.gamma_s, first=1)
-    else:
-        best = solve_robust(table, model.link, model.gamma_s)
+    best = solve_table(table, model.link, model.gamma_s, min_bucket_bytes)
     caps = BucketCaps(best.caps[0], per_bucket_caps=best.caps)
     # The prediction is for the plan plan_buckets really makes with these caps.
     planned = plan_buckets(gm, caps)

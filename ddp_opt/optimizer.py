@@ -185,6 +185,11 @@ class DDPOptimizer:
         return [b for plan in with_params for b in plan]
 
     @property
+    def planned_graphs(self) -> int:
+        """Captured graphs planned so far that hold parameters."""
+        return sum(1 for plan, _ in self._graphs.values() if any(b.size for b in plan))
+
+    @property
     def records(self) -> list[PartitionRecord]:
         return [r for _, records in self._graphs.values() for r in records]
 

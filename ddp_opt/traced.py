@@ -172,6 +172,11 @@ class TracedPlan:
             log.info("ddp_opt traced plan: %d bucket(s) fused in the backward graph\n%s", len(buckets),
                      describe(timeline, buckets))
 
+    @property
+    def planned_graphs(self) -> int:
+        """Captured graphs planned so far that hold parameters."""
+        return len(self._graph_caps)
+
     def group(self, sizes: list[int]) -> list[int]:
         """Called by :class:`FuseByPlan`: bucket lengths for the traced gradients of ``sizes`` bytes."""
         lengths = group_by_caps(sizes, self.caps)

@@ -61,6 +61,19 @@ def test_levers_not_built_get_their_ceiling_and_the_result_row_the_best_peer():
     assert auto["ratio"] == pytest.approx(90 / 98)
 
 
+def test_the_plan_row_quotes_the_calibrated_prediction_and_whether_the_plan_would_change():
+    calibrated = dict(backward_scale=1.4, calibrated_predicted_exposed_comm_ms=21.0, calibrated_plan_changes=False,
+                      calibrated_plan_gain_ms=0.0, calibrated_plan_mib=[1.0, 3.0])
+    rows = [dict(r, **calibrated) if r["runner"] == "ours@auto" else r for r in SWEEP]
+    plan = _by_lever(ablation_rows(rows))[("1 cost-model plan", "ours@auto / ours@1")]
+    assert plan["note"] == ("exposed comm predicted 30.0 ms, measured 20.0 ms (1.50x); calibrated to the measured "
+                            "backward (x1.40): 21.0 ms (1.05x), keeps the plan")
+    rows = [dict(r, calibrated_plan_changes=True, calibrated_plan_gain_ms=2.5) if r["runner"] == "ours@auto" else r
+            for r in rows]
+    plan = _by_lever(ablation_rows(rows))[("1 cost-model plan", "ours@auto / ours@1")]
+    assert plan["note"].endswith("(1.05x), re-plans to 2 buckets, 2.5 ms sooner")
+
+
 def test_the_first_bucket_row_quotes_the_earlier_sweep_and_rows_without_ours_give_nothing():
     before = [dict(r, step_ms_rounds=[130, 130, 130]) if r["runner"] == "ours_traced@4" else r for r in SWEEP]
     first = _by_lever(ablation_rows(SWEEP, before))[("4 first bucket <= 1 MiB", "ours_traced@4 / compiled_autograd@4")]
