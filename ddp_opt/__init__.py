@@ -7,7 +7,7 @@ from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
 from .config import DDPCompileConfig
 from .autoplan import LinkEstimate, Timeline, UnitCost, simulate, solve
-from .calibrate import Calibration, calibrate
+from .calibrate import Calibration, calibrate, calibrated_model
 from .cost import CostModel, DeviceRates, measure_link, measure_rates, plan_auto
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
@@ -38,6 +38,7 @@ __all__ = [
     "solve",
     "Calibration",
     "calibrate",
+    "calibrated_model",
     # alignment with DDP's runtime buckets
     "Alignment",
     "alignment_fraction",

@@ -38,18 +38,23 @@ Notes
       (two ranks on two cores here). Where backward is longer than the link, that
       contention is most of the measured exposed communication, and a
       calibrated backward does not predict it.
+    - Applying the calibrated plan: ``calibrated_model`` divides the device rates
+      by ``s`` (and multiplies the per-operator cost), which scales every node's
+      backward estimate by ``s`` exactly; ``compile_ddp(link=that model)`` in the
+      next run plans ``best``. The running plan is not changed in place: its
+      partitions (split) or its fused backward (traced) would have to recompile.
     - A prediction covers one captured graph; a backward measured over several
       graphs cannot calibrate it (``CompiledDDP.calibrate`` refuses).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .autoplan import Timeline, UnitCost, simulate
-from .cost import solve_table
+from .cost import CostModel, solve_table
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["Calibration", "calibrate", "calibrated_model"]
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,15 @@ class Calibration:
         measured_backward_s: the measured backward it was scaled to.
         current: the running plan's timeline, backward scaled.
         best: the plan the calibrated model chooses, and its timeline.
+        cost_model: from ``CompiledDDP.calibrate``, the calibrated cost model
+            (``calibrated_model``): ``compile_ddp(link=cost_model)`` plans ``best``.
     """
 
     scale: float
     measured_backward_s: float
     current: Timeline
     best: Timeline
+    cost_model: CostModel | None = None
 
     @property
     def changes_plan(self) -> bool:
@@ -100,3 +108,12 @@ def calibrate(prediction: Timeline, measured_backward_s: float) -> Calibration:
     current = simulate(table, prediction.counts, prediction.link, prediction.gamma_s)
     best = solve_table(table, prediction.link, prediction.gamma_s, prediction.extra.get("min_bucket_bytes", 0))
     return Calibration(scale, measured_backward_s, current, best)
+
+
+def calibrated_model(model: CostModel, calibration: Calibration) -> CostModel:
+    """``model`` with the device rates scaled so that every backward estimate is
+    ``calibration.scale`` times its own: ``compile_ddp(link=...)`` with it plans
+    ``calibration.best`` (Note [Calibration from a measured backward])."""
+    s = calibration.scale
+    rates = replace(model.rates, flops=model.rates.flops / s, bytes=model.rates.bytes / s, op_s=model.rates.op_s * s)
+    return replace(model, rates=rates)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -19,7 +20,7 @@ from compiler.share import CompileShare
 from ._torch_internals import has_rebuilt_buckets, reducer_finalized
 from .alignment import Alignment
 from .autoplan import Timeline
-from .calibrate import Calibration, calibrate
+from .calibrate import Calibration, calibrate, calibrated_model
 from .optimizer import DDPOptimizer
 from .plan import Bucket
 from .realign import check_realignment, realign_reducer
@@ -138,7 +139,8 @@ class CompiledDDP:
     def calibrate(self, measured_backward_s: float) -> Calibration:
         """The prediction calibrated to a backward measured after warm-up, and the plan the
         calibrated model would choose (Note [Calibration from a measured backward]); the
-        running plan is left as it is.
+        running plan is left as it is: ``compile_ddp(link=result.cost_model)`` plans
+        ``result.best`` in the next run.
 
         Args:
             measured_backward_s: seconds of backward without communication, after warm-up
@@ -158,6 +160,7 @@ class CompiledDDP:
                 "model cannot calibrate it. Remove the graph breaks (torch._dynamo.explain lists them) to "
                 "calibrate.")
         result = calibrate(self.prediction, measured_backward_s)
+        result = replace(result, cost_model=calibrated_model(planner.cost_model, result))
         log.info("ddp_opt calibration: backward x%.2f (measured %.1f ms); the plan's exposed comm predicted %.1f ms; "
                  "the calibrated model %s", result.scale, measured_backward_s * 1e3, result.current.exposed_s * 1e3,
                  f"would re-plan to {len(result.best.buckets)} bucket(s), {result.gain_s * 1e3:.1f} ms sooner"

@@ -88,6 +88,20 @@ def test_compiled_calibrate_returns_the_calibrated_prediction_of_the_running_pla
     assert compiled.prediction is prediction  # the running plan is left as it is
 
 
+def test_the_calibrated_cost_model_plans_the_calibrated_plan_in_the_next_compile(gloo, clean_dynamo):
+    # Fast compute against a 1 ms latency: one bucket. At 10^4 x the backward, compute-bound: more buckets.
+    cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e9, 1e9), gamma_s=0.0)
+    first = compile_ddp(DDP(_model()), backend="eager", bucket_cap_mb="auto", link=cost)
+    first(torch.randn(2, 64)).sum().backward()
+    result = first.calibrate(1e4 * first.prediction.backward_s)
+    assert result.changes_plan and len(first.prediction.buckets) == 1 < len(result.best.buckets)
+    torch._dynamo.reset()
+    again = compile_ddp(DDP(_model()), backend="eager", bucket_cap_mb="auto", link=result.cost_model)
+    again(torch.randn(2, 64)).sum().backward()
+    assert again.prediction.counts == result.best.counts
+    assert again.prediction.finish_s == pytest.approx(result.best.finish_s)
+
+
 def test_compiled_calibrate_without_a_prediction_says_how_to_get_one(gloo, clean_dynamo):
     compiled = compile_ddp(DDP(_model()), backend="eager")  # DDP's caps, no cost model
     compiled(torch.randn(2, 64)).sum().backward()

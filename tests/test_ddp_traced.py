@@ -100,9 +100,13 @@ def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model):
     with pytest.warns(UserWarning, match=r"a forward ran again without compiled.backward\(loss\)"):
         compiled(x1, y1)
     grads = [p.numel() * p.element_size() for p in model.parameters()]
+    calibration = None
+    if compiled.prediction is not None:  # the traced plan has no graph-break cost: the scale is the ratio
+        cal = compiled.calibrate(2 * compiled.prediction.backward_s)
+        calibration = (cal.scale, cal.current.counts == compiled.prediction.counts, cal.cost_model.gamma_s)
     return dict(losses=losses, strategy=compiled.strategy, fused=compiled.traced.fused,
                 caps=compiled.traced.caps, grad_bytes=sum(grads),
-                predicted=compiled.prediction is not None)
+                predicted=compiled.prediction is not None, calibration=calibration)
 
 
 def _check_parity(results):
@@ -139,6 +143,8 @@ def test_two_rank_traced_inductor_fuses_by_ddp_caps_and_by_the_auto_plan(run_ran
         caps = r["caps"].per_bucket_caps
         assert r["predicted"] and caps, r
         assert len(r["fused"][0]) == len(caps) and r["fused"][0] == list(caps), r
+        scale, same_plan, gamma = r["calibration"]
+        assert scale == pytest.approx(2.0) and same_plan and gamma == 0.0
 
 
 def _fallback_rank(rank, world_size, why):
