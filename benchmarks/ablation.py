@@ -14,9 +14,11 @@ Algorithm
     - 1, cost-model plan: a strategy at ``auto`` against the same strategy at its
       best fixed cap in this sweep (below 1: the plan beats every cap tried), and
       the plan's predicted exposed communication over the measured one, before
-      and after calibrating the prediction to the backward of the first measured
-      rounds (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``),
-      and whether the calibrated model would choose another plan.
+      and after calibrating it on the first measured rounds (backward scale and
+      contention; Note [Calibration from a measured backward] in
+      ``ddp_opt.calibrate``), whether the calibrated model would choose another
+      plan, and the same ratio for the strategy's fixed caps, predicted with the
+      contention fitted on ``auto`` (out of sample).
     - 2, traced strategy: ``ours_traced@auto`` over ``ours@auto`` (split).
     - 4, first bucket at most 1 MiB: ``ours_traced@4`` over ``compiled_autograd@4``,
       whose fusion pass groups 1 MiB first, then 4 MiB. With an earlier sweep run
@@ -67,7 +69,7 @@ def _quoted(r: dict) -> str:
     return f"{r['ratio']:.3f} [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}]"
 
 
-def _prediction_note(r: dict | None) -> str:
+def _prediction_note(r: dict | None, rows: Sequence[dict]) -> str:
     if r is None or r.get("predicted_exposed_comm_ms") is None or not r.get("exposed_comm_ms"):
         return ""
     pred, meas = r["predicted_exposed_comm_ms"], r["exposed_comm_ms"]
@@ -77,8 +79,16 @@ def _prediction_note(r: dict | None) -> str:
         return note
     plan = (f"re-plans to {len(r['calibrated_plan_mib'])} buckets, {r['calibrated_plan_gain_ms']:.1f} ms sooner"
             if r.get("calibrated_plan_changes") else "keeps the plan")
-    return (f"{note}; calibrated to the measured backward (x{r['backward_scale']:.2f}): {calibrated:.1f} ms "
+    note = (f"{note}; calibrated (backward x{r['backward_scale']:.2f}, contention "
+            f"{r.get('contention_ms_per_mib', 0.0):.2f} ms/MiB, on the first rounds): {calibrated:.1f} ms "
             f"({calibrated / meas:.2f}x), {plan}")
+    fixed = [x for x in rows if x["mode"] == r["mode"] and not isinstance(x.get("bucket_cap_mb"), str)
+             and x.get("calibrated_predicted_exposed_comm_ms") is not None and x.get("exposed_comm_ms")]
+    if fixed:
+        note += "; fixed caps calibrated alike: " + ", ".join(
+            f"@{x['bucket_cap_mb']:g} {x['calibrated_predicted_exposed_comm_ms'] / x['exposed_comm_ms']:.2f}x"
+            for x in fixed)
+    return note
 
 
 def ablation_rows(rows: Sequence[dict], before: Sequence[dict] | None = None) -> list[dict]:
@@ -88,7 +98,7 @@ def ablation_rows(rows: Sequence[dict], before: Sequence[dict] | None = None) ->
     for mode in (SPLIT, TRACED):
         auto = _row(rows, mode, "auto")
         out.append(_ratio("1 cost-model plan", f"{mode} plan vs its best fixed cap", auto, _best_fixed(rows, mode),
-                          _prediction_note(auto)))
+                          _prediction_note(auto, rows)))
     split, traced = _row(rows, SPLIT, "auto"), _row(rows, TRACED, "auto")
     out.append(_ratio("2 traced strategy", "traced vs split, both planned", traced, split))
     after = _ratio("4 first bucket <= 1 MiB", "traced at 4 MiB vs the same grouping in compiled autograd",

@@ -201,13 +201,35 @@ def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: boo
     return step_s
 
 
-CALIBRATION_ROUNDS = 3  # the first measured rounds' no_sync backward calibrates the prediction
+CALIBRATION_ROUNDS = 3  # the first measured rounds calibrate the prediction
 
 
-def _prediction(r: DDPRunner) -> dict:
-    """The cost model's prediction (ours with a cost model), flattened for the row, and the
-    same prediction calibrated to the backward of the first ``CALIBRATION_ROUNDS`` measured
-    rounds' ``no_sync`` steps (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``)."""
+def _first_rounds(r: DDPRunner) -> tuple[float, float] | None:
+    """Medians over the first ``CALIBRATION_ROUNDS`` measured rounds: the ``no_sync`` backward
+    and the exposed communication (synchronised minus ``no_sync`` forward + backward)."""
+    bwd = [fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)][:CALIBRATION_ROUNDS]
+    exposed = [s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)][:CALIBRATION_ROUNDS]
+    return (median(bwd), median(exposed)) if bwd else None
+
+
+def fitted_contention(runners: list[DDPRunner]) -> dict[str, tuple[str, float]]:
+    """Per mode, (runner, contention) fitted on the first rounds of its ``auto`` runner
+    (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``); every runner of
+    that mode is then predicted with it, so the fixed caps' predictions are out of sample."""
+    from ddp_opt.calibrate import calibrate
+
+    out = {}
+    for r in runners:
+        pred, first = r.mode.prediction(r), _first_rounds(r)
+        if getattr(r, "cap", None) == "auto" and pred is not None and pred.units and first:
+            out[r.mode.name] = (r.label, calibrate(pred, *first).current.contention_s_per_byte)
+    return out
+
+
+def _prediction(r: DDPRunner, fitted: dict[str, tuple[str, float]]) -> dict:
+    """The cost model's prediction (ours with a cost model), flattened for the row, and the same
+    prediction calibrated: backward scaled to this runner's first rounds' ``no_sync`` backward,
+    the contention fitted on its mode's ``auto`` runner (``fitted_contention``)."""
     pred = r.mode.prediction(r)
     if pred is None:
         return {"predicted_backward_ms": None, "predicted_exposed_comm_ms": None, "predicted_comm_ms": None,
@@ -218,16 +240,17 @@ def _prediction(r: DDPRunner) -> dict:
         "predicted_comm_ms": sum(pred.link.transfer_s(b.nbytes) for b in pred.buckets) * 1e3,
         "predicted_link": f"{pred.link.alpha_s * 1e3:.3g}ms,{pred.link.bandwidth / 1e6:.4g}MB/s",
     }
-    first = [fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)][:CALIBRATION_ROUNDS]
+    first = _first_rounds(r)
     if first and pred.units:
         from ddp_opt.calibrate import calibrate
 
-        out.update(calibrate(pred, median(first)).as_dict())
+        source, contention = fitted.get(r.mode.name, (None, None))
+        out.update(calibrate(pred, first[0], contention=contention).as_dict(), contention_fitted_on=source)
     return out
 
 
 def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, base: DDPRunner | None,
-            gathered: list[dict], reference: str | None) -> dict:
+            gathered: list[dict], reference: str | None, fitted: dict[str, tuple[str, float]] | None = None) -> dict:
     """One result row. ``gathered``: per rank, ``core.runner_measures`` of its runners; ``base``: the
     runner whose per-round steps the ratio is taken against (None: no ratio); ``reference``: the label
     whose losses the others are compared with (None: no comparison)."""
@@ -274,7 +297,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "sync_fb_ms": sync_fb * 1e3,
         "comm_ms": comm * 1e3 if cfg.link.enabled else None,  # the simulated link's charge; None without one
         "exposed_comm_ms": exposed * 1e3,
-        **_prediction(r),
+        **_prediction(r, fitted or {}),
         "ddp_buckets": int(median(r.buckets_per_step)),
         "recompiles": sum(r.compiles[len(r.first_step_s):]),  # after the compile step(s)
         "cold_cache": events[0],

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from .core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring, runner_measures
-from .ddp_bench import BenchConfig, finish_rows, link_comm_s, row_for, run_round, run_step
+from .ddp_bench import BenchConfig, finish_rows, fitted_contention, link_comm_s, row_for, run_round, run_step
 from .link import SimulatedLink
 from .modes_ddp import DDP_MODES, DEFAULT_CAP, DDPRunner, build_runner
 from .report import cap_label, fmt, markdown_table, print0
@@ -101,11 +101,12 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
         return []
     by_label = {r.label: r for r in runners}
     reference = loss_reference(runners)
+    fitted = fitted_contention(runners)
     rows = []
     for order, r in enumerate(runners):
         # builtin at the runner's cap; builtin's default cap for auto (and when builtin@C did not run)
         base = by_label.get(f"builtin@{cap_label(r.cap)}") or by_label.get(f"builtin@{cap_label(DEFAULT_CAP)}")
-        rows.append(row_for(r, cfg, r.cap, order, base, gathered, reference))
+        rows.append(row_for(r, cfg, r.cap, order, base, gathered, reference, fitted))
     return finish_rows(rows, comm_s, "[sweep] ")
 
 

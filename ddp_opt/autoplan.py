@@ -19,14 +19,17 @@ Algorithm
       legality rules stay in ``plan.py`` alone.
     - Per unit, in gradient-ready order: backward seconds ``c_u`` and gradient
       bytes ``b_u``. A bucket ``k`` (0 = first ready) covering units ``j..i`` is
-      ready at ``R(i, k) = sum(c_0..c_i) + k * gamma`` (each extra partition adds
-      ``gamma``, the cost of a graph break, to the backward after it). One serial
-      link: ``start_k = max(R, finish_{k-1})``,
+      ready at ``R(i, k) = sum(c_0..c_i) + k * gamma + kappa * B(0..j-1)`` (each
+      extra partition adds ``gamma``, the cost of a graph break, to the backward
+      after it; each byte of the earlier buckets adds ``kappa``, the CPU the
+      collective takes from backward, 0 unless calibrated: Note [Calibration from
+      a measured backward]). One serial link: ``start_k = max(R, finish_{k-1})``,
       ``finish_k = start_k + alpha + bytes(j..i) / beta``.
     - ``F[k][i]`` = least finish of units ``0..i`` in ``k + 1`` buckets:
       ``F[0][i] = R(i, 0) + alpha + B(0..i)/beta``,
       ``F[k][i] = min_j max(F[k-1][j], R(i, k)) + alpha + B(j+1..i)/beta``.
-      Exact, because a bucket's finish is monotone in the previous one's. The
+      Exact, because a bucket's finish is monotone in the previous one's (and
+      ``R`` depends on the previous bucket's end ``j`` only). The
       answer is ``min_k F[k][n-1]``; ties go to fewer buckets.
     - Caps: bucket k's cap = its bytes. ``plan_buckets`` closes a bucket once its
       bytes reach its cap, at the next legal cut, which is where the unit ends.
@@ -115,6 +118,7 @@ class Timeline:
         finish_s: predicted end of the last all-reduce.
         link: the link the prediction used.
         gamma_s: the per-partition overhead used.
+        contention_s_per_byte: the CPU contention used (``simulate``).
     """
 
     buckets: tuple[BucketTiming, ...]
@@ -124,6 +128,7 @@ class Timeline:
     gamma_s: float = 0.0
     extra: dict = field(default_factory=dict, compare=False)  # e.g. regret, scales (solve_robust)
     units: tuple[UnitCost, ...] = field(default=(), compare=False, repr=False)  # the table simulated
+    contention_s_per_byte: float = 0.0  # backward seconds each byte sent before a bucket's readiness adds
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -144,6 +149,7 @@ class Timeline:
         return {
             "link_alpha_ms": self.link.alpha_s * 1e3, "link_bandwidth_MBps": self.link.bandwidth / 1e6,
             "link_source": self.link.source, "gamma_ms": self.gamma_s * 1e3,
+            "contention_ms_per_mib": self.contention_s_per_byte * 2**20 * 1e3,
             "predicted_backward_ms": self.backward_s * 1e3, "predicted_finish_ms": self.finish_s * 1e3,
             "predicted_exposed_comm_ms": self.exposed_s * 1e3,
             "buckets": [
@@ -154,7 +160,8 @@ class Timeline:
         }
 
 
-def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimate, gamma_s: float = 0.0) -> Timeline:
+def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimate, gamma_s: float = 0.0,
+             contention: float = 0.0) -> Timeline:
     """The timeline of the plan that puts ``counts[k]`` consecutive units in bucket k.
 
     Args:
@@ -162,25 +169,29 @@ def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimat
         counts: units per bucket in gradient-ready order; must sum to ``len(units)``.
         link: the link model.
         gamma_s: seconds each partition after the first adds to backward.
+        contention: seconds of backward each byte of the earlier buckets adds (the CPU the
+            collective takes from backward while it runs; 0: none). ``backward_s`` stays the
+            backward without communication, so ``exposed_s`` includes it.
     """
     if sum(counts) != len(units) or any(c <= 0 for c in counts):
         raise ValueError(f"bucket unit counts {list(counts)} do not cover the {len(units)} units exactly")
-    timings, done, compute, free = [], 0, 0.0, 0.0
+    timings, done, compute, free, sent = [], 0, 0.0, 0.0, 0
     for k, c in enumerate(counts):
         chunk = units[done:done + c]
         done += c
         compute += sum(u.backward_s for u in chunk)
         nbytes = sum(u.nbytes for u in chunk)
-        ready = compute + k * gamma_s
+        ready = compute + k * gamma_s + contention * sent
         start = max(ready, free)
         free = start + link.transfer_s(nbytes)
+        sent += nbytes
         timings.append(BucketTiming(c, nbytes, ready, start, free))
     backward = compute + (len(counts) - 1) * gamma_s
-    return Timeline(tuple(timings), backward, free, link, gamma_s, units=tuple(units))
+    return Timeline(tuple(timings), backward, free, link, gamma_s, units=tuple(units), contention_s_per_byte=contention)
 
 
 def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, max_buckets: int | None = None,
-          first: int | None = None) -> Timeline:
+          first: int | None = None, contention: float = 0.0) -> Timeline:
     """The plan (a merge of consecutive units) with the least predicted finish.
 
     Args:
@@ -189,6 +200,7 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
         gamma_s: seconds each extra partition adds to backward.
         max_buckets: an upper bound on the number of buckets (default: one per unit).
         first: the first bucket holds exactly this many units (default: the DP chooses).
+        contention: as in ``simulate``.
 
     Returns:
         The optimal plan's :class:`Timeline` (``caps`` gives its per-bucket caps).
@@ -217,7 +229,8 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
             ready = cum_c[i + 1] + k * gamma_s
             best, arg = inf, -1
             for j in range(k - 1, i):
-                f = max(prev[j], ready) + link.alpha_s + (cum_b[i + 1] - cum_b[j + 1]) / link.bandwidth
+                f = (max(prev[j], ready + contention * cum_b[j + 1]) + link.alpha_s
+                     + (cum_b[i + 1] - cum_b[j + 1]) / link.bandwidth)
                 if f < best:
                     best, arg = f, j
             row[i], back[i] = best, arg
@@ -229,14 +242,15 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
         i = P[k][i]
     ends.reverse()
     counts = [ends[0] + 1] + [b - a for a, b in zip(ends, ends[1:])]
-    return simulate(units, counts, link, gamma_s)
+    return simulate(units, counts, link, gamma_s, contention)
 
 
 DEFAULT_SCALES = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 
 
 def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0,
-                 scales: Sequence[float] = DEFAULT_SCALES, first: int | None = None) -> Timeline:
+                 scales: Sequence[float] = DEFAULT_SCALES, first: int | None = None,
+                 contention: float = 0.0) -> Timeline:
     """The plan with the least worst-case regret when backward really takes ``scale`` x the estimate.
 
     Candidates: the exact optimum (``solve``, with ``first`` as there) for every scale,
@@ -249,16 +263,16 @@ def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float =
         return [UnitCost(u.backward_s * s, u.nbytes) for u in units]
 
     tables = {s: scaled(s) for s in scales}
-    optimum = {s: solve(t, link, gamma_s, first=first) for s, t in tables.items()}
+    optimum = {s: solve(t, link, gamma_s, first=first, contention=contention) for s, t in tables.items()}
     finest = (1,) * len(units) if first is None else (first,) + (1,) * (len(units) - first)
     candidates = {t.counts for t in optimum.values()} | {finest}
 
     def regret(counts: tuple[int, ...]) -> float:
-        return max(simulate(tables[s], counts, link, gamma_s).finish_s / max(optimum[s].finish_s, 1e-12)
+        return max(simulate(tables[s], counts, link, gamma_s, contention).finish_s / max(optimum[s].finish_s, 1e-12)
                    for s in scales)
 
     best = min(candidates, key=lambda c: (round(regret(c), 9), len(c), c))
-    t = simulate(units, best, link, gamma_s)
+    t = simulate(units, best, link, gamma_s, contention)
     t.extra.update(regret=regret(best), scales=list(scales))
     return t
 

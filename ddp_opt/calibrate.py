@@ -8,41 +8,47 @@ Background
     through the real link and a backward estimated from FLOP counts and device
     rates timed once (Note [Cost measurement]). On the shaped-link sweeps the
     link side was right (an all-reduce of all gradients: 138.7-141.0 ms
-    predicted, 136.2-137.6 ms measured at 800 Mbit) and the backward was not:
-    63-75 ms predicted against 95-101 ms measured on GPT 4x256, 298-304 against
-    391-414 ms on the seq-256 model, yet 415-421 against 379-412 ms for the same
-    model in another run. The rates are one small matmul and one copy timed while
-    the other rank shares the cores, so the estimate is off by a factor that
-    changes from run to run. Where the link dominates, a backward estimated too
-    short predicts the communication too exposed (1.38-1.73x the measured).
+    predicted, 136.2-137.6 ms measured at 800 Mbit) and two things were not:
+    - the backward, off by a factor that changes from run to run (63-75 ms
+      predicted against 95-101 ms measured on GPT 4x256 in one run, 101-107
+      against 127-139 in another): the rates are one small matmul and one copy,
+      timed while the other rank shares the cores;
+    - the CPU the collective takes from backward. With two ranks on two cores,
+      gloo's threads reduce and copy every bucket while backward runs, so a
+      synchronised backward is longer than a ``no_sync`` one even where the link
+      keeps up: 52-66 ms exposed where a link that keeps up predicts 13-20.
 
 Algorithm
     - Input: the running plan's prediction (a ``Timeline``, which keeps its unit
-      table) and a backward measured after warm-up without communication (a
-      ``no_sync`` step: forward + backward minus forward).
+      table), a backward measured after warm-up without communication (a
+      ``no_sync`` step: forward + backward minus forward) and, optionally, the
+      exposed communication measured for the same plan (a synchronised
+      forward + backward minus the ``no_sync`` one).
     - Scale: ``s = (measured - (n - 1) * gamma) / sum(unit backward)``; the
       graph-break cost ``gamma`` of the n partitions stays as it was. Every
       unit's backward is multiplied by ``s``: the FLOP count keeps the shape of
       backward, the measurement its length.
+    - Contention ``kappa`` (seconds of backward per byte of the buckets sent
+      before a bucket is ready; Note [Cost-model bucket plan]): the least value
+      under which the scaled plan predicts the measured exposed communication,
+      by bisection (the prediction is monotone in ``kappa``); 0 when the plan
+      predicts that much without it, or has one bucket.
     - Calibrated prediction: the same plan (unit counts) simulated on the scaled
-      table.
-    - Calibrated plan: ``solve_table`` on the scaled table with the plan's own
-      rules (the traced plan's 1 MiB chunks, ``extra["min_bucket_bytes"]``); it
-      changes the plan when its unit counts differ, and ``gain_s`` is the
-      predicted finish it saves.
+      table with ``kappa``. Calibrated plan: ``solve_table`` on it with the
+      plan's own rules (the traced plan's 1 MiB chunks,
+      ``extra["min_bucket_bytes"]``); it changes the plan when its unit counts
+      differ, and ``gain_s`` is the predicted finish it saves.
 
 Notes
-    - Only the backward is calibrated: the link is already measured through the
-      path the gradients take.
-    - Not modelled: gloo's threads taking CPU from backward while they reduce
-      (two ranks on two cores here). Where backward is longer than the link, that
-      contention is most of the measured exposed communication, and a
-      calibrated backward does not predict it.
+    - Fitted on one plan, ``kappa`` is a prediction for the others: the sweeps
+      fit it on each strategy's ``auto`` row and quote the fixed caps' predicted
+      against measured exposed communication with it (``benchmarks.ddp_bench``).
     - Applying the calibrated plan: ``calibrated_model`` divides the device rates
-      by ``s`` (and multiplies the per-operator cost), which scales every node's
-      backward estimate by ``s`` exactly; ``compile_ddp(link=that model)`` in the
-      next run plans ``best``. The running plan is not changed in place: its
-      partitions (split) or its fused backward (traced) would have to recompile.
+      by ``s`` (and multiplies the per-operator cost) and sets ``kappa``, which
+      scales every node's backward estimate by ``s`` exactly;
+      ``compile_ddp(link=that model)`` in the next run plans ``best``. The
+      running plan is not changed in place: its partitions (split) or its fused
+      backward (traced) would have to recompile.
     - A prediction covers one captured graph; a backward measured over several
       graphs cannot calibrate it (``CompiledDDP.calibrate`` refuses).
 """
@@ -51,10 +57,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .autoplan import Timeline, UnitCost, simulate
+from .autoplan import LinkEstimate, Timeline, UnitCost, simulate
 from .cost import CostModel, solve_table
 
-__all__ = ["Calibration", "calibrate", "calibrated_model"]
+__all__ = ["Calibration", "calibrate", "calibrated_model", "fit_contention"]
 
 
 @dataclass(frozen=True)
@@ -87,14 +93,17 @@ class Calibration:
 
     def as_dict(self) -> dict:
         return {"backward_scale": self.scale, "measured_backward_ms": self.measured_backward_s * 1e3,
+                "contention_ms_per_mib": self.current.contention_s_per_byte * 2**20 * 1e3,
                 "calibrated_predicted_exposed_comm_ms": self.current.exposed_s * 1e3,
                 "calibrated_plan_changes": self.changes_plan, "calibrated_plan_gain_ms": self.gain_s * 1e3,
                 "calibrated_plan_mib": [round(b.nbytes / 2**20, 3) for b in self.best.buckets]}
 
 
-def calibrate(prediction: Timeline, measured_backward_s: float) -> Calibration:
-    """Scale ``prediction``'s backward to ``measured_backward_s``; re-predict and re-plan
-    (Note [Calibration from a measured backward])."""
+def calibrate(prediction: Timeline, measured_backward_s: float, measured_exposed_s: float | None = None,
+              contention: float | None = None) -> Calibration:
+    """Scale ``prediction``'s backward to ``measured_backward_s``; with ``measured_exposed_s``
+    fit the contention to it (else keep ``contention``, by default the prediction's); then
+    re-predict and re-plan (Note [Calibration from a measured backward])."""
     if not prediction.units:
         raise ValueError("calibrate needs a prediction made by simulate (it keeps the unit table); "
                          "this Timeline has none.")
@@ -105,15 +114,39 @@ def calibrate(prediction: Timeline, measured_backward_s: float) -> Calibration:
     estimated = sum(u.backward_s for u in prediction.units)
     scale = max(measured_backward_s - breaks, 1e-9) / max(estimated, 1e-12)
     table = [UnitCost(u.backward_s * scale, u.nbytes) for u in prediction.units]
-    current = simulate(table, prediction.counts, prediction.link, prediction.gamma_s)
-    best = solve_table(table, prediction.link, prediction.gamma_s, prediction.extra.get("min_bucket_bytes", 0))
+    if measured_exposed_s is not None:
+        contention = fit_contention(table, prediction.counts, prediction.link, prediction.gamma_s, measured_exposed_s)
+    elif contention is None:
+        contention = prediction.contention_s_per_byte
+    current = simulate(table, prediction.counts, prediction.link, prediction.gamma_s, contention)
+    best = solve_table(table, prediction.link, prediction.gamma_s, prediction.extra.get("min_bucket_bytes", 0),
+                       contention)
     return Calibration(scale, measured_backward_s, current, best)
+
+
+def fit_contention(table: list[UnitCost], counts: tuple[int, ...], link: LinkEstimate, gamma_s: float,
+                   measured_exposed_s: float) -> float:
+    """The contention (seconds per byte) under which the plan ``counts`` predicts
+    ``measured_exposed_s``; 0 when the plan predicts that much without any, or has one
+    bucket (nothing in flight during backward to fit it on)."""
+    def exposed(kappa: float) -> float:
+        return simulate(table, counts, link, gamma_s, kappa).exposed_s
+
+    if len(counts) < 2 or exposed(0.0) >= measured_exposed_s:
+        return 0.0
+    lo, hi = 0.0, 1e-10
+    while exposed(hi) < measured_exposed_s:  # the last bucket's ready time grows linearly in kappa
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if exposed(mid) < measured_exposed_s else (lo, mid)
+    return hi
 
 
 def calibrated_model(model: CostModel, calibration: Calibration) -> CostModel:
     """``model`` with the device rates scaled so that every backward estimate is
-    ``calibration.scale`` times its own: ``compile_ddp(link=...)`` with it plans
+    ``calibration.scale`` times its own, and the fitted contention: ``compile_ddp(link=...)`` with it plans
     ``calibration.best`` (Note [Calibration from a measured backward])."""
     s = calibration.scale
     rates = replace(model.rates, flops=model.rates.flops / s, bytes=model.rates.bytes / s, op_s=model.rates.op_s * s)
-    return replace(model, rates=rates)
+    return replace(model, rates=rates, contention_s_per_byte=calibration.current.contention_s_per_byte)

@@ -136,7 +136,7 @@ class CompiledDDP:
             return self.traced.prediction
         return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
 
-    def calibrate(self, measured_backward_s: float) -> Calibration:
+    def calibrate(self, measured_backward_s: float, measured_exposed_s: float | None = None) -> Calibration:
         """The prediction calibrated to a backward measured after warm-up, and the plan the
         calibrated model would choose (Note [Calibration from a measured backward]); the
         running plan is left as it is: ``compile_ddp(link=result.cost_model)`` plans
@@ -145,6 +145,9 @@ class CompiledDDP:
         Args:
             measured_backward_s: seconds of backward without communication, after warm-up
                 (forward + backward minus forward of a ``no_sync`` step), the same on every rank.
+            measured_exposed_s: optional, the exposed communication measured for this plan
+                (a synchronised forward + backward minus the ``no_sync`` one): fits the CPU
+                contention of the collective with backward.
         """
         planner = self.traced if self.traced is not None else self.ddp_optimizer
         if self.prediction is None:
@@ -159,10 +162,11 @@ class CompiledDDP:
                 "breaks), and the prediction covers only the last one, so a backward measured over the whole "
                 "model cannot calibrate it. Remove the graph breaks (torch._dynamo.explain lists them) to "
                 "calibrate.")
-        result = calibrate(self.prediction, measured_backward_s)
+        result = calibrate(self.prediction, measured_backward_s, measured_exposed_s)
         result = replace(result, cost_model=calibrated_model(planner.cost_model, result))
-        log.info("ddp_opt calibration: backward x%.2f (measured %.1f ms); the plan's exposed comm predicted %.1f ms; "
-                 "the calibrated model %s", result.scale, measured_backward_s * 1e3, result.current.exposed_s * 1e3,
+        log.info("ddp_opt calibration: backward x%.2f (measured %.1f ms), contention %.2f ms/MiB; the plan's exposed "
+                 "comm predicted %.1f ms; the calibrated model %s", result.scale, measured_backward_s * 1e3,
+                 result.current.contention_s_per_byte * 2**20 * 1e3, result.current.exposed_s * 1e3,
                  f"would re-plan to {len(result.best.buckets)} bucket(s), {result.gain_s * 1e3:.1f} ms sooner"
                  if result.changes_plan else "keeps the plan")
         return result

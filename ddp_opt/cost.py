@@ -89,11 +89,13 @@ class CostModel:
         link: the measured or given link.
         rates: the measured or given device rates.
         gamma_s: seconds one extra partition (graph break) costs.
+        contention_s_per_byte: backward seconds a byte in flight takes (0 unless calibrated).
     """
 
     link: LinkEstimate
     rates: DeviceRates
     gamma_s: float = 5e-4
+    contention_s_per_byte: float = 0.0
 
 
 # --- measuring -------------------------------------------------------------------
@@ -311,22 +313,22 @@ def _merge(table: Sequence[UnitCost], lengths: Sequence[int]) -> list[UnitCost]:
     return out
 
 
-def solve_table(table: Sequence[UnitCost], link: LinkEstimate, gamma_s: float,
-                min_bucket_bytes: int = 0) -> Timeline:
+def solve_table(table: Sequence[UnitCost], link: LinkEstimate, gamma_s: float, min_bucket_bytes: int = 0,
+                contention: float = 0.0) -> Timeline:
     """``solve_robust`` on a unit table (gradient-ready order), over chunks of at least
     ``min_bucket_bytes`` with the first chunk alone when that is > 0 (``plan_auto``);
     the timeline is over ``table``'s units either way, ``extra["min_bucket_bytes"]`` set."""
     if min_bucket_bytes > 0:
         chunks = chunk_units(table, min_bucket_bytes)
-        best = solve_robust(_merge(table, chunks), link, gamma_s, first=1)
+        best = solve_robust(_merge(table, chunks), link, gamma_s, first=1, contention=contention)
         counts, start = [], 0
         for n in best.counts:
             counts.append(sum(chunks[start:start + n]))
             start += n
-        timeline = simulate(table, counts, link, gamma_s)
+        timeline = simulate(table, counts, link, gamma_s, contention)
         timeline.extra.update(best.extra)
     else:
-        timeline = solve_robust(table, link, gamma_s)
+        timeline = solve_robust(table, link, gamma_s, contention=contention)
     timeline.extra["min_bucket_bytes"] = min_bucket_bytes
     return timeline
 
@@ -346,7 +348,7 @@ def plan_auto(gm: fx.GraphModule, model: CostModel, *,
     """
     units = plan_buckets(gm, BucketCaps(1))  # the finest legal split, forward order
     table = unit_costs(units, node_backward_costs(gm, model.rates))
-    best = solve_table(table, model.link, model.gamma_s, min_bucket_bytes)
+    best = solve_table(table, model.link, model.gamma_s, min_bucket_bytes, model.contention_s_per_byte)
     caps = BucketCaps(best.caps[0], per_bucket_caps=best.caps)
     # The prediction is for the plan plan_buckets really makes with these caps.
     planned = plan_buckets(gm, caps)
@@ -368,7 +370,7 @@ def predict_plan(gm: fx.GraphModule, buckets: list[Bucket], model: CostModel) ->
 
 def _predict(units: list[Bucket], table: list[UnitCost], buckets: list[Bucket], model: CostModel) -> Timeline | None:
     counts = _unit_counts(units, buckets)
-    return None if counts is None else simulate(table, counts, model.link, model.gamma_s)
+    return None if counts is None else simulate(table, counts, model.link, model.gamma_s, model.contention_s_per_byte)
 
 
 def _unit_counts(units: list[Bucket], planned: list[Bucket]) -> list[int] | None:

@@ -115,6 +115,9 @@ def test_tiny_sweep_runs_auto_next_to_fixed_caps(tmp_path):
     # calibrated to the first (here: both) measured rounds' no_sync backward, the row's bwd_ms
     assert auto["measured_backward_ms"] == pytest.approx(auto["bwd_ms"]) and auto["backward_scale"] > 0
     assert auto["calibrated_predicted_exposed_comm_ms"] is not None and by["ours@1"]["backward_scale"] > 0
+    # the contention is fitted on ours@auto and predicts ours@1 with it
+    assert auto["contention_fitted_on"] == by["ours@1"]["contention_fitted_on"] == "ours@auto"
+    assert by["ours@1"]["contention_ms_per_mib"] == auto["contention_ms_per_mib"] >= 0
     assert auto["alignment"] == 1.0 and by["ours@1"]["alignment"] == 1.0
     assert all(r["loss_max_abs_diff"] < 1e-4 for r in rows)
     assert all(r["device"] == "cpu" and r["peak_mib"] is None for r in rows)

@@ -2,11 +2,15 @@
 the scale, the re-predicted timeline by hand, the re-plan under the plan's own rules,
 and CompiledDDP.calibrate's errors and result on a compiled model."""
 
+import itertools
+import random
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_opt import CostModel, DeviceRates, LinkEstimate, UnitCost, calibrate, compile_ddp, simulate
+from ddp_opt import CostModel, DeviceRates, LinkEstimate, UnitCost, calibrate, compile_ddp, simulate, solve
+from ddp_opt.calibrate import calibrated_model, fit_contention
 from ddp_opt.cost import chunk_units, solve_table
 
 MS = 1e-3
@@ -59,6 +63,50 @@ def test_the_re_plan_keeps_the_traced_plans_chunks_and_its_first_chunk_alone():
         assert best.counts[0] == chunks[0] and all(b.nbytes >= 9000 for b in best.buckets[:-1]), best.counts
 
 
+def test_contention_delays_each_bucket_by_the_bytes_sent_before_it():
+    table = [UnitCost(10 * MS, 10_000)] * 3
+    t = simulate(table, [1, 1, 1], LINK, contention=1e-6)  # 10 kB sent before: 10 ms more backward
+    assert [b.ready_s for b in t.buckets] == pytest.approx([10 * MS, 30 * MS, 50 * MS])
+    assert t.finish_s == pytest.approx(60 * MS) and t.backward_s == pytest.approx(30 * MS)  # without contention
+    assert t.exposed_s == pytest.approx(30 * MS) and t.as_dict()["contention_ms_per_mib"] == pytest.approx(2**20 * 1e-3)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_dp_with_contention_finds_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 8)
+    table = [UnitCost(rng.uniform(0.1, 5) * MS, rng.randint(1, 20) * 1000) for _ in range(n)]
+    link, kappa = LinkEstimate(rng.uniform(0, 2) * MS, 1e7), rng.uniform(0, 5) * 1e-7
+    best = min(simulate(table, counts, link, 1e-4, kappa).finish_s for counts in _compositions(n))
+    assert solve(table, link, 1e-4, contention=kappa).finish_s == pytest.approx(best)
+
+
+def _compositions(n):
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        counts, run = [], 1
+        for cut in cuts:
+            if cut:
+                counts.append(run)
+                run = 0
+            run += 1
+        yield counts + [run]
+
+
+def test_a_measured_exposed_comm_fits_the_contention_that_predicts_it():
+    table = [UnitCost(rng_ms * MS, 200_000) for rng_ms in (3, 8, 5, 9, 4, 6)]
+    link = LinkEstimate(0.5 * MS, 1e8)
+    truth = simulate(table, [2, 2, 2], link, contention=3e-8)
+    assert truth.exposed_s > simulate(table, [2, 2, 2], link).exposed_s
+    result = calibrate(simulate(table, [2, 2, 2], link), truth.backward_s, truth.exposed_s)
+    assert result.scale == pytest.approx(1.0)
+    assert result.current.contention_s_per_byte == pytest.approx(3e-8, rel=1e-6)
+    assert result.current.exposed_s == pytest.approx(truth.exposed_s)
+    assert result.as_dict()["contention_ms_per_mib"] == pytest.approx(3e-8 * 2**20 * 1e3, rel=1e-6)
+    # Less exposed than the link alone predicts, or one bucket (nothing in flight during backward): none fitted.
+    assert fit_contention(table, (2, 2, 2), link, 0.0, 0.1 * truth.exposed_s) == 0.0
+    assert fit_contention(table, (6,), link, 0.0, 10 * truth.exposed_s) == 0.0
+
+
 def test_calibrate_rejects_a_timeline_without_a_table_and_a_nonsense_measurement():
     prediction = simulate([UnitCost(1 * MS, 10)], [1], LINK)
     with pytest.raises(ValueError, match=r"measured backward must be > 0 seconds, got 0.0\. Measure it after "
@@ -100,6 +148,20 @@ def test_the_calibrated_cost_model_plans_the_calibrated_plan_in_the_next_compile
     again(torch.randn(2, 64)).sum().backward()
     assert again.prediction.counts == result.best.counts
     assert again.prediction.finish_s == pytest.approx(result.best.finish_s)
+
+
+def test_the_calibrated_cost_model_carries_the_fitted_contention_into_the_plan(gloo, clean_dynamo):
+    table = [UnitCost(5 * MS, 200_000) for _ in range(6)]
+    link = LinkEstimate(0.5 * MS, 1e8)
+    measured = simulate(table, [2, 2, 2], link, contention=3e-8)
+    result = calibrate(simulate(table, [2, 2, 2], link), measured.backward_s, measured.exposed_s)
+    cost = CostModel(link, DeviceRates(1e9, 2e9, 1e-6), gamma_s=0.0)
+    model = calibrated_model(cost, result)
+    assert model.contention_s_per_byte == pytest.approx(3e-8, rel=1e-6) and model.link == link
+    assert model.rates == DeviceRates(1e9 / result.scale, 2e9 / result.scale, 1e-6 * result.scale)
+    compiled = compile_ddp(DDP(_model()), backend="eager", bucket_cap_mb="auto", link=model)
+    compiled(torch.randn(2, 64)).sum().backward()
+    assert compiled.prediction.contention_s_per_byte == model.contention_s_per_byte  # planned with it
 
 
 def test_compiled_calibrate_without_a_prediction_says_how_to_get_one(gloo, clean_dynamo):
