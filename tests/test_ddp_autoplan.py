@@ -23,7 +23,7 @@ from models import GPT, GPTConfig
 # --- the DP on hand-built tables ---------------------------------------------------
 
 
-def _brute_force(units, link, gamma):
+def _brute_force(units, link, gamma, contention=0.0):
     n = len(units)
     best = None
     for cuts in itertools.product((0, 1), repeat=n - 1):
@@ -34,7 +34,7 @@ def _brute_force(units, link, gamma):
                 run = 0
             run += 1
         counts.append(run)
-        t = simulate(units, counts, link, gamma)
+        t = simulate(units, counts, link, gamma, contention)
         if best is None or t.finish_s < best.finish_s:
             best = t
     return best
@@ -51,6 +51,16 @@ def test_dp_finds_the_brute_force_optimum_on_random_tables(seed):
     assert dp.finish_s == pytest.approx(brute.finish_s, rel=1e-9, abs=1e-12)
     # the returned timeline is the simulation of the returned split
     assert simulate(units, [b.units for b in dp.buckets], link, gamma) == dp
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_dp_with_contention_finds_the_brute_force_optimum(seed):
+    # A bucket's readiness depends on the bytes of the buckets before it (Note [Cost-model bucket plan]).
+    rng = random.Random(seed)
+    units = [UnitCost(rng.uniform(0.1, 5) * 1e-3, rng.randint(1, 20) * 1000) for _ in range(rng.randint(2, 8))]
+    link, kappa = LinkEstimate(rng.uniform(0, 2) * 1e-3, 1e7), rng.uniform(0, 5) * 1e-7
+    assert solve(units, link, 1e-4, contention=kappa).finish_s == pytest.approx(
+        _brute_force(units, link, 1e-4, kappa).finish_s)
 
 
 def test_dp_hand_cases():

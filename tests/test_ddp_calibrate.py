@@ -2,14 +2,11 @@
 the scale, the re-predicted timeline by hand, the re-plan under the plan's own rules,
 and CompiledDDP.calibrate's errors and result on a compiled model."""
 
-import itertools
-import random
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_opt import CostModel, DeviceRates, LinkEstimate, UnitCost, calibrate, compile_ddp, simulate, solve
+from ddp_opt import CostModel, DeviceRates, LinkEstimate, UnitCost, calibrate, compile_ddp, simulate
 from ddp_opt.calibrate import calibrated_model, fit_contention
 from ddp_opt.cost import chunk_units, solve_table
 
@@ -69,27 +66,6 @@ def test_contention_delays_each_bucket_by_the_bytes_sent_before_it():
     assert [b.ready_s for b in t.buckets] == pytest.approx([10 * MS, 30 * MS, 50 * MS])
     assert t.finish_s == pytest.approx(60 * MS) and t.backward_s == pytest.approx(30 * MS)  # without contention
     assert t.exposed_s == pytest.approx(30 * MS) and t.as_dict()["contention_ms_per_mib"] == pytest.approx(2**20 * 1e-3)
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_the_dp_with_contention_finds_the_brute_force_optimum(seed):
-    rng = random.Random(seed)
-    n = rng.randint(2, 8)
-    table = [UnitCost(rng.uniform(0.1, 5) * MS, rng.randint(1, 20) * 1000) for _ in range(n)]
-    link, kappa = LinkEstimate(rng.uniform(0, 2) * MS, 1e7), rng.uniform(0, 5) * 1e-7
-    best = min(simulate(table, counts, link, 1e-4, kappa).finish_s for counts in _compositions(n))
-    assert solve(table, link, 1e-4, contention=kappa).finish_s == pytest.approx(best)
-
-
-def _compositions(n):
-    for cuts in itertools.product((False, True), repeat=n - 1):
-        counts, run = [], 1
-        for cut in cuts:
-            if cut:
-                counts.append(run)
-                run = 0
-            run += 1
-        yield counts + [run]
 
 
 def test_a_measured_exposed_comm_fits_the_contention_that_predicts_it():
