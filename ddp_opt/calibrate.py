@@ -32,7 +32,10 @@ Algorithm
       before a bucket is ready; Note [Cost-model bucket plan]): the least value
       under which the scaled plan predicts the measured exposed communication,
       by bisection (the prediction is monotone in ``kappa``); 0 when the plan
-      predicts that much without it, or has one bucket.
+      predicts that much without it, has one bucket, or is link-bound (the link
+      never waits for a bucket: there only a contention larger than the link's
+      own time per byte would show, and the fit would take noise for one; the
+      first 200 Mbit sweep fitted 29.9 ms/MiB that way).
     - Calibrated prediction: the same plan (unit counts) simulated on the scaled
       table with ``kappa``. Calibrated plan: ``solve_table`` on it with the
       plan's own rules (the traced plan's 1 MiB chunks,
@@ -127,12 +130,16 @@ def calibrate(prediction: Timeline, measured_backward_s: float, measured_exposed
 def fit_contention(table: list[UnitCost], counts: tuple[int, ...], link: LinkEstimate, gamma_s: float,
                    measured_exposed_s: float) -> float:
     """The contention (seconds per byte) under which the plan ``counts`` predicts
-    ``measured_exposed_s``; 0 when the plan predicts that much without any, or has one
-    bucket (nothing in flight during backward to fit it on)."""
+    ``measured_exposed_s``; 0 when the plan predicts that much without any, has one
+    bucket (nothing in flight during backward to fit it on), or keeps the link busy
+    from its first bucket on (link-bound: the link never waits for backward, so only a
+    contention that outruns the link would show, and noise would be fitted as one)."""
     def exposed(kappa: float) -> float:
         return simulate(table, counts, link, gamma_s, kappa).exposed_s
 
-    if len(counts) < 2 or exposed(0.0) >= measured_exposed_s:
+    free = simulate(table, counts, link, gamma_s)
+    waits = any(b.start_s == b.ready_s and b.ready_s > prev.finish_s for prev, b in zip(free.buckets, free.buckets[1:]))
+    if len(counts) < 2 or not waits or free.exposed_s >= measured_exposed_s:
         return 0.0
     lo, hi = 0.0, 1e-10
     while exposed(hi) < measured_exposed_s:  # the last bucket's ready time grows linearly in kappa

@@ -81,6 +81,10 @@ def test_a_measured_exposed_comm_fits_the_contention_that_predicts_it():
     # Less exposed than the link alone predicts, or one bucket (nothing in flight during backward): none fitted.
     assert fit_contention(table, (2, 2, 2), link, 0.0, 0.1 * truth.exposed_s) == 0.0
     assert fit_contention(table, (6,), link, 0.0, 10 * truth.exposed_s) == 0.0
+    # Link-bound (every bucket after the first waits for the link): nothing to fit on.
+    slow = LinkEstimate(0.5 * MS, 1e6)
+    assert all(b.start_s > b.ready_s for b in simulate(table, (2, 2, 2), slow).buckets[1:])
+    assert fit_contention(table, (2, 2, 2), slow, 0.0, 2 * simulate(table, (2, 2, 2), slow).exposed_s) == 0.0
 
 
 def test_calibrate_rejects_a_timeline_without_a_table_and_a_nonsense_measurement():
