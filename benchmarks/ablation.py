@@ -14,7 +14,7 @@ Algorithm
     - 1, cost-model plan: a strategy at ``auto`` against the same strategy at its
       best fixed cap in this sweep (below 1: the plan beats every cap tried), and
       the plan's predicted exposed communication over the measured one, before
-      and after calibrating it on the first measured rounds (backward scale and
+      and after calibrating it on the measured rounds (backward scale and
       contention; Note [Calibration from a measured backward] in
       ``ddp_opt.calibrate``), whether the calibrated model would choose another
       plan, and the same ratio for the strategy's fixed caps, predicted with the
@@ -79,8 +79,9 @@ def _prediction_note(r: dict | None, rows: Sequence[dict]) -> str:
         return note
     plan = (f"re-plans to {len(r['calibrated_plan_mib'])} buckets, {r['calibrated_plan_gain_ms']:.1f} ms sooner"
             if r.get("calibrated_plan_changes") else "keeps the plan")
+    rounds = r.get("calibration_rounds", 3)  # sweeps before the column calibrated on their first 3 rounds
     note = (f"{note}; calibrated (backward x{r['backward_scale']:.2f}, contention "
-            f"{r.get('contention_ms_per_mib', 0.0):.2f} ms/MiB, on the first rounds): {calibrated:.1f} ms "
+            f"{r.get('contention_ms_per_mib', 0.0):.2f} ms/MiB, on {rounds} rounds): {calibrated:.1f} ms "
             f"({calibrated / meas:.2f}x), {plan}")
     fixed = [x for x in rows if x["mode"] == r["mode"] and not isinstance(x.get("bucket_cap_mb"), str)
              and x.get("calibrated_predicted_exposed_comm_ms") is not None and x.get("exposed_comm_ms")]

@@ -201,26 +201,29 @@ def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: boo
     return step_s
 
 
-CALIBRATION_ROUNDS = 3  # the first measured rounds calibrate the prediction
+# The measured rounds that calibrate the prediction: all of them. The first three alone fitted
+# noise on this 2-core machine (a contention of 17.7 ms/MiB on the seq-256 model at 800 Mbit,
+# its fixed caps then predicted at 2.0-2.2x their measured exposed communication).
+CALIBRATION_ROUNDS: int | None = None
 
 
-def _first_rounds(r: DDPRunner) -> tuple[float, float] | None:
-    """Medians over the first ``CALIBRATION_ROUNDS`` measured rounds: the ``no_sync`` backward
-    and the exposed communication (synchronised minus ``no_sync`` forward + backward)."""
+def _calibration_rounds(r: DDPRunner) -> tuple[float, float] | None:
+    """Medians over the first ``CALIBRATION_ROUNDS`` measured rounds (None: all): the ``no_sync``
+    backward and the exposed communication (synchronised minus ``no_sync`` forward + backward)."""
     bwd = [fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)][:CALIBRATION_ROUNDS]
     exposed = [s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)][:CALIBRATION_ROUNDS]
     return (median(bwd), median(exposed)) if bwd else None
 
 
 def fitted_contention(runners: list[DDPRunner]) -> dict[str, tuple[str, float]]:
-    """Per mode, (runner, contention) fitted on the first rounds of its ``auto`` runner
+    """Per mode, (runner, contention) fitted on the measured rounds of its ``auto`` runner
     (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``); every runner of
     that mode is then predicted with it, so the fixed caps' predictions are out of sample."""
     from ddp_opt.calibrate import calibrate
 
     out = {}
     for r in runners:
-        pred, first = r.mode.prediction(r), _first_rounds(r)
+        pred, first = r.mode.prediction(r), _calibration_rounds(r)
         if getattr(r, "cap", None) == "auto" and pred is not None and pred.units and first:
             out[r.mode.name] = (r.label, calibrate(pred, *first).current.contention_s_per_byte)
     return out
@@ -228,7 +231,7 @@ def fitted_contention(runners: list[DDPRunner]) -> dict[str, tuple[str, float]]:
 
 def _prediction(r: DDPRunner, fitted: dict[str, tuple[str, float]]) -> dict:
     """The cost model's prediction (ours with a cost model), flattened for the row, and the same
-    prediction calibrated: backward scaled to this runner's first rounds' ``no_sync`` backward,
+    prediction calibrated: backward scaled to this runner's measured ``no_sync`` backward,
     the contention fitted on its mode's ``auto`` runner (``fitted_contention``)."""
     pred = r.mode.prediction(r)
     if pred is None:
@@ -240,12 +243,13 @@ def _prediction(r: DDPRunner, fitted: dict[str, tuple[str, float]]) -> dict:
         "predicted_comm_ms": sum(pred.link.transfer_s(b.nbytes) for b in pred.buckets) * 1e3,
         "predicted_link": f"{pred.link.alpha_s * 1e3:.3g}ms,{pred.link.bandwidth / 1e6:.4g}MB/s",
     }
-    first = _first_rounds(r)
+    first = _calibration_rounds(r)
     if first and pred.units:
         from ddp_opt.calibrate import calibrate
 
         source, contention = fitted.get(r.mode.name, (None, None))
-        out.update(calibrate(pred, first[0], contention=contention).as_dict(), contention_fitted_on=source)
+        out.update(calibrate(pred, first[0], contention=contention).as_dict(), contention_fitted_on=source,
+                   calibration_rounds=min(len(r.nosync_fb_s), CALIBRATION_ROUNDS or len(r.nosync_fb_s)))
     return out
 
 

@@ -63,11 +63,12 @@ def test_levers_not_built_get_their_ceiling_and_the_result_row_the_best_peer():
 
 def test_the_plan_row_quotes_the_calibrated_prediction_and_whether_the_plan_would_change():
     calibrated = dict(backward_scale=1.4, calibrated_predicted_exposed_comm_ms=21.0, calibrated_plan_changes=False,
-                      calibrated_plan_gain_ms=0.0, calibrated_plan_mib=[1.0, 3.0], contention_ms_per_mib=2.5)
+                      calibrated_plan_gain_ms=0.0, calibrated_plan_mib=[1.0, 3.0], contention_ms_per_mib=2.5,
+                      calibration_rounds=3)
     rows = [dict(r, **calibrated) if r["runner"] == "ours@auto" else r for r in SWEEP]
     plan = _by_lever(ablation_rows(rows))[("1 cost-model plan", "ours@auto / ours@1")]
     assert plan["note"] == ("exposed comm predicted 30.0 ms, measured 20.0 ms (1.50x); calibrated (backward x1.40, "
-                            "contention 2.50 ms/MiB, on the first rounds): 21.0 ms (1.05x), keeps the plan")
+                            "contention 2.50 ms/MiB, on 3 rounds): 21.0 ms (1.05x), keeps the plan")
     rows = [dict(r, calibrated_plan_changes=True, calibrated_plan_gain_ms=2.5) if r["runner"] == "ours@auto" else
             dict(r, calibrated_predicted_exposed_comm_ms=33.0, exposed_comm_ms=30.0) if r["runner"] == "ours@4" else r
             for r in rows]

@@ -112,8 +112,9 @@ def test_tiny_sweep_runs_auto_next_to_fixed_caps(tmp_path):
     by = {r["runner"]: r for r in rows}
     auto = by["ours@auto"]
     assert auto["bucket_cap_mb"] == "auto" and auto["predicted_exposed_comm_ms"] is not None
-    # calibrated to the first (here: both) measured rounds' no_sync backward, the row's bwd_ms
+    # calibrated to the measured rounds' no_sync backward, the row's bwd_ms
     assert auto["measured_backward_ms"] == pytest.approx(auto["bwd_ms"]) and auto["backward_scale"] > 0
+    assert auto["calibration_rounds"] == 2
     assert auto["calibrated_predicted_exposed_comm_ms"] is not None and by["ours@1"]["backward_scale"] > 0
     # the contention is fitted on ours@auto and predicts ours@1 with it
     assert auto["contention_fitted_on"] == by["ours@1"]["contention_fitted_on"] == "ours@auto"
