@@ -77,8 +77,10 @@ def _prediction_note(r: dict | None, rows: Sequence[dict]) -> str:
     calibrated = r.get("calibrated_predicted_exposed_comm_ms")
     if calibrated is None:
         return note
-    plan = (f"re-plans to {len(r['calibrated_plan_mib'])} buckets, {r['calibrated_plan_gain_ms']:.1f} ms sooner"
-            if r.get("calibrated_plan_changes") else "keeps the plan")
+    gain = r.get("calibrated_plan_gain_ms", 0.0)
+    plan = "keeps the plan" if not r.get("calibrated_plan_changes") else (
+        f"re-plans to {len(r['calibrated_plan_mib'])} buckets, " + (f"{gain:.1f} ms sooner" if gain >= 0 else
+                                                                   f"{-gain:.1f} ms later but more robust"))
     rounds = r.get("calibration_rounds", 3)  # sweeps before the column calibrated on their first 3 rounds
     note = (f"{note}; calibrated (backward x{r['backward_scale']:.2f}, contention "
             f"{r.get('contention_ms_per_mib', 0.0):.2f} ms/MiB, on {rounds} rounds): {calibrated:.1f} ms "
