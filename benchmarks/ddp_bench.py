@@ -207,12 +207,13 @@ def run_round(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, measured: boo
 CALIBRATION_ROUNDS: int | None = None
 
 
-def _calibration_rounds(r: DDPRunner) -> tuple[float, float] | None:
+def _calibration_rounds(r: DDPRunner) -> tuple[float, float, int] | None:
     """Medians over the first ``CALIBRATION_ROUNDS`` measured rounds (None: all): the ``no_sync``
-    backward and the exposed communication (synchronised minus ``no_sync`` forward + backward)."""
+    backward and the exposed communication (synchronised minus ``no_sync`` forward + backward),
+    and how many rounds that was."""
     bwd = [fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)][:CALIBRATION_ROUNDS]
     exposed = [s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)][:CALIBRATION_ROUNDS]
-    return (median(bwd), median(exposed)) if bwd else None
+    return (median(bwd), median(exposed), len(bwd)) if bwd else None
 
 
 def fitted_contention(runners: list[DDPRunner]) -> dict[str, tuple[str, float]]:
@@ -225,7 +226,7 @@ def fitted_contention(runners: list[DDPRunner]) -> dict[str, tuple[str, float]]:
     for r in runners:
         pred, first = r.mode.prediction(r), _calibration_rounds(r)
         if getattr(r, "cap", None) == "auto" and pred is not None and pred.units and first:
-            out[r.mode.name] = (r.label, calibrate(pred, *first).current.contention_s_per_byte)
+            out[r.mode.name] = (r.label, calibrate(pred, first[0], first[1]).current.contention_s_per_byte)
     return out
 
 
@@ -249,7 +250,7 @@ def _prediction(r: DDPRunner, fitted: dict[str, tuple[str, float]]) -> dict:
 
         source, contention = fitted.get(r.mode.name, (None, None))
         out.update(calibrate(pred, first[0], contention=contention).as_dict(), contention_fitted_on=source,
-                   calibration_rounds=min(len(r.nosync_fb_s), CALIBRATION_ROUNDS or len(r.nosync_fb_s)))
+                   calibration_rounds=first[2])
     return out
 
 

@@ -138,7 +138,7 @@ def fit_contention(table: list[UnitCost], counts: tuple[int, ...], link: LinkEst
         return simulate(table, counts, link, gamma_s, kappa).exposed_s
 
     free = simulate(table, counts, link, gamma_s)
-    waits = any(b.start_s == b.ready_s and b.ready_s > prev.finish_s for prev, b in zip(free.buckets, free.buckets[1:]))
+    waits = any(b.ready_s > prev.finish_s for prev, b in zip(free.buckets, free.buckets[1:]))  # the link idles
     if len(counts) < 2 or not waits or free.exposed_s >= measured_exposed_s:
         return 0.0
     lo, hi = 0.0, 1e-10
