@@ -73,7 +73,7 @@ def _cost_model(link: SimulatedLink, device):
 
 def _print_auto_plans(runners: Sequence[DDPRunner]) -> None:
     """The plans made at cap auto (known once compiled), with their predicted times."""
-    from ddp_opt.cost import describe
+    from ddp_opt.graph_plan import describe
 
     for r in runners:
         pred = r.mode.prediction(r)

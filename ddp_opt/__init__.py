@@ -8,7 +8,8 @@ from .api import CompiledDDP, caps_from_ddp, compile_ddp
 from .config import DDPCompileConfig
 from .autoplan import LinkEstimate, Timeline, UnitCost, simulate, solve
 from .calibrate import Calibration, calibrate, calibrated_model
-from .cost import CostModel, DeviceRates, measure_link, measure_rates, plan_auto
+from .cost import CostModel, DeviceRates, measure_link, measure_rates
+from .graph_plan import plan_auto
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
 

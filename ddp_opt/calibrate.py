@@ -61,7 +61,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .autoplan import LinkEstimate, Timeline, UnitCost, simulate
-from .cost import CostModel, solve_table
+from .cost import CostModel
+from .graph_plan import solve_table
 
 __all__ = ["Calibration", "calibrate", "calibrated_model", "fit_contention"]
 

@@ -59,7 +59,8 @@ from ._torch_internals import default_first_bucket_bytes, graph_slot, trace_arti
 from .advice import API_SPELLING, DIRECT_SPELLING, Spelling
 from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
-from .cost import CostModel, describe, plan_auto, predict_plan
+from .cost import CostModel
+from .graph_plan import describe, plan_auto, predict_plan
 from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
 
 log = logging.getLogger(__name__)

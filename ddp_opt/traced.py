@@ -23,8 +23,8 @@ Algorithm
     - Forward: the wrapped module's forward is compiled whole (no split). With
       ``bucket_cap_mb="auto"`` its graph is planned first by the cost-model DP
       (Note [Cost-model bucket plan]) with ``gamma = 0``, since a bucket boundary
-      here costs no graph break, over chunks of at least 1 MiB (``FIRST_BUCKET_CAP``)
-      with the first chunk a bucket alone; the plan's per-bucket byte sizes become
+      here costs no graph break, over chunks of at least 1 MiB
+      (``CostModel.min_bucket_bytes``) with the first chunk a bucket alone; the plan's per-bucket byte sizes become
       the caps. A plan with smaller buckets lost the overlap in the compiled graph: with a
       link fitted at zero latency the DP over single units chose 27 buckets, down
       to 2 KiB, and the step took 260.4 ms against 185.1 ms with 1 MiB buckets
@@ -78,7 +78,8 @@ from compiler import BackendFn
 from ._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, registered_hook_name,
                                traced_backward, traced_strategy_missing)
 from .autoplan import Timeline
-from .cost import CostModel, describe, plan_auto
+from .cost import CostModel
+from .graph_plan import describe, plan_auto
 from .plan import BucketCaps, group_by_caps
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ log = logging.getLogger(__name__)
 __all__ = ["STRATEGIES", "FIRST_BUCKET_CAP", "TracedPlan", "FuseByPlan", "fallback_reason"]
 
 STRATEGIES = ("split", "traced")
-FIRST_BUCKET_CAP = 1 << 20  # bytes: the largest first bucket, the auto plan's smallest (Note [Traced strategy])
+FIRST_BUCKET_CAP = 1 << 20  # bytes: the largest first bucket under fixed caps (Note [Traced strategy])
 
 
 def fallback_reason(ddp_model: DistributedDataParallel) -> str | None:
@@ -159,7 +160,7 @@ class TracedPlan:
         return plan_then_compile
 
     def _plan(self, gm: fx.GraphModule) -> None:
-        caps, buckets, timeline = plan_auto(gm, self.cost_model, min_bucket_bytes=FIRST_BUCKET_CAP)
+        caps, buckets, timeline = plan_auto(gm, self.cost_model)
         params = frozenset(p for b in buckets for p in b.params)
         if not params:
             return  # a graph without parameters (a loss after a graph break) has no gradients to plan

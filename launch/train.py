@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from compiler import BackendSpec, Diagnoser
-from ddp_opt.cost import describe as describe_plan
+from ddp_opt.graph_plan import describe as describe_plan
 
 from .agree import check_same_config
 from .bad_input import report_config_error

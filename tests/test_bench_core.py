@@ -19,6 +19,15 @@ from benchmarks.modes_ddp import DDP_MODES, DEFAULT_CAP, build_runner
 from benchmarks.report import cap_label, fmt, markdown_table, with_iqr
 
 
+def test_the_traced_mode_reports_the_fused_all_reduces_of_the_synchronised_backward():
+    traced = DDP_MODES["ours_traced"]
+    r = SimpleNamespace(fn=SimpleNamespace(traced=SimpleNamespace(fused=[[2**20, 2**19], [2**20]])))
+    assert traced.fused_bytes(r) == [2**20, 2**19] and traced.partitions(r) == 2  # the first backward compiled
+    cached = SimpleNamespace(fn=SimpleNamespace(traced=SimpleNamespace(fused=[])))  # Inductor's cache served it
+    assert traced.fused_bytes(cached) is None and traced.partitions(cached) is None
+    assert DDP_MODES["ours"].fused_bytes(r) is None and DDP_MODES["compiled_autograd"].fused_bytes(r) is None
+
+
 def test_every_ddp_mode_is_registered_and_describes_itself():
     assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "regional", "compiled_autograd", "ours_traced")
     for name in DDP_MODES.names:

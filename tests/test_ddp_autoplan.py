@@ -17,7 +17,8 @@ from ddp_opt import (
     BucketCaps, CostModel, DeviceRates, LinkEstimate, UnitCost, compile_ddp, measure_alignment, measure_link,
     plan_buckets, simulate, solve,
 )
-from ddp_opt.cost import _unit_counts, fit_link, node_backward_costs, unit_costs
+from ddp_opt.cost import fit_link, node_backward_costs
+from ddp_opt.graph_plan import _unit_counts, unit_costs
 from models import GPT, GPTConfig
 
 # --- the DP on hand-built tables ---------------------------------------------------
@@ -199,6 +200,38 @@ def test_auto_caps_make_plan_buckets_reproduce_the_dp_boundaries():
     assert seen[-1] == 1
 
 
+def test_the_default_floor_keeps_every_bucket_but_the_last_at_1_mib_where_single_units_split_below():
+    # The measured failure: a link fitted at zero latency, single units -> a LayerNorm's 2 KiB alone
+    # (split plan 1.077x ours@1, GPT seq 256 at 200 Mbit). The default CostModel plans over 1 MiB chunks.
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_embd=256, n_head=4, vocab_size=512)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    link, rates = LinkEstimate(0.0, 1e8), DeviceRates(1e10, 1e10)
+    seen = {}
+
+    def inspect(gm, example_inputs):
+        from ddp_opt import plan_auto
+
+        assert CostModel(link, rates).min_bucket_bytes == 1 << 20
+        _, floored, timeline = plan_auto(gm, CostModel(link, rates, 0.0))
+        _, single, _ = plan_auto(gm, CostModel(link, rates, 0.0, min_bucket_bytes=0))
+        seen["floored"] = [b.size for b in reversed(floored)]  # gradient-ready order
+        seen["single"] = [b.size for b in reversed(single)]
+        seen["extra"] = timeline.extra["min_bucket_bytes"]
+
+    capture(GPT(cfg), x, inspect=inspect)
+    assert min(seen["single"]) <= 2 * 4 * cfg.n_embd, seen["single"]  # a LayerNorm (weight + bias) alone
+    assert len(seen["floored"]) >= 2 and all(s >= 1 << 20 for s in seen["floored"][:-1]), seen["floored"]
+    assert sum(seen["floored"]) == sum(seen["single"]) and seen["extra"] == 1 << 20
+
+
+@pytest.mark.parametrize("bad", [-1, 0.5, True, "1MiB"])
+def test_a_bad_min_bucket_bytes_says_what_it_expects(bad):
+    with pytest.raises(ValueError, match=r"CostModel\(min_bucket_bytes=.*\): expected a whole number of bytes "
+                                         r">= 0, .* default is 1 MiB \(1 << 20\), 0 lets it plan over single units"):
+        CostModel(LinkEstimate(0.0, 1e8), DeviceRates(1e10, 1e10), min_bucket_bytes=bad)
+
+
 def test_cost_estimate_adds_no_guards_under_dynamic_shapes(clean_dynamo):
     # Symbolic sizes are read as their hints: planning must not specialise the graph (a recompile per length).
     from ddp_opt import plan_auto
@@ -248,7 +281,8 @@ def test_a_one_bucket_auto_plan_is_realigned_too(gloo, clean_dynamo):
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_embd=128, n_head=2, vocab_size=1024)
     ddp = DDP(GPT(cfg))
-    cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e11, 1e10), gamma_s=1.0)  # a graph break costs 1 s
+    # a graph break costs 1 s; no 1 MiB floor on this small model (it would make the first chunk a bucket alone)
+    cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e11, 1e10), gamma_s=1.0, min_bucket_bytes=0)
     compiled = compile_ddp(ddp, backend="aot_eager", bucket_cap_mb="auto", link=cost)
     for step in range(3):
         x = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(step))
@@ -276,7 +310,7 @@ def _auto_rank(rank, world_size):
     model = GPT(cfg)
     ref_model = copy.deepcopy(model)
     ddp, ref = DDP(model), DDP(ref_model)
-    cost = CostModel(LinkEstimate(1e-4, 1e8), DeviceRates(1e9, 1e9, 1e-5), gamma_s=1e-4)
+    cost = CostModel(LinkEstimate(1e-4, 1e8), DeviceRates(1e9, 1e9, 1e-5), gamma_s=1e-4, min_bucket_bytes=0)
     compiled = compile_ddp(ddp, backend="aot_eager", bucket_cap_mb="auto", link=cost)
     opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     losses, alignments = [], []
@@ -321,7 +355,8 @@ def _forced_mismatch_rank(rank, world_size):
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
     # Explicit numbers are not broadcast. Rank 0: free graph breaks -> the last layer gets its own
     # bucket; rank 1 is told a graph break costs 1000 s -> one bucket.
-    cost = CostModel(LinkEstimate(0.0, 1e9), DeviceRates(1e3, 1e3), gamma_s=0.0 if rank == 0 else 1e3)
+    cost = CostModel(LinkEstimate(0.0, 1e9), DeviceRates(1e3, 1e3), gamma_s=0.0 if rank == 0 else 1e3,
+                     min_bucket_bytes=0)
     compiled = compile_ddp(DDP(model), backend="eager", bucket_cap_mb="auto", link=cost)
     try:
         compiled(torch.randn(2, 64))
@@ -400,7 +435,7 @@ def test_dp_with_a_pinned_first_bucket_finds_the_best_such_plan(seed):
 
 
 def test_a_plan_over_chunks_keeps_every_bucket_but_the_last_at_the_minimum_and_the_first_alone():
-    from ddp_opt.cost import chunk_units, plan_auto
+    from ddp_opt.graph_plan import chunk_units, plan_auto
 
     torch.manual_seed(0)
     model = GPT(GPTConfig())
@@ -415,14 +450,15 @@ def test_a_plan_over_chunks_keeps_every_bucket_but_the_last_at_the_minimum_and_t
         chunks = chunk_units(table, minimum)
         assert sum(chunks) == len(units) and len(chunks) > 2
         for link in (LinkEstimate(0.0, 1e6), LinkEstimate(0.0, 1e8), LinkEstimate(1e-3, 1e8), LinkEstimate(1.0, 1e9)):
-            caps, planned, timeline = plan_auto(gm, CostModel(link, DeviceRates(1e10, 1e10), 0.0),
-                                                min_bucket_bytes=minimum)
+            caps, planned, timeline = plan_auto(gm, CostModel(link, DeviceRates(1e10, 1e10), 0.0,
+                                                          min_bucket_bytes=minimum))
             sizes = [b.size for b in reversed(planned)]  # gradient-ready order
             assert sum(sizes) == total and all(s >= minimum for s in sizes[:-1]), (link, sizes)
             assert _unit_counts(units, planned)[0] == chunks[0]  # the first chunk is a bucket alone
             seen[link] = len(planned)
         # Without the minimum, the zero-latency link splits below it (the first LayerNorm alone).
-        _, unchunked, _ = plan_auto(gm, CostModel(LinkEstimate(0.0, 1e8), DeviceRates(1e10, 1e10), 0.0))
+        _, unchunked, _ = plan_auto(gm, CostModel(LinkEstimate(0.0, 1e8), DeviceRates(1e10, 1e10), 0.0,
+                                                    min_bucket_bytes=0))
         seen["unchunked"] = [b.size for b in reversed(unchunked)]
         seen["chunks"], seen["minimum"] = len(chunks), minimum
 

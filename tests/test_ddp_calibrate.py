@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import CostModel, DeviceRates, LinkEstimate, UnitCost, calibrate, compile_ddp, simulate
 from ddp_opt.calibrate import calibrated_model, fit_contention
-from ddp_opt.cost import chunk_units, solve_table
+from ddp_opt.graph_plan import chunk_units, solve_table
 
 MS = 1e-3
 LINK = LinkEstimate(0.0, 1e6)  # 1 MB/s: 10 ms per 10 kB
@@ -118,7 +118,7 @@ def test_compiled_calibrate_returns_the_calibrated_prediction_of_the_running_pla
 
 def test_the_calibrated_cost_model_plans_the_calibrated_plan_in_the_next_compile(gloo, clean_dynamo):
     # Fast compute against a 1 ms latency: one bucket. At 10^4 x the backward, compute-bound: more buckets.
-    cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e9, 1e9), gamma_s=0.0)
+    cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e9, 1e9), gamma_s=0.0, min_bucket_bytes=0)
     first = compile_ddp(DDP(_model()), backend="eager", bucket_cap_mb="auto", link=cost)
     first(torch.randn(2, 64)).sum().backward()
     result = first.calibrate(1e4 * first.prediction.backward_s)
