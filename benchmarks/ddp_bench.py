@@ -266,7 +266,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
     first = r.first_step_s + [None] * (2 - len(r.first_step_s))
     cold = compile_seconds(first[0], steps.median_s, compiled)
     events = r.cache_events + [None] * (2 - len(r.cache_events))
-    plan = r.mode.plan(r)
+    plan, fused = r.mode.plan(r), r.mode.fused_bytes(r)
     return {
         "mode": r.mode.name,
         "backend": cfg.backend if compiled else "eager",
@@ -309,6 +309,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "warm_cache": events[1],
         "ddp_bucket_mib": [round(b / 2**20, 3) for b in r.bucket_bytes],
         "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(plan)] if plan is not None else None,
+        "fused_mib": [round(b / 2**20, 3) for b in fused] if fused is not None else None,
         **job_columns(cfg),
         "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
     }

@@ -86,6 +86,11 @@ class DDPMode:
         """The planned buckets (``ddp_opt.Bucket``, backward order), for modes that plan."""
         return None
 
+    def fused_bytes(self, r: DDPRunner) -> list[int] | None:
+        """Bytes of each all-reduce fused into the synchronised compiled backward (gradient-ready
+        order), for modes that fuse by our pass; None where unknown."""
+        return None
+
     def alignment(self, r: DDPRunner) -> float | None:
         """Fraction of gradient bytes whose runtime DDP bucket is exactly one partition; None
         where there are no partitions or their plan is not known."""
@@ -242,9 +247,13 @@ class OursTraced(Ours):
         return r.fn.backward_context()
 
     def partitions(self, r: DDPRunner) -> int | None:
+        fused = self.fused_bytes(r)
+        return len(fused) if fused is not None else None
+
+    def fused_bytes(self, r: DDPRunner) -> list[int] | None:
         fused = r.fn.traced.fused
-        # All-reduces of the synchronised backward; None when Inductor's cache served it (the pass did not run).
-        return len(fused[0]) if fused else None
+        # The synchronised backward's; None when Inductor's cache served it (the pass did not run).
+        return list(fused[0]) if fused else None
 
     def plan(self, r: DDPRunner) -> list | None:
         return None
