@@ -116,6 +116,8 @@ def process_group(device: str, name: str) -> Iterator[Placement]:
     written its outputs before any rank leaves."""
     import torch.distributed as dist
 
+    from launch.dist import destroy_process_group
+
     from .device import device_label, place_rank
 
     placement = place_rank(device)
@@ -125,7 +127,7 @@ def process_group(device: str, name: str) -> Iterator[Placement]:
         yield placement
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # Note [Process-group teardown] in launch.dist
 
 
 def publish(rows: Sequence[dict], args: argparse.Namespace, *, module: str, command_env: str,

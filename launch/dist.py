@@ -41,6 +41,23 @@ Note [Exit on error]
     A stop every rank agreed on at the same step (preemption, a non-finite
     loss) leaves the same way, with its own exit code and one line from rank 0.
     ``run()`` called from Python (tests, notebooks) raises as before.
+
+Note [Process-group teardown]
+    ``run()`` called from Python hung in a test about once in a CI run
+    (``test_skip_stops_after_max_consecutive_skips``, 2026-11-23): the main
+    thread in ``~Reducer -> ~ProcessGroupGloo``, joining the gloo threads while
+    holding the GIL; a gloo thread in ``~AsyncWork`` of the last all-reduce,
+    waiting for the GIL to release its tensors' Python objects. The reducer's
+    Python binding holds the GIL while it destroys what it owns, and after
+    ``destroy_process_group`` the reducer held the group's last reference, so the
+    group died with it, milliseconds after the last collective, before the gloo
+    thread had finished with it. A loop of init, a DDP backward, an all-reduce,
+    ``destroy_process_group`` and dropping the model hung within 50 tries in 4 of
+    4 runs. The process group's own Python object releases the GIL while it is
+    destroyed (pytorch/pytorch#154976). So :func:`destroy_process_group` keeps
+    that object after destroying the group, until the next
+    :func:`setup_distributed` (or the process ends): the reducer then never
+    holds the last reference, and the same loop ran 400 tries without a hang.
 """
 
 from __future__ import annotations
@@ -68,6 +85,7 @@ __all__ = [
     "choose_backend",
     "local_world_size",
     "teardown_distributed",
+    "destroy_process_group",
     "process_group",
     "print0",
     "configure_logging",
@@ -148,6 +166,7 @@ def choose_backend(requested: str, local_rank: int, local_world: int, gpus: int)
 
 def setup_distributed(cfg: ParallelConfig, timeout_s: float) -> DistEnv:
     """Start the process group; every collective then times out after ``timeout_s``."""
+    _RETIRED.clear()  # the last group's object, kept by destroy_process_group (Note [Process-group teardown])
     _export_slurm_env()
     rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -195,7 +214,19 @@ def teardown_distributed(ok: bool = True) -> None:
         if ok:
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
+
+
+_RETIRED: list = []  # the last destroyed default group's object (Note [Process-group teardown])
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()``, keeping the default group's Python object alive
+    until the next :func:`setup_distributed` or a later call here, so that no DDP reducer
+    holds its last reference (Note [Process-group teardown])."""
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    _RETIRED[:] = [group]
 
 
 @contextmanager

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from launch.dist import destroy_process_group
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,7 +32,7 @@ def single_rank_group(backend: str = "gloo"):
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # not with the last reference in a DDP reducer: it can hang
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
@@ -44,7 +46,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     except BaseException:  # noqa: BLE001 - shipped to the parent with its traceback
         payload = ("error", traceback.format_exc())
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # not with the last reference in a DDP reducer: it can hang
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(payload, f)
 
