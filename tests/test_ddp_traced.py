@@ -59,9 +59,10 @@ def _batch(rank, step, vocab, batch=4, seq=16):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model):
+def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model, accumulate=True):
     """compile_ddp(strategy="traced") and eager DDP side by side; each step accumulates one
-    micro-batch under no_sync, then one synchronised; losses and gradients compared."""
+    micro-batch under no_sync (with ``accumulate``), then one synchronised; losses and
+    gradients compared."""
     # The fusion is recorded when the pass runs; a backward served by Inductor's or AOTAutograd's cache
     # (left by an earlier run on this machine) would skip it. This spawned rank's process only.
     torch._inductor.config.force_disable_caches = True
@@ -78,10 +79,11 @@ def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model):
         losses = []
         for step in range(STEPS):
             (x0, y0), (x1, y1) = _batch(rank, 2 * step, cfg.vocab_size), _batch(rank, 2 * step + 1, cfg.vocab_size)
-            with compiled.no_sync():
-                compiled.backward(compiled(x0, y0)[1])
-            with ref.no_sync():
-                ref(x0, y0)[1].backward()
+            if accumulate:
+                with compiled.no_sync():
+                    compiled.backward(compiled(x0, y0)[1])
+                with ref.no_sync():
+                    ref(x0, y0)[1].backward()
             loss, ref_loss = compiled(x1, y1)[1], ref(x1, y1)[1]
             compiled.backward(loss)
             ref_loss.backward()
@@ -125,19 +127,28 @@ def test_two_rank_traced_aot_eager_matches_eager_ddp_with_accumulation(run_ranks
     assert results[0]["fused"] == []  # no Inductor, no fusion pass: one all-reduce per gradient
 
 
+def _traced_inductor_rank(rank, world_size, cfg, auto_model):
+    """DDP's caps with accumulation, then the auto plan without it (its no_sync backward would be
+    one more Inductor compile of what the first run checks): one spawn for both."""
+    by_caps = _traced_rank(rank, world_size, "inductor", cfg, 0.01, None)
+    torch._dynamo.reset()
+    return by_caps, _traced_rank(rank, world_size, "inductor", cfg, 0.01, auto_model, accumulate=False)
+
+
 @pytest.mark.slow
 def test_two_rank_traced_inductor_fuses_by_ddp_caps_and_by_the_auto_plan(run_ranks):
     cfg = GPTConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)
-    results = run_ranks(_traced_rank, "inductor", cfg, 0.01, None, timeout=600)
+    # The auto plan: a slow link and a fast device make the DP choose few, large buckets; the fusion follows it.
+    slow = CostModel(LinkEstimate(5e-3, 1e6), DeviceRates(1e12, 1e11))
+    both = run_ranks(_traced_inductor_rank, cfg, slow, timeout=900)
+    results = [by_caps for by_caps, _ in both]
     _check_parity(results)
     for r in results:
         fused = r["fused"][0]  # the synchronised backward (the no_sync one has no all-reduce)
         assert len(r["fused"]) == 1 and sum(fused) == r["grad_bytes"]
         cap = int(0.01 * 2**20)
         assert len(fused) > 1 and all(b >= cap for b in fused[:-1]), fused  # each closed at DDP's cap
-    # The auto plan: a slow link and a fast device make the DP choose few, large buckets; the fusion follows it.
-    slow = CostModel(LinkEstimate(5e-3, 1e6), DeviceRates(1e12, 1e11))
-    results = run_ranks(_traced_rank, "inductor", cfg, 0.01, slow, timeout=600)
+    results = [auto for _, auto in both]
     _check_parity(results)
     for r in results:
         caps = r["caps"].per_bucket_caps
