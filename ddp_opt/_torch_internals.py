@@ -261,6 +261,22 @@ def traced_backward(compiler_fn: Any, fusion_passes: list) -> Iterator[None]:
         yield
 
 
+def has_all_reduce(gm: fx.GraphModule) -> bool:
+    """Whether a dynamo-captured graph all-reduces (the python reducer's hooks, traced into a
+    synchronised backward; a ``no_sync`` backward has none)."""
+    # torch.ops._c10d_functional.all_reduce(_): the functional collectives the hooks call.
+    packets = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce_)
+    ops = {*packets, *(packet.default for packet in packets)}
+    return any(node.op == "call_function" and node.target in ops for node in gm.graph.nodes)
+
+
+def memory_reorder_off() -> contextlib.AbstractContextManager:
+    """Inductor compiles in graph order: its peak-memory reordering (``reorder_for_peak_memory``,
+    the scheduler's last pass, on by default) off. In a backward that adds to existing gradients it
+    moved each bucket's wait and copy-back up to its all-reduce (Note [Traced strategy])."""
+    return torch._inductor.config.patch(reorder_for_peak_memory=False)
+
+
 def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any) -> None:
     """Fuse the python reducer's per-gradient all-reduces in ``graph`` into the buckets
     ``group_fn(sizes) -> list of bucket lengths`` chooses (sizes in bytes, graph order)."""

@@ -3,6 +3,7 @@ it refuses, its fallbacks to the split strategy, and two gloo ranks training lik
 step by step (aot_eager: one all-reduce per gradient; inductor: fused by our plan)."""
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -29,6 +30,32 @@ def test_group_by_caps_closes_each_bucket_at_its_cap():
     # One gradient larger than its cap is a bucket alone; what is left is the last bucket.
     assert group_by_caps([500, 1, 1], BucketCaps(100)) == [1, 2]
     assert group_by_caps([], BucketCaps(100)) == []
+
+
+def test_a_backward_that_all_reduces_compiles_in_graph_order_and_a_no_sync_one_does_not():
+    # Inductor's peak-memory reordering pulled each wait up to its all-reduce where the backward adds to
+    # existing gradients (Note [Traced strategy]); a no_sync backward has nothing to overlap and keeps it.
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(torch._inductor.config.reorder_for_peak_memory)
+        return gm.forward
+
+    def graph(all_reduce):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        if all_reduce:
+            y = g.call_function(torch.ops._c10d_functional.all_reduce.default, (y, "sum", "0"))
+            y = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (y,))
+        g.output(y)
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    plan = TracedPlan(BucketCaps(2**20), backend)
+    default = torch._inductor.config.reorder_for_peak_memory
+    plan._backward_backend(graph(all_reduce=True), [])
+    plan._backward_backend(graph(all_reduce=False), [])
+    assert seen == [False, default] and torch._inductor.config.reorder_for_peak_memory == default
 
 
 def test_traced_first_bucket_is_small_unless_ddp_was_given_a_list():
@@ -129,10 +156,30 @@ def test_two_rank_traced_aot_eager_matches_eager_ddp_with_accumulation(run_ranks
 
 def _traced_inductor_rank(rank, world_size, cfg, auto_model):
     """DDP's caps with accumulation, then the auto plan without it (its no_sync backward would be
-    one more Inductor compile of what the first run checks): one spawn for both."""
-    by_caps = _traced_rank(rank, world_size, "inductor", cfg, 0.01, None)
-    torch._dynamo.reset()
-    return by_caps, _traced_rank(rank, world_size, "inductor", cfg, 0.01, auto_model, accumulate=False)
+    one more Inductor compile of what the first run checks): one spawn for both. Each run's
+    compiled backwards: the order in which their code issues all-reduces and waits."""
+    from torch._inductor.utils import run_and_get_code  # every graph Inductor compiles while fn runs
+
+    by_caps, codes = run_and_get_code(_traced_rank, rank, world_size, "inductor", cfg, 0.01, None)
+    auto, auto_codes = run_and_get_code(_traced_rank, rank, world_size, "inductor", cfg, 0.01, auto_model,
+                                        accumulate=False)
+    return (by_caps, _collective_orders(codes)), (auto, _collective_orders(auto_codes))
+
+
+def _collective_orders(codes):
+    """Per compiled graph with all-reduces: "A" for each all-reduce issued, "W" for each wait, in
+    the order its code runs them."""
+    orders = ["".join("A" if m == "all_reduce_" else "W" for m in
+                      re.findall(r"_c10d_functional\.(all_reduce_|wait_tensor)\.default\(", code)) for code in codes]
+    return [o for o in orders if o]
+
+
+def _check_waits_deferred(orders):
+    # Every wait after the last all-reduce is issued (Inductor's schedule_comm_wait put each at its first
+    # use, the end of backward): the buckets travel while the rest of backward runs.
+    assert orders, "no compiled graph issued an all-reduce"
+    for order in orders:
+        assert "W" in order and "A" not in order[order.index("W"):], order
 
 
 @pytest.mark.slow
@@ -141,15 +188,21 @@ def test_two_rank_traced_inductor_fuses_by_ddp_caps_and_by_the_auto_plan(run_ran
     # The auto plan: a slow link and a fast device make the DP choose few, large buckets; the fusion follows it.
     slow = CostModel(LinkEstimate(5e-3, 1e6), DeviceRates(1e12, 1e11))
     both = run_ranks(_traced_inductor_rank, cfg, slow, timeout=900)
-    results = [by_caps for by_caps, _ in both]
+    results = [by_caps for (by_caps, _), _ in both]
     _check_parity(results)
+    # The synchronised backward adds to the no_sync step's gradients (a graph copying into them), where
+    # Inductor's peak-memory reordering pulled each wait up to its all-reduce (Note [Traced strategy]).
+    for (_, orders), _ in both:
+        _check_waits_deferred(orders)
     for r in results:
         fused = r["fused"][0]  # the synchronised backward (the no_sync one has no all-reduce)
         assert len(r["fused"]) == 1 and sum(fused) == r["grad_bytes"]
         cap = int(0.01 * 2**20)
         assert len(fused) > 1 and all(b >= cap for b in fused[:-1]), fused  # each closed at DDP's cap
-    results = [auto for _, auto in both]
+    results = [auto for _, (auto, _) in both]
     _check_parity(results)
+    for _, (_, orders) in both:
+        _check_waits_deferred(orders)
     for r in results:
         caps = r["caps"].per_bucket_caps
         assert r["predicted"] and caps, r
