@@ -103,6 +103,10 @@ class BenchConfig(GPTJob):
     sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.sweep)
     # The mode whose per-round steps the ratio column divides by; None: builtin when it runs.
     baseline: str | None = None
+    # Zero the gradients in place between steps (zero_grad(set_to_none=False), as launch does with a
+    # compiled optimizer; --keep-grads): every backward then adds to existing gradients, as the
+    # synchronised step of gradient accumulation does. False: freed, each backward makes them anew.
+    keep_grads: bool = False
 
     def __post_init__(self) -> None:
         DDP_MODES.check(self.modes)
@@ -174,7 +178,7 @@ def run_step(r: DDPRunner, cfg: BenchConfig, link: SimulatedLink, *, sync: bool 
             r.opt.step()
         t2 = clock(device)
     peak = peak_bytes(device) if sync else None
-    r.opt.zero_grad(set_to_none=True)
+    r.opt.zero_grad(set_to_none=not cfg.keep_grads)
     stats = link.take_step_stats()
     r.compiles.append(graphs_compiled() - graphs0)
     if sync:
@@ -311,6 +315,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "plan_bucket_mib": [round(b.size / 2**20, 3) for b in reversed(plan)] if plan is not None else None,
         "fused_mib": [round(b / 2**20, 3) for b in fused] if fused is not None else None,
         **job_columns(cfg),
+        "keep_grads": cfg.keep_grads,
         "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
     }
 

@@ -71,6 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="measure every (mode, cap) pair in ONE interleaved phase (benchmarks.sweep), no warm-compile "
                         "phase; eager/nosplit run once at cap 25")
+    p.add_argument("--keep-grads", action="store_true",
+                   help="zero the gradients in place between steps (zero_grad(set_to_none=False), as launch does with "
+                        "a compiled optimizer), so every backward adds to existing gradients (default: set to None)")
     p.add_argument("--steps", type=int, default=None, help="measured rounds per cap (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="unmeasured rounds per cap (default 3)")
     add_common_args(p, layers=4, embd=256, plot_help="PNG of step time vs cap",
@@ -126,7 +129,8 @@ def _config(args: argparse.Namespace):
     from .link import parse_link
 
     return BenchConfig(**job_kwargs(args), link=parse_link(args.link), net=args.net, caps=args.caps,
-                       cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline)
+                       cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline,
+                       keep_grads=args.keep_grads)
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -82,6 +82,9 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None, before: Sequ
                f"{r0.get('rounds', '?')} measured rounds per cap, modes interleaved round by round "
                "(caps run one after another, so compare modes within a cap, not absolute times across caps). "
                "Ratios are medians of per-round ratios to `builtin` (IQR in brackets; below 1 is faster). ") +
+            ("Gradients zeroed in place between steps (`--keep-grads`: `zero_grad(set_to_none=False)`, as "
+             "with a compiled optimizer), so every backward adds to existing gradients. "
+             if r0.get("keep_grads") else "") +
             "Exposed comm = synchronised forward+backward minus the same under `no_sync`; "
             "overlap = (compute + comm - step) / min(compute, comm), 1.0 hides all communication. "
             "Alignment = fraction of gradient bytes whose runtime DDP bucket is exactly one partition "

@@ -120,3 +120,24 @@ def test_relaunch_keeps_nproc_away_from_torchrun():
     from benchmarks.torchrun import _without_nproc
 
     assert _without_nproc(["--nproc", "1", "--modes", "ours", "--nproc=2", "--json", "x"]) == ["--modes", "ours", "--json", "x"]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_grads_zeroes_the_gradients_in_place_between_steps(gloo, keep):
+    # --keep-grads: every backward then adds to existing gradients (a compiled optimizer's way, and
+    # gradient accumulation's synchronised step), the backward graph the traced strategy had to fix.
+    from benchmarks.ddp_bench import BenchConfig, run_step
+    from benchmarks.link import LinkModel, SimulatedLink
+    from benchmarks.modes_ddp import build_runner
+
+    assert parse_args(["--keep-grads"] if keep else []).keep_grads is keep
+    cfg = BenchConfig(device="cpu", backend="eager", modes=("eager",), layers=1, embd=32, heads=2, vocab=64, seq=8,
+                      batch=2, keep_grads=keep)
+    link = SimulatedLink(LinkModel())  # none: the real (in-process) all-reduce only
+    r = build_runner("eager", cfg, 25.0, link)
+    run_step(r, cfg, link)
+    grads = [p.grad for p in r.ddp.parameters()]
+    if keep:
+        assert all(g is not None and not g.any() for g in grads)
+    else:
+        assert all(g is None for g in grads)
