@@ -42,17 +42,27 @@ Algorithm
       concatenated all-reduce; Inductor's ``schedule_comm_wait`` then delays each
       wait to its first use, so the collectives run against the rest of backward.
     - Inductor's peak-memory reordering (``reorder_for_peak_memory``, the
-      scheduler's last pass) is off for a backward that all-reduces. Where it adds
-      to existing gradients (a compiled optimizer's ``zero_grad(set_to_none=False)``,
-      the synchronised step of gradient accumulation), each bucket's copy-back into
-      ``.grad`` frees the bucket, and that pass moved the copy-back, and with it the
-      wait, up to the bucket's all-reduce: each all-reduce was waited for as soon as
-      it was issued and the overlap was lost (PyTorch's python reducer still does
-      this). The cost is memory: Inductor's own estimate for that graph (GPT 4x256,
-      12.6 MiB of gradients) is 16.8 MB in graph order against 6.4 MB reordered;
-      the buckets live until the end of backward, as they do where gradients are
-      made anew (there the pass kept graph order already). A ``no_sync`` backward
-      has no all-reduce and keeps the pass (16.5 MB against 6.4 MB there).
+      scheduler's last pass) is off for a backward that all-reduces. It picks the
+      order of lowest estimated peak among graph order and three topological sorts,
+      and the sorts know nothing of overlap. Two ways it lost the overlap (GPT
+      4x256, 12.6 MiB of gradients, generated code read):
+      - where backward adds to existing gradients (a compiled optimizer's
+        ``zero_grad(set_to_none=False)``, the synchronised step of gradient
+        accumulation), each bucket's copy-back into ``.grad`` frees the bucket, so
+        a sort moved the copy-back, and with it the wait, up to the bucket's
+        all-reduce (estimated peak 6.4 MB against 16.8 MB in graph order);
+      - where gradients are made anew, graph order and the best sort estimate
+        within 1 to 4% of each other, and the bucket boundaries decide: with
+        the traced auto plan of a sweep that lost its overlap (12 buckets of
+        about 1 MiB, then 0.56 MiB) a depth-first sort won (16.57 against
+        16.84 MB) and issued every all-reduce after the last gradient; with
+        caps of 1.5 and 2 MiB a sort pulled the waits up again; with 0.5, 1, 3
+        and 4 MiB graph order won.
+      PyTorch's python reducer still runs that pass. The cost is memory: where
+      gradients are made anew at most the 1 to 4% above; where they are added to,
+      the buckets live until the end of backward, up to the gradients' size again
+      (the 10.4 MB above). A ``no_sync`` backward has no all-reduce and keeps the
+      pass (16.5 MB against 6.4 MB there).
     - Every rank traces the same backward and plans from the same graph and the
       same cost model (rank 0's measurement, broadcast), so the buckets agree.
 
