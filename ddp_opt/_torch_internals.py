@@ -272,8 +272,8 @@ def has_all_reduce(gm: fx.GraphModule) -> bool:
 
 def memory_reorder_off() -> contextlib.AbstractContextManager:
     """Inductor compiles in graph order: its peak-memory reordering (``reorder_for_peak_memory``,
-    the scheduler's last pass, on by default) off. In a backward that adds to existing gradients it
-    moved each bucket's wait and copy-back up to its all-reduce (Note [Traced strategy])."""
+    the scheduler's last pass, on by default) off. In a traced backward it moved each bucket's wait
+    up to its all-reduce, or every all-reduce after the last gradient (Note [Traced strategy])."""
     return torch._inductor.config.patch(reorder_for_peak_memory=False)
 
 

@@ -156,8 +156,8 @@ def test_two_rank_traced_aot_eager_matches_eager_ddp_with_accumulation(run_ranks
 
 def _traced_inductor_rank(rank, world_size, cfg, auto_model):
     """DDP's caps with accumulation, then the auto plan without it (its no_sync backward would be
-    one more Inductor compile of what the first run checks): one spawn for both. Each run's
-    compiled backwards: the order in which their code issues all-reduces and waits."""
+    one more Inductor compile of what the first run checks): one spawn for both. Each run also
+    returns what the code of its compiled backwards runs in order (``_collective_orders``)."""
     from torch._inductor.utils import run_and_get_code  # every graph Inductor compiles while fn runs
 
     by_caps, codes = run_and_get_code(_traced_rank, rank, world_size, "inductor", cfg, 0.01, None)
