@@ -179,6 +179,15 @@ def is_view(value: torch.Tensor) -> bool:
     return value._is_view()
 
 
+def size_hint(size: Any) -> int:
+    # symbolic_shapes.optimization_hint (torch 2.13; size_hint in torch 2.11, where hint_int warns that
+    # it is deprecated): a (symbolic) size's example value, read without adding a guard.
+    from torch.fx.experimental import symbolic_shapes
+
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
+    return hint(size)
+
+
 def node_example(node: fx.Node) -> Any:
     # node.meta["example_value"] (dynamo) or node.meta["val"] (AOT/export): the node's fake value.
     return node.meta.get("example_value", node.meta.get("val"))

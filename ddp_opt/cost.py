@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example
+from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example, size_hint
 from .autoplan import LinkEstimate
 
 log = logging.getLogger(__name__)
@@ -235,9 +235,7 @@ def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         if is_view(value):
             return 0
-        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
-
-        return hint_int(value.numel()) * value.element_size()
+        return size_hint(value.numel()) * value.element_size()
     if isinstance(value, (tuple, list)):
         return sum(_tensor_bytes(v) for v in value)
     return 0
@@ -248,14 +246,10 @@ def _meta(value: Any) -> Any:
     without the fake mode dynamo traced with (placeholders and nodes may carry values
     of different fake modes)."""
     if isinstance(value, torch.Tensor):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
-
-        size = [hint_int(s) for s in value.shape]  # dynamic shapes: the example size, no guard added
+        size = [size_hint(s) for s in value.shape]  # dynamic shapes: the example size, no guard added
         return torch.empty(size, dtype=value.dtype, device="meta", requires_grad=False)
     if isinstance(value, torch.SymInt):  # a symbolic size passed as an argument (view, reshape, ...)
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return optimization_hint(value)
+        return size_hint(value)
     if isinstance(value, (torch.SymFloat, torch.SymBool)):
         raise TypeError("symbolic float/bool argument")  # not worth a guard: counted as memory-bound
     return value

@@ -254,6 +254,19 @@ def test_what_dynamo_graphs_carry(gloo_module):
     assert dti.is_ddp_ignored(m.lin.bias) and not dti.is_ddp_ignored(m.lin.weight)
 
 
+def test_size_hint_reads_a_symbolic_size():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(dti.node_example(n) for n in gm.graph.find_nodes(op="placeholder"))
+        return gm.forward
+
+    torch.compile(lambda x: x * 2, backend=backend, dynamic=True)(torch.randn(5, 3))
+    sizes = [s for v in seen if isinstance(v, torch.Tensor) for s in v.shape]
+    assert any(isinstance(s, torch.SymInt) for s in sizes), sizes
+    assert [dti.size_hint(s) for s in sizes] == [5, 3] and dti.size_hint(7) == 7
+
+
 def test_the_traced_strategys_pieces(gloo_module):
     assert dti.traced_strategy_missing() is None
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
