@@ -86,15 +86,16 @@ def _batch(rank, step, vocab, batch=4, seq=16):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model, accumulate=True):
+def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model, accumulate=True, device="cpu"):
     """compile_ddp(strategy="traced") and eager DDP side by side; each step accumulates one
     micro-batch under no_sync (with ``accumulate``), then one synchronised; losses and
-    gradients compared."""
+    gradients compared. ``device``: where the models and batches live (``cuda:0`` for ranks sharing
+    one GPU over gloo)."""
     # The fusion is recorded when the pass runs; a backward served by Inductor's or AOTAutograd's cache
     # (left by an earlier run on this machine) would skip it. This spawned rank's process only.
     torch._inductor.config.force_disable_caches = True
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     ref_model = copy.deepcopy(model)
     ddp, ref = DDP(model, bucket_cap_mb=bucket_cap_mb), DDP(ref_model, bucket_cap_mb=bucket_cap_mb)
     more = dict(bucket_cap_mb="auto", link=auto_model) if auto_model is not None else {}
@@ -105,7 +106,8 @@ def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model, accu
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         losses = []
         for step in range(STEPS):
-            (x0, y0), (x1, y1) = _batch(rank, 2 * step, cfg.vocab_size), _batch(rank, 2 * step + 1, cfg.vocab_size)
+            (x0, y0), (x1, y1) = (tuple(t.to(device) for t in _batch(rank, 2 * step + i, cfg.vocab_size))
+                                  for i in (0, 1))
             if accumulate:
                 with compiled.no_sync():
                     compiled.backward(compiled(x0, y0)[1])
