@@ -17,7 +17,12 @@ Algorithm:
    ``cuda:(LOCAL_RANK % device_count)``. ``choose_backend``: NCCL when every local
    rank has a GPU of its own (``LOCAL_WORLD_SIZE <= device_count``); otherwise
    gloo, the ranks sharing GPUs (NCCL refuses two ranks on one device). On the
-   CPU: gloo.
+   CPU: gloo. The two nodes of ``--net shaped`` are namespaces of one machine and
+   see the same GPUs, which torchrun's local ranks do not know: the launcher sets
+   ``MACHINE_RANKS_ENV`` (the ranks of both nodes) and ``NODE_OFFSET_ENV`` (this
+   node's first rank among them) for each node (``machine_env``), and the index and
+   the backend count the machine's ranks instead (seen on one H200: both nodes on
+   ``cuda:0`` chose NCCL, which refused, "Duplicate GPU detected").
 3. ``clock``: ``time.perf_counter()`` after ``torch.cuda.synchronize()`` on CUDA,
    so the time between two reads is the GPU's time for the work queued between.
 4. ``reset_peak`` / ``peak_bytes``: ``torch.cuda.reset_peak_memory_stats`` and
@@ -37,10 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEVICES", "resolve_device", "choose_backend", "Placement", "place_rank", "device_label", "clock",
-           "reset_peak", "peak_bytes"]
+__all__ = ["DEVICES", "resolve_device", "choose_backend", "Placement", "machine_env", "place_rank", "device_label",
+           "clock", "reset_peak", "peak_bytes"]
 
 DEVICES = ("auto", "cpu", "cuda")
+MACHINE_RANKS_ENV = "DISTCOMPILE_BENCH_MACHINE_RANKS"  # the ranks of every node on this machine (--net shaped)
+NODE_OFFSET_ENV = "DISTCOMPILE_BENCH_NODE_OFFSET"  # this node's first rank among them
 
 
 def resolve_device(requested: str) -> str:
@@ -67,14 +74,17 @@ def resolve_device(requested: str) -> str:
     )
 
 
-def choose_backend(local_ranks: int, devices: int) -> tuple[str, str]:
-    """(process-group backend, why) for ``local_ranks`` ranks on ``devices`` GPUs of one node."""
+def choose_backend(local_ranks: int, devices: int, shared_by_nodes: bool = False) -> tuple[str, str]:
+    """(process-group backend, why) for ``local_ranks`` ranks on ``devices`` GPUs of one
+    machine; ``shared_by_nodes``: those ranks are the simulated nodes' of ``--net shaped``."""
+    where = "this machine's simulated nodes" if shared_by_nodes else "this node"
     if local_ranks <= devices:
-        return "nccl", f"each of the {local_ranks} rank(s) on this node has a GPU of its own ({devices} visible)"
+        return "nccl", f"each of the {local_ranks} rank(s) on {where} has a GPU of its own ({devices} visible)"
+    fix = (f"A machine with {local_ranks} GPUs runs them over NCCL" if shared_by_nodes
+           else f"Pass --nproc {devices} for NCCL")
     return "gloo", (f"{local_ranks} ranks share {devices} GPU(s) (rank r on cuda:r % {devices}) and NCCL refuses two "
                     "ranks on one device, so the collectives go over gloo (through host memory: compare modes within "
-                    "this run, not with an NCCL run). Pass --nproc "
-                    f"{devices} for NCCL")
+                    f"this run, not with an NCCL run). {fix}")
 
 
 @dataclass(frozen=True)
@@ -92,10 +102,17 @@ def place_rank(device: str) -> Placement:
     if device == "cpu":
         return Placement(torch.device("cpu"), "gloo", "the ranks run on the CPU, where gloo carries the collectives")
     count = torch.cuda.device_count()
-    index = int(os.environ.get("LOCAL_RANK", "0")) % count
+    shared = MACHINE_RANKS_ENV in os.environ
+    ranks = int(os.environ.get(MACHINE_RANKS_ENV) or os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    index = (int(os.environ.get(NODE_OFFSET_ENV, "0")) + int(os.environ.get("LOCAL_RANK", "0"))) % count
     torch.cuda.set_device(index)
-    backend, why = choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), count)
+    backend, why = choose_backend(ranks, count, shared_by_nodes=shared)
     return Placement(torch.device("cuda", index), backend, why)
+
+
+def machine_env(node: int, ranks_per_node: int, nodes: int = 2) -> dict[str, str]:
+    """What ``place_rank`` reads in node ``node`` of ``nodes`` simulated on one machine."""
+    return {MACHINE_RANKS_ENV: str(ranks_per_node * nodes), NODE_OFFSET_ENV: str(ranks_per_node * node)}
 
 
 def device_label(device: torch.device) -> str:

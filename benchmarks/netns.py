@@ -21,7 +21,10 @@ Algorithm
       token bucket holds ~10 ms of traffic (at least 64 KiB): a burst of that size
       passes at once, everything after it at the rate.
     - Processes run in a node with ``ip netns exec``; :meth:`ShapedNetwork.env`
-      gives the variables that bind gloo to the veth (``GLOO_SOCKET_IFNAME``).
+      gives the variables that bind gloo to the veth (``GLOO_SOCKET_IFNAME``), and
+      NCCL (its sockets, and a host id per node so that it never joins the nodes'
+      GPUs past the link). Both nodes see the machine's GPUs: ``place_rank`` counts
+      the ranks of both (Note [Benchmark device] in ``benchmarks.device``).
       ``/etc/netns/<namespace>/hosts`` (which ``ip netns exec`` mounts over
       ``/etc/hosts``) names the two addresses ``node0`` and ``node1``, and the
       machine's hostname, which the namespaces share, as the node's own address:
@@ -82,8 +85,14 @@ class ShapedNetwork:
         return ["ip", "netns", "exec", self.nodes[node].namespace, *cmd]
 
     def env(self, node: int) -> dict[str, str]:
-        """Variables that make gloo (and torchrun's c10d store) use the veth."""
-        return {"GLOO_SOCKET_IFNAME": self.nodes[node].ifname, "TP_SOCKET_IFNAME": self.nodes[node].ifname}
+        """Variables that make gloo (and torchrun's c10d store) use the veth, and NCCL too:
+        its sockets on the veth, and a host id of the node's own, so that NCCL takes the two
+        nodes for two hosts instead of joining their GPUs over this machine's P2P or shared
+        memory, past the link (not yet run: the one GPU machine seen had one GPU, gloo)."""
+        ifname = self.nodes[node].ifname
+        return {"GLOO_SOCKET_IFNAME": ifname, "TP_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname,
+                "NCCL_HOSTID": self.nodes[node].namespace, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                "NCCL_IB_DISABLE": "1"}
 
     def torchrun(self, node: int, port: int, nproc: int, job: Sequence[str], python: str = "python") -> list[str]:
         """``torchrun`` for node ``node`` of a 2-node job with c10d rendezvous on node 0's

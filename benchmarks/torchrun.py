@@ -60,6 +60,7 @@ def relaunch_on_nodes(module: str, argv: Sequence[str], nproc: int, command_env:
     (Note [A shaped link between namespaces] in ``benchmarks.netns``); return the first
     non-zero exit code of the two nodes' torchrun, or 0. Both nodes are killed, and the
     namespaces removed, when this returns, raises or is interrupted."""
+    from .device import machine_env
     from .netns import shaped_network
 
     job = ["-m", module, *_without_nproc(argv)]
@@ -75,7 +76,9 @@ def relaunch_on_nodes(module: str, argv: Sequence[str], nproc: int, command_env:
         for node, cmd in enumerate(cmds):
             print(f"launching node {node} ({net.nodes[node].namespace}, {net.nodes[node].addr}, link {rate}): "
                   f"{shlex.join(cmd)}", file=sys.stderr, flush=True)
-        procs = [net.popen(node, cmd, env=env, start_new_session=True) for node, cmd in enumerate(cmds)]
+        # Both nodes see this machine's GPUs: place_rank counts the ranks of both (Note [Benchmark device]).
+        procs = [net.popen(node, cmd, env={**env, **machine_env(node, nproc // 2)}, start_new_session=True)
+                 for node, cmd in enumerate(cmds)]
         try:
             codes = [p.wait() for p in procs]
         finally:

@@ -68,3 +68,27 @@ def test_the_terminal_table_shows_peak_memory_and_a_dash_on_cpu():
     assert [[c.strip() for c in line.strip("|").split("|")][col] for line in cpu[2:]] == ["-", "-"]
     gpu = format_table([_row("eager", 812.4), _row("ours", 790.0)]).splitlines()
     assert [[c.strip() for c in line.strip("|").split("|")][col] for line in gpu[2:]] == ["812", "790"]
+
+
+@pytest.mark.parametrize("gpus, devices, backend", [(1, [0, 0], "gloo"), (2, [0, 1], "nccl"), (4, [0, 1], "nccl")])
+def test_the_shaped_nets_two_nodes_count_the_ranks_of_both(monkeypatch, gpus, devices, backend):
+    # Both nodes of --net shaped are namespaces of one machine with one local rank each: they see the same GPUs.
+    from benchmarks.device import machine_env
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    placements = []
+    for node in (0, 1):
+        for key, value in machine_env(node, ranks_per_node=1).items():
+            monkeypatch.setenv(key, value)
+        placements.append(place_rank("cuda"))
+    assert chosen == devices and [p.device.index for p in placements] == devices
+    assert {p.backend for p in placements} == {backend}
+    if backend == "gloo":
+        assert "2 ranks share 1 GPU(s)" in placements[0].why and "A machine with 2 GPUs runs them over NCCL" in \
+            placements[0].why
+    else:
+        assert "each of the 2 rank(s) on this machine's simulated nodes has a GPU of its own" in placements[0].why

@@ -43,6 +43,9 @@ def test_the_link_is_shaped_as_asked_and_removed_after_an_error():
                 qdisc = subprocess.run(net.command(i, ["tc", "qdisc", "show", "dev", node.ifname]),
                                        capture_output=True, text=True, check=True).stdout
                 assert "tbf" in qdisc and "rate 200Mbit" in qdisc, qdisc
+                env = net.env(i)  # gloo and NCCL bound to this node's veth; NCCL takes each node for a host
+                assert {env[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} == {node.ifname}, env
+                assert env["NCCL_HOSTID"] == node.namespace and env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == "1"
             raise KeyboardInterrupt  # Ctrl-C inside the block
     assert _ours() == []
     assert not any(os.path.exists(f"/etc/netns/{n.namespace}") for n in net.nodes)
