@@ -7,7 +7,6 @@ being computed (Note [Traced strategy]); the CPU test checks the same on C++ ker
 from __future__ import annotations
 
 import pytest
-import torch
 
 from _gpu import GPU, cuda0, one_rank_nccl
 from models import GPTConfig
