@@ -10,7 +10,8 @@ import pytest
 
 from _gpu import GPU, cuda0, one_rank_nccl
 from models import GPTConfig
-from test_ddp_traced import _check_overlap_scheduled, _check_parity, _collective_orders, _traced_rank
+from test_ddp_traced import (_check_fused_by_caps, _check_overlap_scheduled, _check_parity, _collective_orders,
+                             _traced_rank)
 
 pytestmark = [*GPU, pytest.mark.usefixtures("clean_dynamo")]
 
@@ -26,25 +27,17 @@ def _traced_on_gpu(rank: int, world_size: int) -> tuple[dict, list[str]]:
     return result, _collective_orders(codes)
 
 
-def _check_fused_by_caps(result: dict) -> None:
-    fused = result["fused"][0]  # the synchronised backward (the no_sync one has no all-reduce)
-    assert len(result["fused"]) == 1 and sum(fused) == result["grad_bytes"], result["fused"]
-    assert len(fused) > 1 and all(b >= int(CAP_MB * 2**20) for b in fused[:-1]), fused
-
-
 def test_two_ranks_sharing_one_gpu_traced_match_eager_ddp_and_overlap(run_ranks):
     both = run_ranks(_traced_on_gpu, world_size=2, timeout=600)
     _check_parity([result for result, _ in both])
     for result, orders in both:
-        _check_fused_by_caps(result)
+        _check_fused_by_caps(result, CAP_MB)
         _check_overlap_scheduled(orders)
 
 
 def test_one_rank_over_nccl_traced_matches_eager_ddp_and_overlaps():
     with one_rank_nccl():
         result, orders = _traced_on_gpu(0, 1)
-    assert result["strategy"] == "traced"
-    for step, (loss, ref_loss) in enumerate(result["losses"]):
-        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"step {step}"
-    _check_fused_by_caps(result)
+    _check_parity([result])
+    _check_fused_by_caps(result, CAP_MB)
     _check_overlap_scheduled(orders)
