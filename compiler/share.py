@@ -306,8 +306,11 @@ class CompileShare:
             try:
                 out = backend(gm, example_inputs)
                 self.resolve_pending()
-            finally:  # a compile that raised (or a dynamo restart) must not leave peers waiting
-                self.barrier.done(base)
+            except BaseException:  # a compile that raised (or a dynamo restart) must not leave peers waiting,
+                with contextlib.suppress(RuntimeError):  # and a store gone with a failed peer must not hide why
+                    self.barrier.done(base)
+                raise
+            self.barrier.done(base)
             self.barrier.meet(base, started)
             self._free_published()
             return out

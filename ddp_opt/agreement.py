@@ -24,6 +24,12 @@ Algorithm
     published compares at once (:func:`peers_plans_if_ready`), so the later rank
     of a mismatched pair fails before compiling; the earlier one fails after.
 
+    A rank that finds a mismatch marks it seen and waits (at most the check's
+    timeout) until every rank has seen it before raising: the rank hosting the
+    store (rank 0, when the job was not started by torchrun) would otherwise
+    exit with its error and take the store with it, and a peer still compiling
+    would fail on a broken connection instead of this error.
+
 Notes
     - The exchange goes through the store, not a collective: if one rank compiles
       a graph the others do not (a recompile for a shape only it saw), waiting
@@ -87,47 +93,66 @@ def _members(group: dist.ProcessGroup | None) -> tuple[int, list[str], list[int]
     return ranks.index(dist.get_rank()), [f"{tag}/{r}" for r in range(len(ranks))], ranks
 
 
-def _all_plan_keys(key: str, group: dist.ProcessGroup | None = None
-                   ) -> tuple[dist.Store, list[str], list[int]] | None:
-    """The store, every member's key under ``key`` and the members' global ranks; None without peers."""
-    found = _members(group)
-    if found is None:
-        return None
-    return default_store(), [f"{key}/{suffix}" for suffix in found[1]], found[2]
+class _Exchange:
+    """One plan exchange: the store, every member's key under ``key``, this rank's index
+    and the members' global ranks."""
+
+    def __init__(self, key: str, index: int, suffixes: list[str], ranks: list[int]) -> None:
+        self.key, self.index, self.suffixes, self.ranks = key, index, suffixes, ranks
+        self.store = default_store()
+        self.keys = [f"{key}/{suffix}" for suffix in suffixes]
+
+    @classmethod
+    def of(cls, key: str, group: dist.ProcessGroup | None) -> _Exchange | None:
+        """None without peers (no process group, or one rank)."""
+        found = _members(group)
+        return cls(key, *found) if found is not None else None
+
+    def compare(self, timeout_s: float) -> None:
+        """Compare every published plan; on a mismatch, wait until every rank has seen it, then raise."""
+        plans = [json.loads(self.store.get(k)) for k in self.keys]
+        differs = next((r for r in range(1, len(plans)) if plans[r] != plans[0]), None)
+        if differs is None:
+            return
+        self._wait_until_seen(timeout_s)
+        raise PlanMismatchError(_describe_mismatch(plans[0], plans[differs], self.ranks[0], self.ranks[differs]))
+
+    def _wait_until_seen(self, timeout_s: float) -> None:
+        """Mark the mismatch seen by this rank and wait for every rank to see it (Note [Plan agreement])."""
+        seen = [f"{self.key}/seen/{suffix}" for suffix in self.suffixes]
+        try:
+            self.store.set(seen[self.index], "1")
+            if not self.store.check(seen):
+                log.info("Plans differ across ranks; waiting up to %.0fs for every rank to see it, so that all "
+                         "fail with the same error", timeout_s)
+                self.store.wait(seen, timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # a peer that never compares, or a store gone: raise anyway
+            log.info("Not every rank saw the plan mismatch (%s); raising it here", e)
 
 
 def publish_plan(buckets: list[Bucket], key: str, group: dist.ProcessGroup | None = None) -> bool:
     """Publish this rank's plan under ``key`` for the members of ``group`` (DDP's process
     group; None: the default group); False when there is nothing to agree with (no
     process group, or one rank)."""
-    found = _members(group)
-    if found is None:
+    exchange = _Exchange.of(key, group)
+    if exchange is None:
         return False
-    index, suffixes, _ = found
-    default_store().set(f"{key}/{suffixes[index]}", json.dumps(plan_summary(buckets)))
+    exchange.store.set(exchange.keys[exchange.index], json.dumps(plan_summary(buckets)))
     return True
 
 
-def _compare(plans: list[list], ranks: list[int]) -> None:
-    for r in range(1, len(plans)):
-        if plans[r] != plans[0]:
-            raise PlanMismatchError(_describe_mismatch(plans[0], plans[r], ranks[0], ranks[r]))
-
-
-def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None) -> bool:
+def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None, timeout_s: float = 120.0) -> bool:
     """Compare the published plans under ``key`` if every rank has published
     (no waiting); True when they were compared and agree.
 
     Raises:
-        PlanMismatchError: when every rank has published and two plans differ.
+        PlanMismatchError: when every rank has published and two plans differ (once
+            every rank has seen the mismatch, or after ``timeout_s``).
     """
-    found = _all_plan_keys(key, group)
-    if found is None:
+    exchange = _Exchange.of(key, group)
+    if exchange is None or not exchange.store.check(exchange.keys):
         return False
-    store, keys, ranks = found
-    if not store.check(keys):
-        return False
-    _compare([json.loads(store.get(k)) for k in keys], ranks)
+    exchange.compare(timeout_s)
     return True
 
 
@@ -141,20 +166,25 @@ def verify_plans(key: str, timeout_s: float = 120.0, group: dist.ProcessGroup | 
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
-    found = _all_plan_keys(key, group)
-    if found is None:
+    exchange = _Exchange.of(key, group)
+    if exchange is None:
         return False
-    store, keys, ranks = found
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistStoreError) as e:
+        exchange.store.wait(exchange.keys, timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as e:
+        log.warning(
+            "Plan agreement check skipped for %s: the process group's store could not be reached (has the "
+            "rank hosting it, rank 0 unless torchrun started the job, exited?). Error: %s", key, e,
+        )
+        return False
+    except RuntimeError as e:
         log.warning(
             "Plan agreement check skipped for %s: not every rank published its bucket plan within %.0fs "
             "(a graph compiled on this rank only, such as a recompile for a shape the other ranks did not "
             "see?). Error: %s", key, timeout_s, e,
         )
         return False
-    _compare([json.loads(store.get(k)) for k in keys], ranks)
+    exchange.compare(timeout_s)
     return True
 
 

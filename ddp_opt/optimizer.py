@@ -227,7 +227,7 @@ class DDPOptimizer:
         plan_key = f"{self._plan_namespace}/{len(self.plans)}"
         published = self.check_plans and publish_plan(buckets, plan_key, self.process_group)
         if published:
-            peers_plans_if_ready(plan_key, self.process_group)
+            peers_plans_if_ready(plan_key, self.process_group, self.plan_timeout_s)
 
         # 2. One bucket: nothing to split; compile the graph whole (still fault tolerant).
         if len(buckets) == 1:

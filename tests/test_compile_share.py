@@ -122,6 +122,32 @@ def test_an_owner_whose_compile_fails_does_not_leave_the_others_waiting(artifact
     assert artifacts == []
 
 
+class _GoneStore:
+    """A store that breaks (as when the rank hosting it has exited) once ``gone`` is set."""
+
+    def __init__(self):
+        self.inner, self.gone = dist.HashStore(), False
+
+    def __getattr__(self, name):
+        if self.gone:
+            raise dist.DistNetworkError("Broken pipe")
+        return getattr(self.inner, name)
+
+
+def test_a_compile_error_is_not_hidden_by_a_store_gone_with_a_failed_peer():
+    # A peer failed (say with a plan mismatch) and exited, taking the store: this rank's own
+    # compile error must reach the user, not the broken pipe of marking the graph done.
+    store = _GoneStore()
+    rank0 = CompileShare(store, 0, [0, 1], prefix="t", grace_s=5.0, timeout_s=5.0)
+
+    def backend(gm, example_inputs):
+        store.gone = True
+        raise ValueError("ranks planned different buckets")
+
+    with pytest.raises(ValueError, match="ranks planned different buckets"):
+        rank0.wrap_graph(backend)(_gm("add"), [torch.ones(2)])
+
+
 def _graphs_on_threads(ranks, plans):
     """Rank r runs ``wrap_graph`` over ``plans[r]``: (op, seconds its compile takes) pairs.
     Returns when each rank left its last barrier."""

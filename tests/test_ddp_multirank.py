@@ -2,6 +2,7 @@
 exactly as many partitions as DDP has runtime buckets."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -107,20 +108,34 @@ def test_two_rank_hf_gpt2_aot_eager_matches_eager_ddp(run_ranks):
     _check(results, min_partitions=2)
 
 
-def _mismatch_rank(rank, world_size):
-    # Rank 1 uses other bucket caps than rank 0: the plans differ.
+def _mismatch_rank(rank, world_size, host_finds_first=False):
+    # Rank 1 uses other bucket caps than rank 0: the plans differ. host_finds_first: rank 0,
+    # which hosts the store, plans only once rank 1 is compiling, so it finds the mismatch
+    # at once while rank 1 still compiles for 3 s; it must not leave (taking the store
+    # with it) before rank 1 has read the plans.
+    store = torch.distributed.distributed_c10d._get_default_store()
+
+    def backend(gm, example_inputs):
+        if rank == 1 and host_finds_first:
+            store.set("test/rank1_compiling", "1")
+            time.sleep(3)
+        return gm.forward
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
     ddp = DDP(model, bucket_cap_mb=64 * 64 * 4 / 2**20 if rank == 0 else 25)
+    if rank == 0 and host_finds_first:
+        store.wait(["test/rank1_compiling"])
     try:
-        compile_ddp(ddp, backend="eager")(torch.randn(2, 64))
+        compile_ddp(ddp, backend=backend)(torch.randn(2, 64))
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "no error"
 
 
-def test_ranks_with_different_plans_fail_together_naming_the_bucket(run_ranks):
-    results = run_ranks(_mismatch_rank, timeout=180)
+@pytest.mark.parametrize("host_finds_first", [False, True], ids=["together", "store_host_finds_first"])
+def test_ranks_with_different_plans_fail_together_naming_the_bucket(run_ranks, host_finds_first):
+    results = run_ranks(_mismatch_rank, host_finds_first, timeout=180)
     for rank, message in enumerate(results):
         assert "PlanMismatchError" in message, f"rank {rank}: {message}"
         assert "rank 0 planned 4 bucket(s), rank 1 planned 1" in message
@@ -142,9 +157,16 @@ def _subgroup_rank(rank, world_size):
         compiled = compile_ddp(ddp, backend="eager")
         for _ in range(3):
             compiled(torch.randn(2, 64)).sum().backward()
+        result = f"no error, {len(compiled.buckets)} partitions, alignment {measure_alignment(ddp, compiled.buckets).fraction}"
     except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return f"no error, {len(compiled.buckets)} partitions, alignment {measure_alignment(ddp, compiled.buckets).fraction}"
+        result = f"{type(e).__name__}: {e}"
+    # Rank 0 hosts the store and is not in the group that compares a mismatch: it stays
+    # until every rank is done, as torchrun's agent (which hosts the store there) would.
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.set(f"test/subgroup_done/{rank}", "1")
+    if rank == 0:
+        store.wait([f"test/subgroup_done/{r}" for r in range(world_size)])
+    return result
 
 
 def test_plans_are_compared_within_ddps_own_process_group(run_ranks):

@@ -1,0 +1,101 @@
+"""The plan exchange's failure paths, in one process against a stand-in store: a peer
+that never publishes, a store that went away, and a mismatch that waits for every
+rank to see it before raising (Note [Plan agreement] in ddp_opt/agreement.py)."""
+
+import json
+import logging
+
+import pytest
+import torch.distributed as dist
+
+from ddp_opt import agreement
+from ddp_opt.agreement import PlanMismatchError, peers_plans_if_ready, verify_plans
+
+KEY = "ddp_opt/plan/0/1"
+PLAN_A = [[16384, ["0.weight"]], [16384, ["1.weight"]]]
+PLAN_B = [[32768, ["0.weight", "1.weight"]]]
+
+
+class Store:
+    """A key-value store as rank 0 of two sees it; ``wait`` raises ``wait_error``, or
+    sets ``on_wait`` (a peer acting meanwhile) when it is given."""
+
+    def __init__(self, wait_error=None, on_wait=None):
+        self.data, self.wait_error, self.on_wait, self.waited = {}, wait_error, on_wait or {}, []
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def wait(self, keys, timeout):
+        self.waited.append((list(keys), timeout.total_seconds()))
+        if self.wait_error is not None:
+            raise self.wait_error
+        for k, v in self.on_wait.items():
+            self.set(k, v)
+        assert self.check(keys), f"a real store would wait forever for {keys}"
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """Install a stand-in store with two ranks, this one rank 0; returns a setter."""
+    monkeypatch.setattr(agreement, "_members", lambda group: (0, ["g0-1/0", "g0-1/1"], [0, 1]))
+
+    def install(s):
+        monkeypatch.setattr(agreement, "default_store", lambda: s)
+        return s
+
+    return install
+
+
+def test_a_peer_that_never_publishes_skips_the_check_with_a_warning(store, caplog):
+    s = store(Store(wait_error=dist.DistStoreError("Socket Timeout")))
+    s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.agreement"):
+        assert verify_plans(KEY, timeout_s=5) is False
+    assert f"Plan agreement check skipped for {KEY}: not every rank published its bucket plan within 5s" \
+        in caplog.text
+    assert "a recompile for a shape the other ranks did not see?" in caplog.text
+
+
+def test_a_store_that_went_away_is_named_as_such(store, caplog):
+    store(Store(wait_error=dist.DistNetworkError("Broken pipe")))
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.agreement"):
+        assert verify_plans(KEY, timeout_s=5) is False
+    assert "the process group's store could not be reached" in caplog.text
+    assert "rank 0 unless torchrun started the job, exited?" in caplog.text and "Broken pipe" in caplog.text
+
+
+def test_a_mismatch_waits_for_every_rank_to_see_it_before_raising(store):
+    # Both plans are in: rank 0 finds the mismatch, marks it seen and waits for rank 1
+    # to mark it too (the stand-in store's wait sets rank 1's mark), then raises.
+    s = store(Store(on_wait={f"{KEY}/seen/g0-1/1": "1"}))
+    s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
+    s.set(f"{KEY}/g0-1/1", json.dumps(PLAN_B))
+    with pytest.raises(PlanMismatchError, match=r"rank 0 planned 2 bucket\(s\), rank 1 planned 1"):
+        peers_plans_if_ready(KEY, timeout_s=7)
+    assert s.get(f"{KEY}/seen/g0-1/0") == b"1"
+    assert s.waited == [([f"{KEY}/seen/g0-1/0", f"{KEY}/seen/g0-1/1"], 7.0)]
+
+
+def test_a_mismatch_is_raised_even_when_a_peer_never_sees_it(store):
+    s = store(Store())
+    s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
+    s.set(f"{KEY}/g0-1/1", json.dumps(PLAN_B))
+    s.wait_error = dist.DistStoreError("Socket Timeout")  # rank 1 never compares (it failed elsewhere)
+    with pytest.raises(PlanMismatchError, match="check_plans=False"):
+        peers_plans_if_ready(KEY, timeout_s=3)
+    assert s.waited == [([f"{KEY}/seen/g0-1/0", f"{KEY}/seen/g0-1/1"], 3.0)]
+
+
+def test_agreeing_plans_do_not_wait_for_anything_more(store):
+    s = store(Store())
+    s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
+    s.set(f"{KEY}/g0-1/1", json.dumps(PLAN_A))
+    assert peers_plans_if_ready(KEY) is True and verify_plans(KEY) is True
+    assert not any("/seen/" in k for k in s.data)
