@@ -123,8 +123,9 @@ class _Exchange:
         try:
             self.store.set(seen[self.index], "1")
             if not self.store.check(seen):
-                log.info("Plans differ across ranks; waiting up to %.0fs for every rank to see it, so that all "
-                         "fail with the same error", timeout_s)
+                log.warning("Ranks planned different DDP buckets (a PlanMismatchError follows); waiting up to "
+                            "%.0fs for every rank to compare the plans, so that all fail with the same error",
+                            timeout_s)
                 self.store.wait(seen, timedelta(seconds=timeout_s))
         except RuntimeError as e:  # a peer that never compares, or a store gone: raise anyway
             log.info("Not every rank saw the plan mismatch (%s); raising it here", e)

@@ -71,14 +71,16 @@ def test_a_store_that_went_away_is_named_as_such(store, caplog):
     assert "rank 0 unless torchrun started the job, exited?" in caplog.text and "Broken pipe" in caplog.text
 
 
-def test_a_mismatch_waits_for_every_rank_to_see_it_before_raising(store):
+def test_a_mismatch_waits_for_every_rank_to_see_it_before_raising(store, caplog):
     # Both plans are in: rank 0 finds the mismatch, marks it seen and waits for rank 1
     # to mark it too (the stand-in store's wait sets rank 1's mark), then raises.
     s = store(Store(on_wait={f"{KEY}/seen/g0-1/1": "1"}))
     s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
     s.set(f"{KEY}/g0-1/1", json.dumps(PLAN_B))
-    with pytest.raises(PlanMismatchError, match=r"rank 0 planned 2 bucket\(s\), rank 1 planned 1"):
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.agreement"), \
+            pytest.raises(PlanMismatchError, match=r"rank 0 planned 2 bucket\(s\), rank 1 planned 1"):
         peers_plans_if_ready(KEY, timeout_s=7)
+    assert "(a PlanMismatchError follows); waiting up to 7s for every rank to compare the plans" in caplog.text
     assert s.get(f"{KEY}/seen/g0-1/0") == b"1"
     assert s.waited == [([f"{KEY}/seen/g0-1/0", f"{KEY}/seen/g0-1/1"], 7.0)]
 
