@@ -58,11 +58,13 @@ from .plan import Bucket
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PlanMismatchError", "check_plan_agreement", "next_plan_namespace", "peers_plans_if_ready", "plan_summary",
-    "publish_plan", "verify_plans",
+    "PLAN_TIMEOUT_S", "PlanMismatchError", "check_plan_agreement", "next_plan_namespace", "peers_plans_if_ready",
+    "plan_summary", "publish_plan", "verify_plans",
 ]
 
 _namespaces = itertools.count()
+
+PLAN_TIMEOUT_S = 120.0  # how long a rank waits for its peers' plans, and for them to see a mismatch
 
 
 class PlanMismatchError(RuntimeError):
@@ -142,7 +144,8 @@ def publish_plan(buckets: list[Bucket], key: str, group: dist.ProcessGroup | Non
     return True
 
 
-def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None, timeout_s: float = 120.0) -> bool:
+def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None,
+                         timeout_s: float = PLAN_TIMEOUT_S) -> bool:
     """Compare the published plans under ``key`` if every rank has published
     (no waiting); True when they were compared and agree.
 
@@ -157,7 +160,7 @@ def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None, timeo
     return True
 
 
-def verify_plans(key: str, timeout_s: float = 120.0, group: dist.ProcessGroup | None = None) -> bool:
+def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.ProcessGroup | None = None) -> bool:
     """Wait for every rank's plan under ``key`` and compare them.
 
     Returns:
@@ -189,7 +192,7 @@ def verify_plans(key: str, timeout_s: float = 120.0, group: dist.ProcessGroup | 
     return True
 
 
-def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = 120.0,
+def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = PLAN_TIMEOUT_S,
                          group: dist.ProcessGroup | None = None) -> bool:
     """Publish this rank's plan under ``key`` and compare it with every rank's
     (:func:`publish_plan` then :func:`verify_plans`).

@@ -57,7 +57,7 @@ from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord,
 
 from ._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
 from .advice import API_SPELLING, DIRECT_SPELLING, Spelling
-from .agreement import next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
+from .agreement import PLAN_TIMEOUT_S, next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from .autoplan import Timeline
 from .cost import CostModel
 from .graph_plan import describe, plan_auto, predict_plan
@@ -144,7 +144,7 @@ class DDPOptimizer:
         bucket_caps: list[int] | tuple[int, ...] | None = None,
         fallback: str = "warn",
         check_plans: bool = True,
-        plan_timeout_s: float = 120.0,
+        plan_timeout_s: float = PLAN_TIMEOUT_S,
         cost_model: CostModel | None = None,
         auto_plan: bool = True,
         param_names: dict[int, str] | None = None,
