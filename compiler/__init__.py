@@ -6,7 +6,7 @@ from .backends import BackendFn, BackendSpec, SettingError, resolve_backend, val
 from .cache import CacheKey, CompileCache
 from .diagnose import Diagnoser, Report, size_guard
 from .partition import DYNAMO_CONTROL_FLOW, FALLBACKS, LazyPartition, PartitionRecord, compile_partitions
-from .regional import block_lists, check_blocks_setting, compile_blocks, find_blocks
+from .regional import block_containers, block_lists, check_blocks_setting, compile_blocks, find_blocks
 from .split import SplitGraph, ensure_tuple_output, split_graph
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "size_guard",
     # regional compile (shared by ddp_opt and fsdp_opt)
     "find_blocks",
+    "block_containers",
     "block_lists",
     "compile_blocks",
     "check_blocks_setting",

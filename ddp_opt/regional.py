@@ -71,9 +71,9 @@ def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> l
         return find_blocks(model, blocks)
     except ValueError as e:
         raise ValueError(
-            f"Regional compile needs repeated blocks to compile once and reuse: {e} Either name them "
-            "(compile_ddp(..., regional=True, blocks='layers'); launcher: compile.blocks=layers) or compile "
-            "the whole model instead (compile_ddp(..., regional=False); launcher: compile.regional=false)."
+            f"Regional compile needs repeated blocks to compile once and reuse: {e} Pass them as "
+            "compile_ddp(..., regional=True, blocks=...) (launcher: compile.blocks=...), or compile the whole "
+            "model instead (compile_ddp(..., regional=False); launcher: compile.regional=false)."
         ) from None
 
 

@@ -4,12 +4,12 @@ the root, and prefetch explicitly. Whole-model fullgraph compile and compiled
 autograd are refused with FSDP2: see ``fsdp_opt.config``."""
 
 from .apply import apply, apply_fsdp, check_no_compiled_autograd, default_mesh
-from compiler import block_lists, find_blocks
+from compiler import block_containers, block_lists, find_blocks
 from .config import CompileConfig, FSDPConfig
 from .plan import FSDPPlan, ShardUnit, format_units, plan_fsdp, plan_shard_units
 
 __all__ = [
-    # entry points
+    # entry point (apply_fsdp: its deprecated alias)
     "apply",
     "apply_fsdp",
     # configuration
@@ -17,6 +17,7 @@ __all__ = [
     "CompileConfig",
     # planning (pure, no process group)
     "find_blocks",
+    "block_containers",
     "block_lists",
     "plan_fsdp",
     "plan_shard_units",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -30,6 +31,7 @@ __all__ = ["apply", "apply_fsdp", "check_no_compiled_autograd", "default_mesh"]
 
 def apply(
     model: nn.Module,
+    config: FSDPConfig | None = None,
     *,
     mesh: DeviceMesh | None = None,
     blocks: str | Sequence[str] = "auto",
@@ -43,32 +45,8 @@ def apply(
 ) -> FSDPPlan:
     """Shard ``model`` in place with FSDP2, compiling each block first.
 
-    The keyword arguments are those of :class:`FSDPConfig`; see there. This is
-    ``apply_fsdp(model, FSDPConfig(...), mesh=mesh)``.
-
-    Args:
-        model: the unsharded model, on CPU or on this rank's device.
-        mesh: a 1-D device mesh of the data-parallel ranks (2-D for HSDP); None
-            for all ranks of the default process group.
-        blocks, compile, reshard_after_forward, mp_policy, offload_policy,
-        prefetch, shard_unit_mb, checkpointing: see :class:`FSDPConfig`.
-
-    Returns:
-        The plan that was applied (``print(plan.table())`` shows the units).
-
-    Example:
-        >>> plan = fsdp_opt.apply(model, compile="aot_eager", shard_unit_mb=4)
-        >>> loss = model(x, y)[1]; loss.backward(); opt.step()
-    """
-    config = FSDPConfig(
-        blocks=blocks, compile=compile, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-        offload_policy=offload_policy, prefetch=prefetch, shard_unit_mb=shard_unit_mb, checkpointing=checkpointing,
-    )
-    return apply_fsdp(model, config, mesh=mesh)
-
-
-def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMesh | None = None) -> FSDPPlan:
-    """Shard ``model`` in place as ``config`` says (the typed-config entry point).
+    Give the settings either as one :class:`FSDPConfig` or as keywords (the
+    fields of :class:`FSDPConfig`), not both.
 
     Order, and why (the order torchtitan uses):
 
@@ -91,20 +69,32 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
        forward and the previous ones in backward.
 
     Args:
-        model: the unsharded model.
-        config: the configuration; None for the defaults.
-        mesh: the data-parallel device mesh; None for all ranks of the default group.
+        model: the unsharded model, on CPU or on this rank's device.
+        config: every setting as one :class:`FSDPConfig`; None to take them from
+            the keywords (all defaults when none is given).
+        mesh: a 1-D device mesh of the data-parallel ranks (2-D for HSDP); None
+            for all ranks of the default process group.
+        blocks, compile, reshard_after_forward, mp_policy, offload_policy,
+        prefetch, shard_unit_mb, checkpointing: see :class:`FSDPConfig`.
 
     Returns:
-        The plan that was applied.
+        The plan that was applied (``print(plan.table())`` shows the units).
 
     Raises:
-        ValueError: blocks not found, an unknown backend, a model already
-            sharded, or a compile setting that does not work with FSDP2 (see
-            :class:`CompileConfig`).
+        ValueError: ``config`` together with keywords, blocks not found, an
+            unknown backend, a model already sharded, or a compile setting that
+            does not work with FSDP2 (see :class:`CompileConfig`).
         RuntimeError: compiled autograd is enabled, or no process group.
+
+    Example:
+        >>> plan = fsdp_opt.apply(model, compile="aot_eager", shard_unit_mb=4)
+        >>> plan = fsdp_opt.apply(model, FSDPConfig(compile="aot_eager", shard_unit_mb=4))
+        >>> loss = model(x, y)[1]; loss.backward(); opt.step()
     """
-    config = config or FSDPConfig()
+    keywords = dict(blocks=blocks, compile=compile, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload_policy, prefetch=prefetch, shard_unit_mb=shard_unit_mb,
+                    checkpointing=checkpointing)
+    config = FSDPConfig(**keywords) if config is None else _only_config(config, keywords)
     check_no_compiled_autograd("fsdp_opt.apply")
     model_name = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
     sharded = [name or "(root)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -132,18 +122,18 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
         backend = share.wrap(backend)
         plan = dataclasses.replace(plan, share=share)
     modules = dict(model.named_modules())
-    blocks = {name: modules[name] for name in plan.block_names}
+    found = {name: modules[name] for name in plan.block_names}
     if config.checkpointing:
-        blocks = {name: _checkpoint_wrap(model, name, block) for name, block in blocks.items()}
+        found = {name: _checkpoint_wrap(model, name, block) for name, block in found.items()}
     if cc is not None and not cc.whole_model:
-        compile_blocks(list(blocks.items()), backend, fullgraph=cc.fullgraph, dynamic=cc.dynamic)
+        compile_blocks(list(found.items()), backend, fullgraph=cc.fullgraph, dynamic=cc.dynamic)
 
     shard_kwargs = dict(mesh=mesh, mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.offload_policy is not None:
         shard_kwargs["offload_policy"] = config.offload_policy
     units: list[nn.Module] = []
     for unit in plan.units:
-        members = [blocks[name] for name in unit.blocks]
+        members = [found[name] for name in unit.blocks]
         fully_shard(members if len(members) > 1 else members[0],
                     reshard_after_forward=config.reshard_after_forward, **shard_kwargs)
         units.append(members[0])  # a grouped unit's modules share one FSDP state
@@ -158,6 +148,34 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: Devi
                     "so the top frame runs eagerly; per-block compile (whole_model=False) is the recipe.")
         model.compile(backend=backend, fullgraph=False, dynamic=cc.dynamic)
     return plan
+
+
+def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMesh | None = None) -> FSDPPlan:
+    """Deprecated: ``fsdp_opt.apply(model, config, mesh=mesh)`` does the same."""
+    warnings.warn("fsdp_opt.apply_fsdp is deprecated; call fsdp_opt.apply(model, config, mesh=mesh)",
+                  DeprecationWarning, stacklevel=2)
+    return apply(model, config, mesh=mesh)
+
+
+def _only_config(config: FSDPConfig, keywords: dict) -> FSDPConfig:
+    """``config``, after checking that no keyword beside it differs from its default."""
+    if not isinstance(config, FSDPConfig):
+        raise TypeError(
+            f"fsdp_opt.apply(model, config={config!r}): config must be an FSDPConfig or None. Build one "
+            "(fsdp_opt.FSDPConfig(compile='aot_eager')), or pass the settings as keywords "
+            "(fsdp_opt.apply(model, compile='aot_eager'))."
+        )
+    defaults = {f.name: f.default for f in dataclasses.fields(FSDPConfig)}
+    given = {k: v for k, v in keywords.items()
+             if not (v is defaults[k] or (type(v) is type(defaults[k]) and v == defaults[k]))}
+    if given:
+        settings = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ValueError(
+            f"fsdp_opt.apply(model, config, {settings}): an FSDPConfig carries every setting, so keywords given "
+            "beside it would be silently dropped or silently win. Put them into the config "
+            f"(fsdp_opt.apply(model, dataclasses.replace(config, {settings}))) or drop config and pass keywords only."
+        )
+    return config
 
 
 def _cache_settings(config: FSDPConfig) -> dict:

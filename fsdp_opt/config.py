@@ -100,9 +100,11 @@ class FSDPConfig:
     """How a model is sharded and compiled by ``fsdp_opt.apply``.
 
     Attributes:
-        blocks: ``"auto"`` (the ModuleLists whose children are all one class), the
-            name of one ModuleList (``"blocks"``), or a sequence of module names
-            (``("layers.0", "layers.1")``). See ``fsdp_opt.find_blocks``.
+        blocks: ``"auto"`` (the children of the ModuleLists, ModuleDicts and
+            Sequentials whose children are all one class, else repeated children of
+            one class), the name of one ModuleList, ModuleDict or Sequential
+            (``"layers"``), or a sequence of module names (``("layers.0",
+            "layers.1")``). See Note [Finding blocks] in ``compiler.regional``.
         compile: ``None`` (no compile), a backend name or callable (per-block compile
             with defaults), or a :class:`CompileConfig`. Normalized to a
             ``CompileConfig`` or ``None``.

@@ -201,7 +201,7 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
 def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> fsdp_opt.FSDPPlan:
     """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's
     recipe; fsdp_opt logs the shard-unit table on rank 0)."""
-    plan = fsdp_opt.apply_fsdp(model, fsdp_config(cfg.fsdp, cfg.compile))
+    plan = fsdp_opt.apply(model, fsdp_config(cfg.fsdp, cfg.compile))
     log.debug("fsdp plan:\n%s", plan.table())
     return plan
 

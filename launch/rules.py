@@ -142,9 +142,9 @@ def check_parallel(p: ParallelConfig) -> None:
                 f"refuses two ranks on one device. Launch --nproc-per-node {gpus}, or use parallel.dist_backend=auto "
                 "(gloo, the ranks sharing the GPUs)."
             )
-    if p.name == ParallelMode.FSDP and not hasattr(importlib.import_module("fsdp_opt"), "apply_fsdp"):
+    if p.name == ParallelMode.FSDP and not hasattr(importlib.import_module("fsdp_opt"), "apply"):
         raise ConfigError(
-            "parallel=fsdp is not available yet: this version of the toolkit has no fsdp_opt.apply_fsdp "
+            "parallel=fsdp is not available yet: this version of the toolkit has no fsdp_opt.apply "
             "(FSDP2 sharding with per-block compile). Use parallel=ddp, or parallel=none on one rank."
         )
 

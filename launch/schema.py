@@ -144,7 +144,7 @@ class CompileConfig:
     # DDP only: compile each repeated block once, buckets of whole blocks, the rest eager
     # (Note [Regional compile]). parallel=fsdp always compiles per block.
     regional: bool = False
-    # With regional: "auto" (a ModuleList of one block class) or the ModuleList's name.
+    # With regional: "auto" (a ModuleList/ModuleDict/Sequential of one block class) or the container's name.
     blocks: str = "auto"
     # The first rank to reach a graph compiles it, the others load its artifacts, and no rank
     # leaves a graph's compile before every rank that compiles it is done (no collective

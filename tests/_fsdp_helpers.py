@@ -1,9 +1,13 @@
-"""Helpers for the fsdp_opt tests: hand-built module trees for the planner, and a
-rank function that trains an FSDP2 model next to an unsharded reference."""
+"""Helpers for the fsdp_opt tests: hand-built module trees for the planner, a
+rank function that trains an FSDP2 model next to an unsharded reference, and a
+small decoder shaped like torchtitan's llama3 (layers in an nn.ModuleDict)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models import GPT, GPTConfig
@@ -76,3 +80,75 @@ def train_fsdp_vs_reference(rank: int, world_size: int, cfg: GPTConfig, apply_kw
         compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks],
         share=plan.share.stats.as_dict() if plan.share is not None else None,
     )
+
+
+# --- a decoder written the way torchtitan writes its llama3 model -----------------
+# Layers in an nn.ModuleDict keyed "0", "1", ... (so that pipeline stages can drop
+# layers and keep the names of the rest), pre-norm blocks with SwiGLU feed-forward.
+
+
+@dataclass
+class TitanArgs:
+    dim: int = 32
+    n_layers: int = 3
+    n_heads: int = 2
+    vocab_size: int = 64
+    norm_eps: float = 1e-5
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TitanArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, dim = x.shape
+        q, k, v = (w(x).view(bs, seq, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TitanArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, 4 * args.dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TitanArgs) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict()
+        for layer_id in range(args.n_layers):
+            self.layers[str(layer_id)] = TransformerBlock(layer_id, args)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))

@@ -42,7 +42,7 @@ def test_a_model_without_repeated_blocks_fails_with_how_to_fix():
     msg = str(info.value)
     assert msg.startswith("Regional compile needs repeated blocks to compile once and reuse: blocks='auto' found "
                           "no repeated blocks in Sequential")
-    assert "compile_ddp(..., regional=True, blocks='layers')" in msg
+    assert "Pass them as compile_ddp(..., regional=True, blocks=...) (launcher: compile.blocks=...)" in msg
     assert "compile.regional=false" in msg
 
 

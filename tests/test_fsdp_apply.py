@@ -6,10 +6,12 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_opt
-from _fsdp_helpers import batch
+from _fsdp_helpers import TitanArgs, Transformer, batch
 from models import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=4, n_embd=32, n_head=2, vocab_size=128, block_size=16)
@@ -36,7 +38,8 @@ def test_no_process_group_is_a_clear_error():
 
 def test_blocks_not_found_fails_before_anything_changes(gloo):
     model = _gpt()
-    with pytest.raises(ValueError, match=r"\['layers'\] not found in GPT; candidate ModuleLists: 'blocks' \(4 x Block\)"):
+    with pytest.raises(ValueError, match=r"\['layers'\] not found in GPT; candidate containers: 'blocks' "
+                                         r"\(ModuleList, 4 x Block\).*blocks='blocks'"):
         fsdp_opt.apply(model, blocks="layers")
     with pytest.raises(ValueError, match=r"Unknown|unknown|not a registered|valid"):
         fsdp_opt.apply(model, compile="no_such_backend")
@@ -140,3 +143,58 @@ def test_mixed_precision_and_offload_policies_pass_through(gloo, policy):
     assert loss.dtype == (torch.bfloat16 if policy == "bf16" else torch.float32)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2 if policy == "bf16" else 1e-6)
     assert model.blocks[0].mlp.fc.weight.grad.dtype == torch.float32
+
+
+# --- one entry point: apply(model, config) or apply(model, **keywords) ------------
+
+
+def test_config_and_keywords_together_are_refused():
+    model = _gpt()
+    config = fsdp_opt.FSDPConfig(compile="aot_eager")
+    with pytest.raises(ValueError, match=r"fsdp_opt.apply\(model, config, blocks='blocks', prefetch=2\): an "
+                                         r"FSDPConfig carries every setting.*silently.*dataclasses.replace\(config, "
+                                         r"blocks='blocks', prefetch=2\).*or drop config"):
+        fsdp_opt.apply(model, config, blocks="blocks", prefetch=2)
+    with pytest.raises(TypeError, match=r"config must be an FSDPConfig or None.*fsdp_opt.apply\(model, "
+                                        r"compile='aot_eager'\)"):
+        fsdp_opt.apply(model, "aot_eager")
+    # keywords left at their defaults are no conflict: this gets as far as the process group
+    with pytest.raises(RuntimeError, match=r"needs a process group"):
+        fsdp_opt.apply(model, config, blocks="auto", prefetch=1)
+    assert _unchanged(model)
+
+
+def test_apply_fsdp_is_a_deprecated_alias_of_apply(gloo):
+    model = _gpt()
+    with pytest.warns(DeprecationWarning, match=r"fsdp_opt.apply_fsdp is deprecated; call "
+                                                r"fsdp_opt.apply\(model, config, mesh=mesh\)"):
+        plan = fsdp_opt.apply_fsdp(model, fsdp_opt.FSDPConfig(prefetch=0))
+    assert plan.block_names == [f"blocks.{i}" for i in range(CFG.n_layer)]
+    assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.blocks)
+
+
+def test_torchtitan_shaped_model_is_sharded_compiled_and_trains_like_eager(gloo):
+    args = TitanArgs(n_layers=2)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    ref = copy.deepcopy(model)
+    plan = fsdp_opt.apply(model, blocks="auto", compile="aot_eager")
+    assert plan.block_names == ["layers.0", "layers.1"]
+    assert all(isinstance(b, FSDPModule) and b._compiled_call_impl is not None for b in model.layers.values())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    counters.clear()
+    for step in range(2):
+        x, y = batch(0, step, args.vocab_size, 8)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        loss.backward(), ref_loss.backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-5), f"step {step}"
+    # the two blocks share one graph, captured without a break
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), ref_params[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"after 2 steps, {name}: {m}")

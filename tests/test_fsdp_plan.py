@@ -1,12 +1,16 @@
 """fsdp_opt planning without a process group: shard-unit grouping on hand-built
 module trees, finding blocks, the plan table, and config validation."""
 
+import ast
+import re
+
 import pytest
 import torch
 from torch import nn
 
-from _fsdp_helpers import Lin, Other, named
-from fsdp_opt import CompileConfig, FSDPConfig, find_blocks, format_units, plan_fsdp, plan_shard_units
+from _fsdp_helpers import Lin, Other, TitanArgs, Transformer, named
+from fsdp_opt import (CompileConfig, FSDPConfig, block_containers, block_lists, find_blocks, format_units, plan_fsdp,
+                      plan_shard_units)
 from models import GPT, GPTConfig
 
 MiB = 1024 * 1024
@@ -75,6 +79,19 @@ class TwoStacks(nn.Module):
         self.dec = nn.ModuleList([Other(), Other(), Other()])
 
 
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+
+
 def test_auto_takes_uniform_module_lists_in_order():
     blocks = find_blocks(TwoStacks())
     assert [n for n, _ in blocks] == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
@@ -103,23 +120,136 @@ def test_named_module_list_and_explicit_names():
     assert [n for n, _ in find_blocks(model, ("dec.1", "enc.0"))] == ["enc.0", "dec.1"]
 
 
-def test_blocks_not_found_lists_the_candidate_module_lists():
+def test_blocks_not_found_lists_the_candidate_containers_and_names_that_work():
     model = nn.Module()
     model.mixed = nn.ModuleList([Lin(8), Other()])
     model.empty = nn.ModuleList()
-    with pytest.raises(ValueError, match=r"found no repeated blocks.*'mixed' \(2 x Lin/Other\).*'empty'.*blocks='layers'"):
+    with pytest.raises(ValueError, match=r"found no repeated blocks.*'mixed' \(ModuleList, 2 x Lin/Other\).*"
+                                         r"'empty' \(ModuleList, empty\).*blocks='mixed'.*blocks=\('mixed.0', "
+                                         r"'mixed.1'\)") as info:
         find_blocks(model)
-    with pytest.raises(ValueError, match=r"no nn.ModuleList at all"):
+    _suggestions_work(model, str(info.value))
+    with pytest.raises(ValueError, match=r"no nn.ModuleList, nn.ModuleDict or nn.Sequential.*Linear has no "
+                                         r"submodules with parameters.*compile or shard the model whole"):
         find_blocks(nn.Linear(2, 2))
 
 
 def test_unknown_block_name_lists_candidates():
-    with pytest.raises(ValueError, match=r"\['layers'\] not found in TwoStacks; candidate ModuleLists: 'enc' \(2 x Lin\)"):
+    with pytest.raises(ValueError, match=r"\['layers'\] not found in TwoStacks; candidate containers: "
+                                         r"'enc' \(ModuleList, 2 x Lin\).*blocks='enc'"):
         find_blocks(TwoStacks(), "layers")
-    with pytest.raises(ValueError, match=r"names a Linear, not a non-empty nn.ModuleList"):
+    with pytest.raises(ValueError, match=r"names a Linear, not an nn.ModuleList, nn.ModuleDict or nn.Sequential"):
         find_blocks(TwoStacks(), "embed")
     with pytest.raises(ValueError, match=r"'enc' and 'enc.0' overlap"):
         find_blocks(TwoStacks(), ("enc", "enc.0"))
+
+
+# --- blocks found the way models are written (issue 40) --------------------------
+
+
+def _suggestions_work(model, message):
+    """Every ``blocks=...`` the message's fix suggests finds blocks in ``model``."""
+    fix = message.split("Name the blocks explicitly:")[1]
+    suggested = [ast.literal_eval(s) for s in re.findall(r"blocks=('[^']+'|\([^)]*\))", fix)]
+    assert suggested, message
+    for blocks in suggested:
+        assert find_blocks(model, blocks), blocks
+
+
+def test_torchtitan_module_dict_layers_are_found_by_auto_and_by_name():
+    model = Transformer(TitanArgs(n_layers=4))
+    names = [f"layers.{i}" for i in range(4)]
+    assert [n for n, _ in find_blocks(model)] == names
+    assert [n for n, _ in find_blocks(model, "layers")] == names
+    assert [b for _, b in find_blocks(model)] == list(model.layers.values())
+    assert [n for n, _ in block_containers(model)] == ["layers"]
+    with pytest.raises(ValueError, match=r"\['blocks'\] not found in Transformer; candidate containers: 'layers' "
+                                         r"\(ModuleDict, 4 x TransformerBlock\).*blocks='auto' \(finds layers.0 .. "
+                                         r"layers.3\), or blocks='layers'") as info:
+        find_blocks(model, "blocks")
+    _suggestions_work(model, str(info.value))
+
+
+def test_a_tied_head_is_left_out_of_the_names_suggested():
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
+    with pytest.raises(ValueError, match=r"blocks=\('wte', 'wpe', 'blocks', 'ln_f'\) \(any disjoint") as info:
+        find_blocks(model, "ln_f")
+    _suggestions_work(model, str(info.value))
+
+
+def test_sequential_of_repeated_blocks_is_found_and_a_mixed_one_is_not():
+    model = nn.Sequential(Block(), Block(), Block())
+    assert [n for n, _ in find_blocks(model)] == ["0", "1", "2"]
+    outer = nn.Module()
+    outer.stem = nn.Sequential(nn.Linear(4, 4))  # one child: not a stack
+    outer.stage = nn.Sequential(Block(), Block())
+    assert [n for n, _ in find_blocks(outer)] == ["stage.0", "stage.1"]
+    assert [n for n, _ in find_blocks(outer, "stem")] == ["stem.0"]  # by name, any non-empty container
+    with pytest.raises(ValueError, match=r"found no repeated blocks in Sequential.*\(the model itself\) "
+                                         r"\(Sequential, 3 x Linear/ReLU\).*blocks=\('0', '2'\)"):
+        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+
+
+def test_repeated_children_are_found_when_there_is_no_container():
+    class TwoBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.block_a = Block()
+            self.act = nn.ReLU()  # repeated below, but no parameters
+            self.block_b = Block()
+            self.act2 = nn.ReLU()
+            self.head = Head()  # its fc1/fc2 repeat deeper down: the outermost parent wins
+
+    assert [n for n, _ in find_blocks(TwoBlocks())] == ["block_a", "block_b"]
+
+
+def test_a_container_inside_a_chosen_block_is_not_taken():
+    class WithHeads(Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList([Lin(4), Lin(4)])
+
+    titan = Transformer(TitanArgs(n_layers=2))
+    titan.layers["0"].feed_forward.experts = nn.ModuleList([Lin(4), Lin(4)])
+    assert [n for n, _ in find_blocks(titan)] == ["layers.0", "layers.1"]
+    plain = nn.Module()
+    plain.block_a, plain.block_b = WithHeads(), WithHeads()
+    assert [n for n, _ in find_blocks(plain)] == ["block_a", "block_b"]
+
+
+def test_nothing_repeated_names_module_names_that_work():
+    class Body(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.conv = nn.Conv1d(8, 8, 1)
+
+    class Single(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.body = Body()
+            self.norm = nn.LayerNorm(8)
+            self.mix = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+    model = Single()
+    with pytest.raises(ValueError, match=r"found no repeated blocks in Single.*'mix' \(Sequential, 2 x GELU/Linear\)"
+                                         r".*blocks='mix'.*blocks=\('embed', 'body', 'norm', 'mix'\)") as info:
+        find_blocks(model)
+    _suggestions_work(model, str(info.value))
+    with pytest.raises(ValueError, match=r"blocks='body' names a Body, not an nn.ModuleList, nn.ModuleDict or "
+                                         r"nn.Sequential: .*blocks=\('body.fc', 'body.conv'\)") as info:
+        find_blocks(model, "body")
+    _suggestions_work(model, str(info.value))
+
+
+def test_block_lists_keeps_to_module_lists_and_block_containers_lists_every_kind():
+    model = TwoStacks()
+    model.table = nn.ModuleDict({"a": Lin(2)})
+    model.pipe = nn.Sequential(Lin(2), Other())
+    assert [n for n, _ in block_lists(model)] == ["enc", "mixed", "dec"]
+    assert [n for n, _ in block_containers(model)] == ["enc", "mixed", "dec", "table", "pipe"]
 
 
 # --- the whole plan and its table -----------------------------------------------

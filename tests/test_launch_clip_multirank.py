@@ -58,7 +58,7 @@ def _scenario(rank: int, world_size: int, mode: str, grad_accum: int) -> dict:
     else:
         import fsdp_opt
 
-        fsdp_opt.apply_fsdp(model, fsdp_opt.FSDPConfig(compile=None))
+        fsdp_opt.apply(model, fsdp_opt.FSDPConfig(compile=None))
         module = forward = model
     runner = StepRunner(forward, module, OptimizerStep(torch.optim.AdamW(model.parameters(), lr=LR),
                                                        max_grad_norm=MAX_NORM))

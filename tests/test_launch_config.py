@@ -55,8 +55,8 @@ def test_every_group_option_composes(group, option, tmp_path):
         assert section.name == option
     if group == "compile":
         assert section.backend == option
-    if (group, option) == ("parallel", "fsdp") and not hasattr(importlib.import_module("fsdp_opt"), "apply_fsdp"):
-        pytest.skip("fsdp_opt.apply_fsdp does not exist in this checkout")
+    if (group, option) == ("parallel", "fsdp") and not hasattr(importlib.import_module("fsdp_opt"), "apply"):
+        pytest.skip("fsdp_opt.apply does not exist in this checkout")
     validate(cfg, world_size=2)
 
 
@@ -131,7 +131,7 @@ def test_bad_input_names_the_setting(overrides, match, tmp_path):
 def test_fsdp_without_fsdp_opt_is_not_available_yet(monkeypatch):
     import fsdp_opt
 
-    monkeypatch.delattr(fsdp_opt, "apply_fsdp", raising=False)
+    monkeypatch.delattr(fsdp_opt, "apply", raising=False)
     with pytest.raises(ConfigError, match=r"parallel=fsdp is not available yet.*Use parallel=ddp"):
         validate(_job("parallel=fsdp"), world_size=2)
 

@@ -100,8 +100,8 @@ def test_parallel_none_compiles_the_plain_model(model, tmp_path):
 
 
 def test_fsdp_one_process_checkpoints_and_resumes(tmp_path):
-    if not hasattr(pytest.importorskip("fsdp_opt"), "apply_fsdp"):
-        pytest.skip("fsdp_opt.apply_fsdp does not exist in this checkout")
+    if not hasattr(pytest.importorskip("fsdp_opt"), "apply"):
+        pytest.skip("fsdp_opt.apply does not exist in this checkout")
     common = dict(parallel=ParallelConfig(name="fsdp"), compile=CompileConfig(backend="aot_eager"))
     first = run(_job(tmp_path, **common, train=dict(steps=2, checkpoint_every=2)))
     assert first["checkpoints"][-1].endswith("step_000002")
