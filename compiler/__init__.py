@@ -5,6 +5,7 @@ diagnostics. Knows nothing about DDP, FSDP or the launcher."""
 from .backends import BackendFn, BackendSpec, SettingError, resolve_backend, valid_backend_names, valid_modes
 from .cache import CacheKey, CompileCache
 from .diagnose import Diagnoser, Report, size_guard
+from .graph_kind import produces_gradients
 from .partition import DYNAMO_CONTROL_FLOW, FALLBACKS, LazyPartition, PartitionRecord, compile_partitions
 from .regional import block_containers, block_lists, check_blocks_setting, compile_blocks, find_blocks
 from .split import SplitGraph, ensure_tuple_output, split_graph
@@ -22,6 +23,7 @@ __all__ = [
     "split_graph",
     "ensure_tuple_output",
     # per-partition compile
+    "produces_gradients",
     "DYNAMO_CONTROL_FLOW",
     "FALLBACKS",
     "LazyPartition",

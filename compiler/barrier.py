@@ -27,7 +27,10 @@ Why it cannot deadlock
     (neither can start the other's graph before leaving its own barrier, so it
     also marks itself done with the peer's graph), or that has been idle for
     ``grace_s`` since this rank started the graph (SPMD ranks start a graph they
-    share at about the same time): one warning, then info lines.
+    share at about the same time), with an info line. Letting go of an idle peer
+    is no fault: it is busy elsewhere (an evaluation on rank 0 only, as nanoGPT
+    does before training), and this rank's first collective waits for it, as it
+    would without compile.
 """
 
 from __future__ import annotations
@@ -65,7 +68,6 @@ class GraphBarrier:
         self.timeout_s, self.grace_s, self.progress_s = timeout_s, grace_s, progress_s
         self.stats, self.warn = stats, warn
         self.on = True
-        self._warned_late = False
 
     def enter(self, base: str) -> float:
         """This rank starts compiling graph ``base``; returns when (``perf_counter``)."""
@@ -135,10 +137,6 @@ class GraphBarrier:
             self.store.set(f"{theirs}/done/{self.rank}", b"excused")
 
     def _late(self, late: list[int], base: str) -> None:
-        message = (f"rank(s) {late} did not compile graph {key_label(base)} with this rank (a graph only some ranks "
-                   f"compile, such as a recompile for shapes only this rank saw); not waiting for them")
-        if self._warned_late:
-            log.info("Shared compile, rank %d: %s.", self.rank, message)
-        else:
-            self._warned_late = True
-            self.warn(message + f" (waited at most {self.grace_s:.0f}s for an idle rank; said once)")
+        log.info("Shared compile, rank %d: rank(s) %s did not start graph %s within %.0fs of this rank (busy "
+                 "elsewhere, such as an evaluation on one rank, or a graph only some ranks compile); not waiting "
+                 "for them: the next collective does.", self.rank, late, key_label(base), self.grace_s)

@@ -98,8 +98,11 @@ CHUNK = 4 << 20  # a publication goes in parts: TCPStore's server refuses values
 
 
 def graph_digest(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """sha256 of a graph's code and of its inputs' shapes, strides and dtypes."""
+    """sha256 of a graph's code, of the grad mode it is compiled under (an evaluation under
+    ``no_grad`` can trace the same code as training, but compiles to another graph) and of its
+    inputs' shapes, strides and dtypes."""
     h = hashlib.sha256(gm.code.encode())
+    h.update(f"grad={torch.is_grad_enabled()}\n".encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             h.update(f"{tuple(x.shape)} {tuple(x.stride())} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
@@ -293,11 +296,20 @@ class CompileShare:
 
     # -- one graph: nobody leaves before every rank that compiles it has compiled it ----------
 
-    def wrap_graph(self, backend: Callable) -> Callable:
-        """``backend`` followed by a barrier over the group (see the Note)."""
+    def wrap_graph(self, backend: Callable,
+                   barrier_if: Callable[[Sequence[Any]], bool] | None = None) -> Callable:
+        """``backend`` followed by a barrier over the group (see the Note).
+
+        Args:
+            barrier_if: given a graph's example inputs, whether a collective follows the graph
+                that compile skew could time out (``compiler.produces_gradients`` for DDP, whose
+                only collectives after a graph are its gradients' all-reduces). A graph it
+                refuses (an evaluation under ``no_grad``, perhaps on one rank only) is compiled,
+                and shared, without holding or waiting for any peer. None: every graph.
+        """
 
         def compile_then_meet(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            if not self.barrier.on:
+            if not self.barrier.on or (barrier_if is not None and not barrier_if(example_inputs)):
                 out = backend(gm, example_inputs)
                 self.resolve_pending()
                 return out
