@@ -105,6 +105,17 @@ def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int,
         ddp_model._static_graph_delay_allreduce_enqueued = False
     # DDP._has_rebuilt_buckets: False makes the new reducer rebuild its buckets after its first iteration.
     ddp_model._has_rebuilt_buckets = False
+    # DDP._comm_hooks: the (hook, state) pairs register_comm_hook appended; the new reducer has none of them.
+    if hasattr(ddp_model, "_comm_hooks"):
+        ddp_model._comm_hooks = []
+
+
+def python_comm_hooks(ddp_model: DistributedDataParallel) -> list[tuple[Any, Any]] | None:
+    """``(state, hook)`` of each Python comm hook registered on ``ddp_model``, in order; None
+    where this torch does not keep them."""
+    # DDP._comm_hooks: (hook, state) pairs appended by DDP.register_comm_hook (a built-in C++ hook is not listed).
+    hooks = getattr(ddp_model, "_comm_hooks", None)
+    return None if hooks is None else [(state, hook) for hook, state in hooks]
 
 
 def has_rebuilt_buckets(ddp_model: DistributedDataParallel) -> bool:
@@ -312,3 +323,10 @@ def custom_graph_pass_base() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
+
+
+def active_ddp_module() -> DistributedDataParallel | None:
+    """The DDP module whose forward is running now (dynamo compiles a frame below it), else None."""
+    # DistributedDataParallel._get_active_ddp_module(): set by DDP's forward (_inside_ddp_forward) for
+    # dynamo's own DDPOptimizer, which reads it in convert_frame the same way.
+    return DistributedDataParallel._get_active_ddp_module()

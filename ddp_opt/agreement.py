@@ -30,6 +30,15 @@ Algorithm
     exit with its error and take the store with it, and a peer still compiling
     would fail on a broken connection instead of this error.
 
+Realignment (:func:`agree_on_caps`)
+    Each rank re-creates DDP's reducer with the caps of its plan once, at the start
+    of its second forward with gradients (Note [Bucket realignment]). A rank that
+    did so alone would pair its all-reduces with buckets of another size on its
+    peers, and gloo or NCCL would abort. So the caps are agreed first: every rank
+    publishes its caps and reads its peers'; the first rank to conclude writes the
+    decision (the store's ``compare_set``: realign with these caps, or not at all),
+    and every rank follows that one decision, also a rank that gave up waiting.
+
 Notes
     - The exchange goes through the store, not a collective: if one rank compiles
       a graph the others do not (a recompile for a shape only it saw), waiting
@@ -58,7 +67,8 @@ from .plan import Bucket
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PLAN_TIMEOUT_S", "PlanMismatchError", "check_plan_agreement", "next_plan_namespace", "peers_plans_if_ready",
+    "PLAN_TIMEOUT_S", "PlanMismatchError", "agree_on_caps", "check_plan_agreement", "next_plan_namespace",
+    "peers_plans_if_ready",
     "plan_summary", "publish_plan", "verify_plans",
 ]
 
@@ -71,9 +81,10 @@ class PlanMismatchError(RuntimeError):
     """Ranks planned different buckets for the same graph."""
 
 
-def next_plan_namespace() -> str:
-    """A store namespace for one DDPOptimizer, equal across ranks in SPMD code."""
-    return f"ddp_opt/plan/{next(_namespaces)}"
+def next_plan_namespace(kind: str = "plan") -> str:
+    """A store namespace for one DDPOptimizer (``kind="plan"``) or one realignment
+    (``"realign"``), equal across ranks in SPMD code."""
+    return f"ddp_opt/{kind}/{next(_namespaces)}"
 
 
 def plan_summary(buckets: list[Bucket]) -> list[list]:
@@ -205,6 +216,37 @@ def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = PLA
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
     return publish_plan(buckets, key, group) and verify_plans(key, timeout_s, group)
+
+
+def agree_on_caps(caps: tuple[int, ...], key: str, group: dist.ProcessGroup | None = None,
+                  timeout_s: float = PLAN_TIMEOUT_S) -> tuple[bool, str]:
+    """Whether every rank of ``group`` re-creates DDP's reducer with ``caps`` now: one decision
+    for all, taken through the store (see "Realignment" in Note [Plan agreement]).
+
+    Returns:
+        ``(True, "")`` when every rank proposed the same caps (or there are no peers), else
+        ``(False, why)``; every rank gets the same answer.
+    """
+    exchange = _Exchange.of(key, group)
+    if exchange is None:
+        return True, ""
+    mine = json.dumps(list(caps))
+    exchange.store.set(exchange.keys[exchange.index], mine)
+    try:
+        exchange.store.wait(exchange.keys, timedelta(seconds=timeout_s))
+        proposals = [exchange.store.get(k).decode() for k in exchange.keys]
+        differs = next((r for r, p in enumerate(proposals) if p != proposals[0]), None)
+        vote = "yes" if differs is None else (
+            f"rank {exchange.ranks[0]} proposed caps {proposals[0]} and rank {exchange.ranks[differs]} "
+            f"{proposals[differs]} (different plans)")
+    except RuntimeError as e:  # a peer that never came (or a store gone): no realignment anywhere
+        vote = f"not every rank reached the realignment within {timeout_s:.0f}s ({type(e).__name__})"
+    try:
+        decided = exchange.store.compare_set(f"{key}/decision", "", vote)
+    except RuntimeError as e:
+        return False, f"the decision could not be written to the store ({e})"
+    decided = decided.decode() if isinstance(decided, bytes) else str(decided)
+    return (True, "") if decided == "yes" else (False, decided)
 
 
 def _describe_mismatch(plan0: list, plan_r: list, r0: int, r: int) -> str:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import CompileCache, compile_blocks
+from compiler import CompileCache, compile_blocks, produces_gradients
 from compiler.cache import open_cache
 from compiler.share import share_for_group
 
@@ -51,8 +51,9 @@ def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike,
     return open_cache(ddp_model.module, cache_dir, settings)
 
 
-def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
-    """Switch PyTorch's own DDP splitter off for the duration of each forward call.
+def keep_builtin_splitter_out(module: torch.nn.Module) -> None:
+    """Switch PyTorch's own DDP splitter off for the duration of each call of ``module``
+    (the DDP model, or a module compiled before DDP wraps it).
 
     Dynamo hands a graph captured under an active DDP module to PyTorch's splitter
     whenever ``torch._dynamo.config.optimize_ddp`` is on; it would split our
@@ -69,8 +70,8 @@ def _keep_builtin_splitter_out(ddp_model: DistributedDataParallel) -> None:
         if scopes:
             scopes.pop().close()
 
-    ddp_model.register_forward_pre_hook(enter)
-    ddp_model.register_forward_hook(leave, always_call=True)
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> CostModel | None:
@@ -165,7 +166,8 @@ def compile_ddp(
             instance, with DDP's buckets made of whole blocks; the rest of the
             model runs eagerly (Note [Regional compile]). ``split`` is unused.
         blocks: with ``regional``, which blocks: ``"auto"`` (the children of a
-            ModuleList of one class), a ModuleList's name, or module names.
+            ModuleList, ModuleDict or Sequential of one class, else repeated children
+            of one class; Note [Finding blocks]), such a container's name, or module names.
         share_compile: the first rank of DDP's group to reach a graph or
             partition compiles it and the others load its artifacts instead of
             compiling it again, and a rank leaves a graph's compile only when
@@ -217,6 +219,18 @@ def _keywords_given(args: dict[str, Any]) -> dict[str, Any]:
     return {n: args[n] for n in names}
 
 
+def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, backend_fn: Callable,
+                 named: torch.nn.Module, cost_model: CostModel | None = None) -> DDPOptimizer:
+    """The splitter of ``ddp_model``: DDP's caps, group and fallback, parameters named as in ``named``."""
+    caps = caps_from_ddp(ddp_model)
+    return DDPOptimizer(
+        caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
+        bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
+        cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
+        param_names={id(p): n for n, p in named.named_parameters()}, process_group=ddp_model.process_group,
+    )
+
+
 def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> CompiledDDP:
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -228,8 +242,10 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if is_compiled(inner):
         raise RuntimeError(
             f"compile_ddp: the module inside this DDP ({type(ddp_model.module).__name__}) is already compiled "
-            "(module.compile() or an earlier compile_ddp call). Compiling it again would nest two compilers. "
-            "Call compile_ddp once, on a DDP model whose module is not compiled."
+            "(torch.compile(model), module.compile() or an earlier compile_ddp call). Compiling it again would "
+            "nest two compilers. Call compile_ddp once, on a DDP model whose module is not compiled; or, to "
+            "compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) with "
+            "ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
     traced = config.strategy == "traced"
     if traced:
@@ -265,9 +281,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         found = find_ddp_blocks(inner, config.blocks)
         if config.wrap_backend is not None:
             backend_fn = config.wrap_backend(backend_fn)
-        backend_fn = share.wrap_graph(backend_fn) if share is not None else backend_fn
+        backend_fn = share.wrap_graph(backend_fn, barrier_if=produces_gradients) if share is not None else backend_fn
         compile_blocks(found, backend_fn, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
-        _keep_builtin_splitter_out(ddp_model)
+        keep_builtin_splitter_out(ddp_model)
         block_buckets = plan_block_buckets(inner, found, caps)
         return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
                            share=share)
@@ -279,17 +295,12 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         use_python_reducer(ddp_model)  # Note [Traced strategy]
         backend_fn = plan.forward_backend(backend_fn)
     elif config.split:
-        optimizer = DDPOptimizer(
-            caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
-            bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
-            cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
-            param_names={id(p): n for n, p in inner.named_parameters()}, process_group=ddp_model.process_group,
-        )
+        optimizer = splitter_for(ddp_model, config, backend_fn, inner, cost_model)
         backend_fn = optimizer.compile_fn
     if config.wrap_backend is not None:  # it gets the splitter (or the plain backend), as documented
         backend_fn = config.wrap_backend(backend_fn)
     if share is not None:
-        backend_fn = share.wrap_graph(backend_fn)
+        backend_fn = share.wrap_graph(backend_fn, barrier_if=produces_gradients)
     # Compile the wrapped module's forward in place, then let DDP call it (the
     # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
     # frames below DDP's skipped forward, and it skips a torch.nn container's
@@ -297,5 +308,5 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     # it the same way. In place, state_dict keys stay DDP's.
     inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=config.dynamic,
                                   fullgraph=config.fullgraph, **more)
-    _keep_builtin_splitter_out(ddp_model)
+    keep_builtin_splitter_out(ddp_model)
     return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan)

@@ -17,12 +17,13 @@ from compiler import CompileCache
 from compiler.cache import save_on_local_rank0
 from compiler.share import CompileShare
 
-from ._torch_internals import has_rebuilt_buckets, reducer_finalized
+from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
 from .alignment import Alignment
 from .autoplan import Timeline
 from .calibrate import Calibration, calibrate, calibrated_model
+from .agreement import agree_on_caps, next_plan_namespace
 from .optimizer import DDPOptimizer
-from .plan import Bucket
+from .plan import Bucket, realign_caps
 from .realign import check_realignment, realign_reducer
 from .traced import TracedPlan
 
@@ -36,7 +37,9 @@ class CompiledDDP:
 
     Calling it calls the DDP model, whose wrapped module ``compile_ddp`` compiled
     in place. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
-    ``module``, ...) is the DDP model's, and checkpoints keep DDP's keys.
+    ``module``, ...) is the DDP model's, and checkpoints keep DDP's keys; setting
+    one of DDP's attributes sets it on the DDP model (nanoGPT's
+    ``model.require_backward_grad_sync = last_micro_step``).
 
     Attributes:
         ddp_model: the wrapped DDP module.
@@ -80,6 +83,9 @@ class CompiledDDP:
         # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
         self._min_realign_buckets = 1 if ddp_optimizer is not None and ddp_optimizer.auto_plan else 2
         self._comm_hooks: list[tuple[Any, Callable]] = []
+        self._realign_key = next_plan_namespace("realign")
+        self._realign_decided = False
+        self._ready = True  # from here on, setting one of DDP's public attributes sets it on DDP
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
@@ -93,12 +99,25 @@ class CompiledDDP:
         self.ddp_model.register_comm_hook(state, hook)
 
     def _maybe_realign(self) -> None:
-        if not (self.align_buckets and self.aligned_caps is None and torch.is_grad_enabled()
+        """At the start of the first forward with gradients after the plan exists (the second
+        one: the first compiles it), every rank at once: realign, with caps agreed by all ranks
+        (Note [Plan agreement]), or not at all. Graphs without backward plan nothing, so an
+        evaluation on rank 0 only never moves this point on that rank alone."""
+        if not (self.align_buckets and not self._realign_decided and torch.is_grad_enabled()
                 and reducer_finalized(self.ddp_model)):
             return
         buckets = [b for b in self.buckets if b.size > 0]
-        if len(buckets) >= self._min_realign_buckets:
-            self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks)
+        if not buckets:
+            return  # not compiled yet: the first forward
+        self._realign_decided = True
+        agreed, why = agree_on_caps(realign_caps(buckets), self._realign_key, self.ddp_model.process_group)
+        if not agreed:
+            warnings.warn(f"compile_ddp: DDP's buckets were not realigned with the partitions on any rank: {why}. "
+                          "Training is correct; the gradients' all-reduces overlap backward less. Pass "
+                          "align_buckets=False to skip realignment.", stacklevel=3)
+        elif len(buckets) >= self._min_realign_buckets:
+            hooks = python_comm_hooks(self.ddp_model)  # also those registered on DDP itself
+            self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks if hooks is None else hooks)
 
     def _check_realigned(self) -> None:
         # DDP rebuilds its buckets at the start of a forward: measured right after it.
@@ -200,20 +219,37 @@ class CompiledDDP:
             )
         self._backward_pending = torch.is_grad_enabled()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def before_forward(self) -> None:
+        """What runs before each call of the DDP model: the cache's save, realignment."""
         if self.auto_save_cache and self.compile_cache is not None and not self._save_attempted:
             self._calls += 1  # counted only while a save is pending
             if self._calls >= 2 and torch.is_grad_enabled():
                 self.save_compile_cache()
         self._maybe_realign()
         self._check_backward_path()
-        out = self.ddp_model(*args, **kwargs)
+
+    def after_forward(self) -> None:
+        """What runs after each call of the DDP model: the realigned buckets' measure."""
         self._check_realigned()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before_forward()
+        out = self.ddp_model(*args, **kwargs)
+        self.after_forward()
         return out
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set in __init__.
         return getattr(self.__dict__["ddp_model"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # DDP's own attributes (require_backward_grad_sync, require_forward_param_sync, ...) are set on
+        # DDP, where its forward and reducer read them; everything else is this object's.
+        if (self.__dict__.get("_ready") and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name) and hasattr(self.ddp_model, name)):
+            setattr(self.ddp_model, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return f"CompiledDDP({self.ddp_model!r})"

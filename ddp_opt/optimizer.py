@@ -12,7 +12,10 @@ compile. What it does differently:
   (PyTorch's splitter looks at the fake copy, where the marker is lost);
 - a failing partition runs eagerly with a warning naming it, or raises
   (``fallback="raise"``), and every partition's outcome is kept in ``records``;
-- a model with graph breaks is planned as a whole (Note [Plans across graphs]).
+- a model with graph breaks is planned as a whole (Note [Plans across graphs]);
+- a graph that runs no backward (an evaluation under ``no_grad``, often on rank 0
+  only) is compiled whole: it has no gradients to bucket, so it is neither planned
+  nor checked against the other ranks, and DDP's buckets never follow it.
 
 Note [Plans across graphs]
 
@@ -53,7 +56,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from compiler import DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions, split_graph
+from compiler import (DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions,
+                      produces_gradients, split_graph)
 
 from ._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
 from .advice import API_SPELLING, DIRECT_SPELLING, Spelling
@@ -131,7 +135,9 @@ class DDPOptimizer:
         records: the partition outcomes of every graph's latest compile, in the
             order of ``buckets``' graphs.
         compiles: graphs compiled to the end (a compile that dynamo restarted
-            or that raised is not counted).
+            or that raised is not counted), graphs without backward included.
+        inference_records: one record per graph compiled whole because it runs no
+            backward (captured under ``no_grad``, or no input needs a gradient).
         prediction: with a cost model, the last plan's predicted timeline, else None.
     """
 
@@ -168,6 +174,7 @@ class DDPOptimizer:
         # graph slot -> (plan, partition records) of its latest compile; insertion order = first-run order.
         self._graphs: dict[Any, tuple[list[Bucket], list[PartitionRecord]]] = {}
         self.compiles = 0
+        self.inference_records: list[PartitionRecord] = []
         self.check_plans = check_plans
         self.plan_timeout_s = plan_timeout_s
         self._plan_namespace = next_plan_namespace()
@@ -200,6 +207,17 @@ class DDPOptimizer:
         if compiler_configs:
             backend = functools.partial(backend, **compiler_configs)
         t0 = time.perf_counter()
+
+        # 0. No backward, no buckets: compiled whole, unplanned, unchecked (a rank-0-only evaluation
+        #    must not plan buckets the other ranks never see, nor wait for their plans).
+        if not produces_gradients(example_inputs):
+            record = PartitionRecord(index=len(self.inference_records), name="no_grad_graph")
+            self.inference_records.append(record)
+            compiled = self._compile_whole(gm, example_inputs, backend, record)
+            self.compiles += 1
+            log.info("ddp_opt compiled a graph without backward whole in %.1fs (no gradients: nothing to bucket)",
+                     time.perf_counter() - t0)
+            return compiled
 
         # 1. Plan: which node goes to which bucket (pure; see Note [Bucket planning]),
         #    with caps chosen by the cost model when there is one.

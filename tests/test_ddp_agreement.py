@@ -101,3 +101,51 @@ def test_agreeing_plans_do_not_wait_for_anything_more(store):
     s.set(f"{KEY}/g0-1/1", json.dumps(PLAN_A))
     assert peers_plans_if_ready(KEY) is True and verify_plans(KEY) is True
     assert not any("/seen/" in k for k in s.data)
+
+
+# --- realignment: one decision for every rank -------------------------------------------------
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """``run(rank, caps, timeout_s, delay_s)``: agree_on_caps as that rank of two, on one real
+    in-memory store; run each rank on its own thread."""
+    import threading
+    import time
+
+    local, store = threading.local(), dist.HashStore()
+    monkeypatch.setattr(agreement, "_members", lambda group: (local.rank, ["g0-1/0", "g0-1/1"], [0, 1]))
+    monkeypatch.setattr(agreement, "default_store", lambda: store)
+    results = {}
+
+    def run(rank, caps, timeout_s=5.0, delay_s=0.0):
+        local.rank = rank
+        time.sleep(delay_s)
+        results[rank] = agreement.agree_on_caps(caps, "ddp_opt/realign/0", timeout_s=timeout_s)
+
+    def both(*calls):
+        threads = [threading.Thread(target=run, args=args) for args in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results[0], results[1]
+
+    return both
+
+
+def test_ranks_with_the_same_caps_realign_together(two_ranks):
+    assert two_ranks((0, (64, 128)), (1, (64, 128))) == ((True, ""), (True, ""))
+
+
+def test_ranks_with_different_caps_all_keep_ddps_buckets_and_say_why(two_ranks):
+    r0, r1 = two_ranks((0, (64, 128)), (1, (192,)))
+    assert r0 == r1 and r0[0] is False
+    assert r0[1] == "rank 0 proposed caps [64, 128] and rank 1 [192] (different plans)"
+
+
+def test_a_rank_that_comes_after_the_others_gave_up_follows_their_decision(two_ranks):
+    # Rank 1 arrives after rank 0 stopped waiting: both caps are then published and equal, but rank 1
+    # must not realign alone (its all-reduces would pair with buckets of another size on rank 0).
+    r0, r1 = two_ranks((0, (64, 128), 0.3), (1, (64, 128), 5.0, 1.5))
+    assert r0 == r1 and r0[0] is False and "not every rank reached the realignment within 0s" in r0[1]

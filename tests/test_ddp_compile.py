@@ -265,10 +265,27 @@ def test_parameter_free_graph_compiles_as_one_partition():
 
     opt = DDPOptimizer(MiB, torch._dynamo.lookup_backend("aot_eager"))
     with torch._dynamo.config.patch(optimize_ddp=False):
-        out = torch.compile(NoParams(), backend=opt.compile_fn)(x := torch.randn(5))
+        out = torch.compile(NoParams(), backend=opt.compile_fn)(x := torch.randn(5, requires_grad=True))
     torch.testing.assert_close(out, torch.relu(x) * 2)
     assert len(opt.buckets) == 1 and opt.buckets[0].size == 0
     assert [r.status for r in opt.records] == ["compiled"]
+
+
+def test_a_graph_without_backward_is_compiled_whole_and_never_planned(monkeypatch):
+    # nanoGPT's estimate_loss() under no_grad on rank 0 only: no buckets to plan, nothing to agree on.
+    published = []
+    monkeypatch.setattr("ddp_opt.optimizer.publish_plan", lambda *a: published.append(a) or True)
+    seq = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    opt = DDPOptimizer(64 * 64 * 4, torch._dynamo.lookup_backend("aot_eager"))
+    compiled = torch.compile(seq, backend=opt.compile_fn)
+    with torch._dynamo.config.patch(optimize_ddp=False), torch.no_grad():
+        x = torch.randn(2, 64)
+        torch.testing.assert_close(compiled(x), seq(x))
+    assert (opt.buckets, opt.plans, opt.records, published) == ([], [], [], [])
+    assert [r.name for r in opt.inference_records] == ["no_grad_graph"] and opt.compiles == 1
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        compiled(x).sum().backward()  # training: a graph with backward, planned and split as usual
+    assert len(opt.buckets) == 2 and len(opt.plans) == 1 and len(published) == 1
 
 
 def test_plan_and_split_graph_appear_in_pytorchs_structured_trace():

@@ -179,6 +179,23 @@ def test_ddp_reducer_helpers_and_rebuild(gloo_module):
 
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     assert dti.registered_hook_name(model) == "allreduce_hook"
+    assert dti.python_comm_hooks(model) == [(None, default_hooks.allreduce_hook)]
+    dti.rebuild_reducer(model, (2**20,))  # the new reducer has no hook, and DDP's list says so
+    assert dti.registered_hook_name(model) is None and dti.python_comm_hooks(model) == []
+
+
+def test_the_active_ddp_module_is_seen_from_a_compiled_frame(gloo_module):
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(dti.active_ddp_module())
+        return gm.forward
+
+    inner = torch.compile(nn.Linear(4, 4), backend=backend)
+    ddp = DDP(inner)
+    with dti.no_builtin_ddp_splitter():
+        ddp(torch.randn(2, 4))
+    assert seen == [ddp] and dti.active_ddp_module() is None
 
 
 def test_graph_slot_is_the_frame_of_each_graph():
