@@ -5,6 +5,7 @@ from .advice import API_SPELLING, DIRECT_SPELLING, Spelling, ddp_advice
 from .alignment import Alignment, alignment_fraction, measure_alignment, runtime_buckets
 from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
+from .compile_first import compile_for_ddp, compiled_ddp_of
 from .config import DDPCompileConfig
 from .autoplan import LinkEstimate, Timeline, UnitCost, simulate, solve
 from .calibrate import Calibration, calibrate, calibrated_model
@@ -16,6 +17,8 @@ from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_bucket
 __all__ = [
     # entry points
     "compile_ddp",
+    "compile_for_ddp",
+    "compiled_ddp_of",
     "DDPCompileConfig",
     "CompiledDDP",
     "DDPOptimizer",

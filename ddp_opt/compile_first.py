@@ -1,0 +1,169 @@
+"""``compile_for_ddp``: compile a model before DDP wraps it (nanoGPT's order), with
+the graph split where DDP's buckets are, as ``compile_ddp`` splits it.
+
+Note [Compile before wrap]
+
+Background
+    Many scripts (nanoGPT's ``train.py`` among them) write ``model =
+    torch.compile(model)`` and then ``model = DDP(model)``. PyTorch's own
+    splitter supports that order: when dynamo compiles a frame while a DDP
+    forward is running, it reads that DDP's cap and splits. ``compile_ddp``
+    needs the DDP module up front, so that order would need four changed lines.
+
+Algorithm
+    ``compile_for_ddp(model)`` is ``torch.compile(model)`` with a backend that
+    waits for its first graph to learn which DDP module it runs under (DDP's
+    forward marks itself active, as PyTorch's splitter reads it too). For the
+    first DDP module seen, it builds what ``compile_ddp`` builds: the splitter
+    with that module's caps (first-bucket cap and ``bucket_cap_mb_list``
+    included), shared compile and the compile barrier over its group, and a
+    :class:`CompiledDDP` whose before/after steps run as forward hooks on the
+    DDP module, so bucket realignment happens at the same call as under
+    ``compile_ddp``. A graph compiled with no DDP forward running (the model
+    called outside DDP) is compiled whole, as ``torch.compile`` would. PyTorch's
+    splitter is kept out for each call of the compiled module.
+
+Notes
+    - Settings that need the DDP module before the first forward (the cost
+      model's link measurement, the compile cache, regional compile, the traced
+      strategy) are ``compile_ddp``'s only; they are refused here with that advice.
+    - Parameters are named as in the uncompiled model (no ``_orig_mod.``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from compiler import SettingError, produces_gradients
+from compiler.share import share_for_group
+
+from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
+from .api import keep_builtin_splitter_out, splitter_for
+from .compiled import CompiledDDP
+from .config import DDPCompileConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_for_ddp", "compiled_ddp_of"]
+
+# compile_ddp settings that need the DDP module before the first forward.
+_ONLY_COMPILE_DDP = ("bucket_cap_mb", "link", "cache_dir", "regional", "blocks", "strategy")
+
+
+def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None, **settings: Any) -> nn.Module:
+    """``torch.compile(model)`` for a model that is wrapped in DDP afterwards: under DDP,
+    each graph is split where DDP's buckets are, and DDP's buckets are realigned with the
+    partitions, as ``compile_ddp`` does (Note [Compile before wrap]).
+
+    Args:
+        model: the model, not yet wrapped in DDP.
+        config: a :class:`DDPCompileConfig`, instead of keyword settings; not both.
+        **settings: ``compile_ddp``'s keywords (``backend``, ``mode``, ``options``, ``dynamic``,
+            ``fullgraph``, ``fallback``, ``split``, ``check_plans``, ``align_buckets``,
+            ``share_compile``, ``share_timeout_s``, ``wrap_backend``) and ``torch.compile``'s.
+
+    Returns:
+        The compiled module (``torch.compile``'s ``OptimizedModule``): wrap it in DDP and train.
+
+    Raises:
+        SettingError: a setting only ``compile_ddp`` supports, or a bad value.
+    """
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            "compile_for_ddp(model) compiles a model before DDP wraps it, and got a DistributedDataParallel "
+            "module. For a model already wrapped, call ddp_opt.compile_ddp(ddp_model) instead.")
+    if config is not None and settings:
+        raise ValueError(
+            f"compile_for_ddp(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every "
+            "setting, so keywords beside it would be silently dropped. Put them into the config or drop config=.")
+    if config is None:
+        known = set(DDPCompileConfig.__dataclass_fields__) - {"torch_compile_kwargs", "spelling"}
+        more = {k: settings.pop(k) for k in list(settings) if k not in known}
+        config = DDPCompileConfig(**settings, torch_compile_kwargs=more)
+    refused = [name for name in _ONLY_COMPILE_DDP if name in config.changed_from_default()]
+    if refused:
+        raise SettingError(
+            refused[0],
+            f"compile_for_ddp({refused[0]}=...): this setting needs the DDP module before the first forward "
+            "(to measure the link, key the cache, or compile blocks or the backward), and a model compiled before "
+            "DDP wraps it meets its DDP module only then. Wrap first and call "
+            "compile_ddp(DistributedDataParallel(model), ...) to use it, or drop it here.")
+    backend = _DeferredBackend(model, config)
+    compiled = torch.compile(model, backend=backend, dynamic=config.dynamic, fullgraph=config.fullgraph,
+                             **dict(config.torch_compile_kwargs))
+    keep_builtin_splitter_out(compiled)
+    compiled._ddp_opt_backend = backend
+    return compiled
+
+
+def compiled_ddp_of(compiled: nn.Module) -> CompiledDDP | None:
+    """What :func:`compile_for_ddp` built for the DDP module it runs under (its ``buckets``,
+    ``aligned_caps``, ``realignment``, ``share``), once the first forward under DDP compiled;
+    None before, or for a module ``compile_for_ddp`` did not return."""
+    backend = getattr(compiled, "_ddp_opt_backend", None)
+    return backend.controller if isinstance(backend, _DeferredBackend) else None
+
+
+class _DeferredBackend:
+    """The dynamo backend of :func:`compile_for_ddp`: builds the DDP pieces at the first
+    graph compiled under a DDP forward, then hands every graph to them."""
+
+    def __init__(self, model: nn.Module, config: DDPCompileConfig) -> None:
+        self.model, self.config = model, config
+        self.plain = config.resolve_backend()
+        self.ddp_model: DistributedDataParallel | None = None
+        self.controller: CompiledDDP | None = None
+        self._backend: Callable | None = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        ddp_model = active_ddp_module()
+        if ddp_model is None:  # called outside DDP: compiled whole, as torch.compile would
+            return self.plain(gm, example_inputs)
+        if self.ddp_model is None:
+            self._attach(ddp_model)
+        elif ddp_model is not self.ddp_model:
+            raise RuntimeError(
+                "compile_for_ddp: this compiled model runs under a second DistributedDataParallel module. Its "
+                "splitter follows the first DDP's buckets and process group. Compile the model once per DDP "
+                "module: compile_for_ddp(model) before each DDP(...).")
+        return self._backend(gm, example_inputs)
+
+    def _attach(self, ddp_model: DistributedDataParallel) -> None:
+        config = self.config
+        self.ddp_model = ddp_model
+        align = config.align_buckets and config.split
+        if align and not REALIGN_SUPPORTED:
+            align = False  # compile_ddp warns about it; realignment's internals are missing on this torch
+        hook = registered_hook_name(ddp_model) if align else None
+        if hook is not None and not python_comm_hooks(ddp_model):  # a built-in hook: not kept where we can see it
+            warnings.warn(
+                f"compile_for_ddp: the comm hook {hook!r} registered on the DDP module cannot be registered again "
+                "when DDP's reducer is re-created to realign its buckets, so the buckets are left as DDP made "
+                "them. Register a Python hook (ddp.register_comm_hook), or pass align_buckets=False to silence "
+                "this.", stacklevel=2)
+            align = False
+        backend = config.resolve_backend()
+        share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
+                                timeout_s=config.share_timeout_s, name="ddp") if config.share_compile else None
+        if share is not None:
+            backend = share.wrap_compile(backend)
+        optimizer = splitter_for(ddp_model, config, backend, self.model) if config.split else None
+        backend = optimizer.compile_fn if optimizer is not None else backend
+        if config.wrap_backend is not None:
+            backend = config.wrap_backend(backend)
+        if share is not None:
+            backend = share.wrap_graph(backend, barrier_if=produces_gradients)
+        self._backend = backend
+        self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share)
+        # The first call is under way: the hooks run from the second on, where realignment happens.
+        ddp_model.register_forward_pre_hook(lambda module, args: self.controller.before_forward())
+        ddp_model.register_forward_hook(lambda module, args, out: self.controller.after_forward())
+        log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
+                 dist.get_world_size(ddp_model.process_group))
