@@ -1,11 +1,12 @@
 """Every private torch name the compiler core uses, in one place.
 
-Each access below says what it relies on. They were written against the torch
-versions in ``TESTED_TORCH`` and each is pinned by a test in
-``tests/test_torch_contracts.py`` that fails if torch changes it. Other
-packages (``ddp_opt``, ``fsdp_opt``, ``launch``, ``benchmarks``) keep their own
-private accesses in their own ``_torch_internals``-style module and may use
-:func:`torch_is_tested` to gate what depends on them.
+Each access below says what it relies on. Each is pinned by a test in
+``tests/test_torch_contracts.py`` that fails if torch changes it, run on every
+release in ``TESTED_TORCH`` (``tools/torch_matrix``). Other packages (``ddp_opt``,
+``fsdp_opt``, ``launch``, ``benchmarks``) keep their own private accesses in their
+own ``_torch_internals``-style module, and gate a feature on whether what it needs
+exists (feature detection), never on the version number; :func:`warn_feature_off_once`
+says which feature is off and why.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from torch import fx
 from torch._dynamo.utils import counters as _counters  # dynamo's global event counters
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - re-exported
 
-# (major, minor) torch versions this toolkit was tested with; setup.cfg states the same range.
-TESTED_TORCH = ((2, 13),)
+# (major, minor) torch releases the contract tests ran on (README's compatibility table, written by
+# tools/torch_matrix); setup.cfg states the same range. Features are gated by feature detection, not by this.
+TESTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 
 _warned: set[str] = set()
 
@@ -36,16 +38,16 @@ def torch_is_tested() -> bool:
     return torch_version() in TESTED_TORCH
 
 
-def warn_untested_once(feature: str, consequence: str) -> None:
-    """One warning per feature when torch is outside ``TESTED_TORCH``."""
+def warn_feature_off_once(feature: str, missing: list[str], consequence: str) -> None:
+    """One warning per feature that cannot run on this torch: what is off, which internals it
+    needs that this release lacks, and what happens instead."""
     if feature in _warned:
         return
     _warned.add(feature)
     tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
     warnings.warn(
-        f"distcompile was tested with torch {tested}; this is torch {torch.__version__}. {feature} relies on "
-        f"private torch internals that may have changed, so {consequence}. Install a tested torch "
-        f"(pip install torch=={TESTED_TORCH[-1][0]}.{TESTED_TORCH[-1][1]}.0) to use it.",
+        f"{feature} is off on torch {torch.__version__}: it needs {', '.join(missing)}, which this release lacks, "
+        f"so {consequence}. The toolkit's contract tests run on torch {tested}.",
         RuntimeWarning, stacklevel=3,
     )
 

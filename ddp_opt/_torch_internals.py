@@ -4,15 +4,16 @@ Each access says what it relies on; ``tests/test_torch_contracts.py`` pins each
 one, so a torch upgrade that changes one fails there first.
 
 Version gate: bucket realignment re-creates DDP's reducer through DDP's private
-initialisation helpers. With a torch outside ``compiler._torch_internals.TESTED_TORCH``,
-:data:`REALIGN_SUPPORTED` is False: ``compile_ddp`` warns once and keeps DDP's
-own buckets instead of calling helpers that may no longer exist.
+initialisation helpers. Where a release lacks one of them (:func:`missing_for_realignment`,
+feature detection), :data:`REALIGN_SUPPORTED` is False: ``compile_ddp`` warns once, naming
+what is missing, and keeps DDP's own buckets instead of calling helpers that do not exist.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 from typing import Any, Iterator
 
@@ -20,17 +21,54 @@ import torch
 import torch.distributed as dist
 from torch import fx
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import distributed as _ddp_module
 
-from compiler._torch_internals import torch_is_tested, warn_untested_once
+from compiler._torch_internals import warn_feature_off_once
 
-REALIGN_SUPPORTED = torch_is_tested()
+def missing_for_realignment() -> list[str]:
+    """What bucket realignment (:func:`rebuild_reducer`) needs from DDP that this torch lacks;
+    empty where it can run. Feature detection, not a version check."""
+    init = getattr(DistributedDataParallel, "_ddp_init_helper", None)
+    needed = {
+        "per-bucket rebuild caps (DDP._bucket_config.per_bucket_bytes_caps, or DDP.bucket_bytes_cap_list read by "
+        "DDP._ddp_init_helper)": _rebuild_caps_kind() is not None,
+        "DDP._ddp_init_helper(parameters, expect_sparse_gradient, param_to_name_mapping, static_graph)":
+            init is not None and list(inspect.signature(init).parameters)[1:5]
+            == ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"],
+        "DDP._build_params_for_reducer": hasattr(DistributedDataParallel, "_build_params_for_reducer"),
+        "DDP._build_debug_param_to_name_mapping": hasattr(DistributedDataParallel,
+                                                          "_build_debug_param_to_name_mapping"),
+        "Reducer._remove_autograd_hooks": hasattr(dist.Reducer, "_remove_autograd_hooks"),
+        "Reducer._check_reducer_finalized": hasattr(dist.Reducer, "_check_reducer_finalized"),
+    }
+    return [name for name, present in needed.items() if not present]
+
+
+def _rebuild_caps_kind() -> str | None:
+    """Where this torch's DDP reads the per-bucket caps its reducer is built and rebuilt with:
+    ``"bucket_config"`` (torch >= 2.12: ``DDP._bucket_config``, a ``_BucketCapacityConfig``),
+    ``"cap_list"`` (torch 2.11: ``DDP.bucket_bytes_cap_list``, which 2.12 folded into
+    ``_bucket_config``), or None."""
+    config = getattr(_ddp_module, "_BucketCapacityConfig", None)
+    if config is not None and dataclasses.is_dataclass(config) and \
+            "per_bucket_bytes_caps" in {f.name for f in dataclasses.fields(config)}:
+        return "bucket_config"
+    init = getattr(DistributedDataParallel, "_ddp_init_helper", None)
+    try:
+        reads_list = init is not None and "self.bucket_bytes_cap_list" in inspect.getsource(init)
+    except (OSError, TypeError):  # no source shipped: nothing to detect with
+        reads_list = False
+    return "cap_list" if reads_list else None
+
+
+REALIGN_SUPPORTED = not missing_for_realignment()
 
 
 def realign_unsupported_warning() -> None:
-    warn_untested_once(
-        "compile_ddp(align_buckets=True)",
-        "bucket realignment is turned off and DDP keeps its own buckets (they may straddle partitions; "
-        "ddp_opt.measure_alignment tells). Pass align_buckets=False to silence this",
+    warn_feature_off_once(
+        "compile_ddp(align_buckets=True)", missing_for_realignment(),
+        "DDP keeps its own buckets (they may straddle partitions; ddp_opt.measure_alignment tells). Pass "
+        "align_buckets=False to silence this",
     )
 
 
@@ -84,8 +122,13 @@ def reducer_finalized(ddp_model: DistributedDataParallel) -> bool:
 def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int, ...]) -> None:
     """Re-create DDP's reducer, as DDP does when it is unpickled, with ``rebuild_caps``
     as the per-bucket caps of its next bucket rebuild (gradient-ready order)."""
-    # DDP._bucket_config is a dataclass whose per_bucket_bytes_caps the reducer's rebuild reads.
-    ddp_model._bucket_config = dataclasses.replace(ddp_model._bucket_config, per_bucket_bytes_caps=rebuild_caps)
+    if _rebuild_caps_kind() == "bucket_config":
+        # DDP._bucket_config is a dataclass whose per_bucket_bytes_caps the reducer's rebuild reads.
+        ddp_model._bucket_config = dataclasses.replace(ddp_model._bucket_config, per_bucket_bytes_caps=rebuild_caps)
+    else:
+        # torch 2.11: DDP.bucket_bytes_cap_list (bytes), which _ddp_init_helper passes to the reducer as its
+        # bucket limits and rebuild limits (bucket_cap_mb_list's storage before 2.12's _bucket_config).
+        ddp_model.bucket_bytes_cap_list = list(rebuild_caps)
     # Reducer._remove_autograd_hooks(): detach the old reducer from the parameters' grad accumulators.
     ddp_model.reducer._remove_autograd_hooks()
     # DDP._build_params_for_reducer / _build_debug_param_to_name_mapping / _ddp_init_helper(params,

@@ -31,9 +31,10 @@ Notes
       every compiled graph, DDP's buckets per dtype and device); once the
       realigned buckets exist, :func:`check_realignment` measures them and warns
       with the likely cause.
-    - Uses DDP internals (``_ddp_init_helper``, ``_bucket_config``) of torch 2.13,
-      all in ``ddp_opt._torch_internals``; outside the tested torch versions
-      realignment is turned off with a warning.
+    - Uses DDP internals (``_ddp_init_helper``; the per-bucket caps in
+      ``_bucket_config`` from torch 2.12, in ``bucket_bytes_cap_list`` on 2.11),
+      all in ``ddp_opt._torch_internals``; on a torch that lacks one of them
+      (feature detection) realignment is turned off with a warning naming it.
 """
 
 from __future__ import annotations

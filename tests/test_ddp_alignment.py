@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import alignment_fraction, compile_ddp, measure_alignment
 from models import GPT, GPTConfig
+from tests._torch_range import needs_realignment
 
 
 def test_alignment_fraction_counts_bytes_of_buckets_equal_to_a_partition():
@@ -72,6 +73,7 @@ def test_without_realignment_the_split_gpt_drifts_from_its_partitions():
     assert 0.0 < a.fraction < 1.0
 
 
+@needs_realignment
 def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
     model, ddp, ref, compiled = _gpt_pair()
     _steps_with_eager_gradients(model, ddp, ref, compiled, 4)
@@ -80,6 +82,7 @@ def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
     assert compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
 
 
+@needs_realignment
 def test_comm_hooks_survive_realignment_or_are_refused():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -103,6 +106,7 @@ def test_comm_hooks_survive_realignment_or_are_refused():
     assert len(calls) == 4  # the hook still runs, once per (realigned) bucket
 
 
+@needs_realignment
 def test_static_graph_ddp_is_realigned_one_step_later_with_gradients_equal_eager():
     # The new reducer is marked static too: its first iteration reduces everything at the end and
     # records the order, and the rebuild after it takes the partition caps.
@@ -148,6 +152,7 @@ def _broken_pair(static_graph=False, **kw):
     return model, ddp, ref, compile_ddp(ddp, backend="aot_eager")
 
 
+@needs_realignment
 @pytest.mark.parametrize("static_graph", [False, True])
 def test_partitions_of_every_graph_are_planned_and_realigned_with_a_loss_computed_by_the_model(static_graph, caplog):
     model, ddp, ref, compiled = _broken_pair(static_graph)
@@ -171,6 +176,7 @@ def test_partitions_of_every_graph_are_planned_and_realigned_with_a_loss_compute
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "straddle" in r.getMessage()]
 
 
+@needs_realignment
 def test_a_parameter_used_outside_every_graph_is_named_when_alignment_is_not_reached(caplog):
     model, ddp, ref, compiled = _broken_pair(eager_middle=True)
     with caplog.at_level(logging.WARNING, logger="ddp_opt.realign"):
@@ -200,6 +206,7 @@ class _Mixed(nn.Module):
         return x
 
 
+@needs_realignment
 def test_parameters_of_two_dtypes_are_bucketed_per_dtype_as_ddp_does(caplog):
     from ddp_opt import runtime_buckets
 

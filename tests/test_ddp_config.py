@@ -61,9 +61,13 @@ def test_config_and_keywords_together_are_refused():
         compile_ddp(DDP(nn.Linear(4, 4)), config=DDPCompileConfig(), backend="eager")
 
 
-def test_untested_torch_turns_realignment_off_with_a_warning(monkeypatch):
+def test_a_torch_without_realignments_internals_turns_it_off_naming_them(monkeypatch):
     monkeypatch.setattr(ddp_opt.api, "REALIGN_SUPPORTED", False)
+    monkeypatch.setattr("ddp_opt._torch_internals.missing_for_realignment",
+                        lambda: ["DDP._bucket_config.per_bucket_bytes_caps"])
     monkeypatch.setattr("compiler._torch_internals._warned", set())
-    with pytest.warns(RuntimeWarning, match=r"compile_ddp\(align_buckets=True\).*realignment is turned off"):
+    with pytest.warns(RuntimeWarning, match=r"compile_ddp\(align_buckets=True\) is off on torch .*: it needs "
+                                            r"DDP._bucket_config.per_bucket_bytes_caps, which this release lacks, so "
+                                            r"DDP keeps its own buckets"):
         compiled = compile_ddp(DDP(nn.Linear(4, 4)), backend="eager")
     assert compiled.align_buckets is False

@@ -232,9 +232,11 @@ def test_hf_loop_with_no_sync_autocast_and_rank0_eval_trains_like_eager_ddp(resu
     for rank, runs in enumerate(results):
         eager, got = runs["hf_eager"], runs["hf_compile_ddp"]
         assert not got["warnings"], f"rank {rank} warned: {got['warnings']}"
-        torch.testing.assert_close(got["losses"], eager["losses"], rtol=0, atol=1e-4,
+        # bf16 autocast: equal on torch 2.12-2.15; up to 6.1e-4 apart on 2.11 (bf16's step at 4.8 is 0.03). The
+        # all-reduce counts below and the fp32 nanoGPT test (1e-5) pin the synchronisation itself.
+        torch.testing.assert_close(got["losses"], eager["losses"], rtol=0, atol=2e-3,
                                    msg=lambda m: f"rank {rank} training losses: {m}")
-        torch.testing.assert_close(got["evals"], eager["evals"], rtol=0, atol=1e-4,
+        torch.testing.assert_close(got["evals"], eager["evals"], rtol=0, atol=2e-3,
                                    msg=lambda m: f"rank {rank} eval losses: {m}")
         assert len(got["evals"]) == (3 if rank == 0 else 0)
         assert eager["rounds"] and all(r[:-1] == [0] * (ACCUM - 1) and r[-1] > 0 for r in eager["rounds"])

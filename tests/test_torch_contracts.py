@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import compiler._torch_internals as cti
 import ddp_opt._torch_internals as dti
 import fsdp_opt._torch_internals as fti
+from tests._torch_range import needs_realignment
 
 
 pytestmark = pytest.mark.usefixtures("clean_dynamo")
@@ -115,18 +116,18 @@ def test_recompile_reason_text():
     assert cti.recompile_limit() >= 1
 
 
-def test_version_gate_warns_once_outside_the_tested_range(monkeypatch):
-    assert cti.torch_version() >= (2, 13)
-    monkeypatch.setattr(cti, "TESTED_TORCH", ((9, 9),))
+def test_a_feature_that_cannot_run_warns_once_naming_what_is_missing(monkeypatch):
+    assert cti.torch_version() in cti.TESTED_TORCH, "run the contract tests only on a release of the range"
     monkeypatch.setattr(cti, "_warned", set())
-    assert not cti.torch_is_tested()
-    with pytest.warns(RuntimeWarning, match=r"tested with torch 9.9; this is torch .* feature X .* so it is off"):
-        cti.warn_untested_once("feature X", "so it is off")
+    with pytest.warns(RuntimeWarning, match=r"feature X is off on torch .*: it needs A._b, C._d, which this "
+                                            r"release lacks, so it is skipped\. The toolkit's contract tests run "
+                                            r"on torch 2.11, 2.12, 2.13, 2.14, 2.15"):
+        cti.warn_feature_off_once("feature X", ["A._b", "C._d"], "it is skipped")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cti.warn_untested_once("feature X", "so it is off")  # once only
+        cti.warn_feature_off_once("feature X", ["A._b"], "it is skipped")  # once only
 
 
 # --- ddp_opt ----------------------------------------------------------------------------
@@ -162,24 +163,38 @@ def test_ddp_bucket_settings(gloo_module):
     assert listed.per_bucket_caps == (2**20, 4 * 2**20)
 
 
-def test_ddp_reducer_helpers_and_rebuild(gloo_module):
-    names = list(inspect.signature(DDP._ddp_init_helper).parameters)
-    assert names[1:5] == ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"], names
+def test_ddp_reducer_helpers(gloo_module):
     model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
     assert dti.registered_hook_name(model) is None and dti.reducer_finalized(model)
     model(torch.randn(2, 4)).sum().backward()
     assert dti.runtime_buckets(model) and dti.reducer_finalized(model)
     assert dti.has_rebuilt_buckets(model) is False
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    assert dti.registered_hook_name(model) == "allreduce_hook"
+    assert dti.python_comm_hooks(model) == [(None, default_hooks.allreduce_hook)]
+
+
+def test_realignment_runs_on_every_release_of_the_range():
+    # Per-bucket rebuild caps: DDP._bucket_config from torch 2.12, DDP.bucket_bytes_cap_list on 2.11.
+    assert dti.missing_for_realignment() == [] and dti.REALIGN_SUPPORTED, dti.missing_for_realignment()
+    assert dti._rebuild_caps_kind() == ("bucket_config" if cti.torch_version() >= (2, 12) else "cap_list")
+
+
+@needs_realignment
+def test_ddp_reducer_rebuild(gloo_module):
+    names = list(inspect.signature(DDP._ddp_init_helper).parameters)
+    assert names[1:5] == ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"], names
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model(torch.randn(2, 4)).sum().backward()
     dti.rebuild_reducer(model, (64, 2**20))
-    assert model._bucket_config.per_bucket_bytes_caps == (64, 2**20)
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()
     assert len(dti.runtime_buckets(model)) == 2 and dti.has_rebuilt_buckets(model)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     model.register_comm_hook(None, default_hooks.allreduce_hook)
-    assert dti.registered_hook_name(model) == "allreduce_hook"
-    assert dti.python_comm_hooks(model) == [(None, default_hooks.allreduce_hook)]
     dti.rebuild_reducer(model, (2**20,))  # the new reducer has no hook, and DDP's list says so
     assert dti.registered_hook_name(model) is None and dti.python_comm_hooks(model) == []
 
