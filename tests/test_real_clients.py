@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.slow  # two gloo ranks, five training runs
 # Big enough (~1.7 MiB of gradients) that DDP's default caps make two buckets, as for nanoGPT's GPT-2.
 CONFIG = dict(n_layer=2, n_embd=128, n_head=2, vocab_size=64, block_size=16)
 EVAL_INTERVAL, EVAL_ITERS, MAX_ITERS, ACCUM = 2, 2, 4, 2
@@ -45,6 +46,43 @@ class _Warnings(logging.Handler):
         self.seen.append(f"{record.name}: {record.getMessage()}")
 
 
+@contextlib.contextmanager
+def _watched(handle):
+    """Instrumentation, not part of the clients' scripts: count DDP's all-reduces (a comm hook registered
+    through ``handle``: the compile_ddp handle, as it asks, else DDP itself) and collect every warning
+    warned or logged by the toolkit. Yields the state; ``warnings`` is filled at the end."""
+    state = {"calls": 0, "warnings": []}
+
+    def counting_allreduce(state, bucket):
+        state["calls"] += 1
+        return allreduce_hook(None, bucket)
+
+    handle.register_comm_hook(state, counting_allreduce)
+    caught = _Warnings()
+    for name in ("ddp_opt", "compiler"):
+        logging.getLogger(name).addHandler(caught)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            yield state
+    finally:
+        for name in ("ddp_opt", "compiler"):
+            logging.getLogger(name).removeHandler(caught)
+    state["warnings"] = [str(w.message) for w in warned] + caught.seen
+
+
+def _outcome(ddp, compiled, watched, **measured):
+    """What a run returns: its measures, its warnings, and how the compiled run's buckets ended."""
+    return dict(
+        measured, warnings=watched["warnings"],
+        aligned_caps=compiled.aligned_caps if compiled is not None else None,
+        realigned=compiled.realignment.fraction if compiled is not None and compiled.realignment is not None
+        else None,
+        partitions=len(compiled.buckets) if compiled is not None else None,
+        runtime_buckets=len(ddp.reducer._get_zeros_like_grad_buckets()),
+    )
+
+
 def _nanogpt_flow(rank, how, evaluate=True):
     """nanoGPT's train.py loop in small; ``how`` is the one line a user changes."""
     from ddp_opt import compile_ddp, compile_for_ddp, compiled_ddp_of
@@ -61,15 +99,6 @@ def _nanogpt_flow(rank, how, evaluate=True):
         model = compile_ddp(model, backend="aot_eager")  # added after DDP(...)
     master_process = rank == 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    hook_state = {"calls": 0}
-
-    def counting_allreduce(state, bucket):
-        state["calls"] += 1
-        return allreduce_hook(None, bucket)
-
-    # Instrumentation, not part of nanoGPT: count DDP's all-reduces (through the compiled handle, as
-    # compile_ddp asks; on DDP itself otherwise).
-    (model if how == "compile_ddp" else ddp).register_comm_hook(hook_state, counting_allreduce)
 
     @torch.no_grad()
     def estimate_loss():
@@ -85,12 +114,8 @@ def _nanogpt_flow(rank, how, evaluate=True):
         model.train()
         return out
 
-    caught = _Warnings()
-    for name in ("ddp_opt", "compiler"):
-        logging.getLogger(name).addHandler(caught)
     evals, losses, rounds, first_step_s = [], [], [], None
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
+    with _watched(model if how == "compile_ddp" else ddp) as hook_state:
         X, Y = _get_batch(rank, "train", 100)
         iter_num, n = 0, 101
         while True:
@@ -117,17 +142,8 @@ def _nanogpt_flow(rank, how, evaluate=True):
             iter_num += 1
             if iter_num > MAX_ITERS:
                 break
-    for name in ("ddp_opt", "compiler"):
-        logging.getLogger(name).removeHandler(caught)
-    state = {"compile_ddp": model, "compile_for_ddp": compiled_ddp_of(ddp.module)}.get(how)
-    return dict(
-        losses=losses, evals=evals, rounds=rounds, first_step_s=first_step_s,
-        warnings=[str(w.message) for w in warned] + caught.seen,
-        aligned_caps=state.aligned_caps if state is not None else None,
-        realigned=state.realignment.fraction if state is not None and state.realignment is not None else None,
-        partitions=len(state.buckets) if state is not None else None,
-        runtime_buckets=len(ddp.reducer._get_zeros_like_grad_buckets()),
-    )
+    compiled = {"compile_ddp": model, "compile_for_ddp": compiled_ddp_of(ddp.module)}.get(how)
+    return _outcome(ddp, compiled, hook_state, losses=losses, evals=evals, rounds=rounds, first_step_s=first_step_s)
 
 
 def _hf_loop(rank, how):
@@ -145,19 +161,8 @@ def _hf_loop(rank, how):
     if how == "compile_ddp":
         model = compile_ddp(model, backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    hook_state = {"calls": 0}
-
-    def counting_allreduce(state, bucket):
-        state["calls"] += 1
-        return allreduce_hook(None, bucket)
-
-    (model if how == "compile_ddp" else ddp).register_comm_hook(hook_state, counting_allreduce)
-    caught = _Warnings()
-    for name in ("ddp_opt", "compiler"):
-        logging.getLogger(name).addHandler(caught)
     losses, evals, rounds = [], [], []
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
+    with _watched(model if how == "compile_ddp" else ddp) as hook_state:
         for step in range(3):
             if rank == 0:  # evaluation on the main process only, of the unwrapped model (as accelerate's
                 unwrapped = model.module  # unwrap_model): through DDP it would broadcast the rotary buffers
@@ -181,16 +186,8 @@ def _hf_loop(rank, how):
             optimizer.zero_grad()
             losses.append(loss.item() * ACCUM)
             rounds.append(calls_at)
-    for name in ("ddp_opt", "compiler"):
-        logging.getLogger(name).removeHandler(caught)
-    state = model if how == "compile_ddp" else None
-    return dict(
-        losses=losses, evals=evals, rounds=rounds, warnings=[str(w.message) for w in warned] + caught.seen,
-        aligned_caps=state.aligned_caps if state is not None else None,
-        realigned=state.realignment.fraction if state is not None and state.realignment is not None else None,
-        partitions=len(state.buckets) if state is not None else None,
-        runtime_buckets=len(ddp.reducer._get_zeros_like_grad_buckets()),
-    )
+    return _outcome(ddp, model if how == "compile_ddp" else None, hook_state, losses=losses, evals=evals,
+                    rounds=rounds)
 
 
 def _every_flow(rank, world_size):
