@@ -68,6 +68,7 @@ def test_baseline_must_run_and_regional_stays_out_of_sweeps():
     BenchConfig(modes=("eager", "ours"))  # no builtin, no baseline: no ratio, no error
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_rows_for_every_mode(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(

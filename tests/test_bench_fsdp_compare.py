@@ -59,6 +59,7 @@ def test_replace_section_touches_only_the_fsdp_markers():
         replace_section("no markers", "x")
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_rows_table_and_readme_section(tmp_path):
     out, readme = tmp_path / "rows.json", tmp_path / "README.md"
     readme.write_text(f"# t\n{START}\n{END}\ntail\n")

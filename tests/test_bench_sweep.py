@@ -99,6 +99,7 @@ def test_tables_show_the_auto_cap_last_with_its_prediction(tmp_path):
     assert "![step time vs bucket cap](a.png)" in text and "![step time vs bucket cap](b.png)" in text
 
 
+@pytest.mark.slow
 def test_tiny_sweep_runs_auto_next_to_fixed_caps(tmp_path):
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, "-m", "benchmarks.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "2",

@@ -282,6 +282,7 @@ def _share_scenarios(rank, world_size, tmp):
     return results
 
 
+@pytest.mark.slow
 def test_two_ranks_share_the_compile_and_train_as_an_unshared_run(tmp_path):
     ranks = run_ranks(_share_scenarios, str(tmp_path), timeout=900)
     n = ranks[0]["unshared"]["partitions"]
@@ -315,6 +316,7 @@ def _apart(rank, world_size, tmp):
     return res
 
 
+@pytest.mark.slow
 def test_kernels_travel_to_a_rank_with_an_inductor_dir_of_its_own(tmp_path):
     # One Inductor directory per rank, as on separate machines, in fresh processes (the kernels
     # loaded in a process stay in its memory). Kernels a rank lacked arrive with the other rank's
@@ -351,6 +353,7 @@ def _slow_rank_step(rank, world_size, ours, delay_s):
     return "ok"
 
 
+@pytest.mark.slow
 def test_a_slow_compiling_rank_does_not_time_out_the_first_all_reduce():
     # The process group times out collectives after 3 s; rank 1 compiles each graph 5 s longer.
     assert run_ranks(_slow_rank_step, True, 5.0, pg_timeout_s=3.0, timeout=300) == ["ok", "ok"]

@@ -331,6 +331,7 @@ def _auto_rank(rank, world_size):
                 predicted=compiled.prediction.finish_s, runtime=len(ddp.reducer._get_zeros_like_grad_buckets()))
 
 
+@pytest.mark.slow
 def test_two_ranks_auto_plan_trains_like_eager_ddp_with_identical_plans(run_ranks):
     r0, r1 = run_ranks(_auto_rank, timeout=300)
     for rank, r in enumerate((r0, r1)):

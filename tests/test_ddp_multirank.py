@@ -133,6 +133,7 @@ def _mismatch_rank(rank, world_size, host_finds_first=False):
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_finds_first", [False, True], ids=["together", "store_host_finds_first"])
 def test_ranks_with_different_plans_fail_together_naming_the_bucket(run_ranks, host_finds_first):
     results = run_ranks(_mismatch_rank, host_finds_first, timeout=180)
@@ -170,6 +171,7 @@ def _subgroup_rank(rank, world_size):
     return result
 
 
+@pytest.mark.slow
 def test_plans_are_compared_within_ddps_own_process_group(run_ranks):
     results = run_ranks(_subgroup_rank, world_size=4, timeout=240)
     # group {0, 1}: agrees with itself; the other group's different model is not a mismatch

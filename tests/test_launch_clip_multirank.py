@@ -122,6 +122,7 @@ def results(run_ranks) -> list[dict]:
     return run_ranks(_rank, world_size=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_clipping_matches_clip_grad_norm_on_the_global_batch(results, mode):
     for rank, r in enumerate(res[mode] for res in results):

@@ -105,6 +105,7 @@ def _job(tmp_path, steps: int, **train) -> JobConfig:
                                        checkpoint_dir=str(tmp_path / "ckpt"), **train))
 
 
+@pytest.mark.slow
 def test_a_resumed_run_gets_the_same_lr_and_loss_at_every_step(tmp_path, capsys):
     before = counters["stats"]["unique_graphs"]
     ref = run(_job(tmp_path / "ref", 6))

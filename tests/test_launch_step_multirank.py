@@ -73,6 +73,7 @@ def results(run_ranks) -> list[dict]:
     return run_ranks(_rank, world_size=2)
 
 
+@pytest.mark.slow
 def test_grad_accum_with_no_sync_matches_one_large_batch_step(results):
     # The key bias gets an analytically zero gradient (softmax is shift-invariant), so Adam
     # normalises float noise there: with lr=1e-3 that stays within the 1e-5 tolerance.
