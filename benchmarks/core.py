@@ -304,4 +304,4 @@ def max_peak_mib(gathered: Sequence[dict], label: str) -> float | None:
 def job_columns(cfg: GPTJob) -> dict:
     """The row keys that describe the job rather than the mode."""
     return {"device": device_label(cfg.torch_device), "world_size": dist.get_world_size(), "rounds": cfg.rounds,
-            "warmup": cfg.warmup, "model": cfg.model_label()}
+            "warmup": cfg.warmup, "model": cfg.model_label(), "torch": torch.__version__}

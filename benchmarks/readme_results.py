@@ -65,6 +65,7 @@ def results_markdown(rows: Sequence[dict], plot: str | None = None, before: Sequ
         r0 = rows[0]
         model = f" {r0['model']}, {r0['grad_mib']:.1f} MiB of gradients;" if r0.get("model") and r0.get("grad_mib") else ""
         device = f" device `{r0['device']}`," if r0.get("device") else ""
+        device += f" torch {r0['torch']}," if r0.get("torch") else " torch not recorded (2.13 or older),"
         net = r0.get("net", "local")
         where = (f"Network `{net}` (two nodes in their own network namespaces, the link between them shaped with "
                  f"`tc tbf`; no simulated link)" if net != "local" else f"Link `{r0['link']}`")

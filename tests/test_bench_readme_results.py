@@ -68,3 +68,8 @@ def test_limit_and_best_peer_columns_and_the_shaped_network_where_the_rows_have_
     assert "| 4 | ours | inductor | 103.0 | 1.030 [0.990, 1.020] | 0.970 [0.950, 0.990] | 1.29 |" in body
     assert "Network `shaped:800mbit` (two nodes" in body
     assert "Physical limit 80.0 ms = fwd 20.0 + max(bwd 50.0, comm 55.0) + opt 5.0" in body and "`builtin@1`" in body
+
+
+def test_the_torch_release_of_the_rows_is_named():
+    assert ", torch 2.15.0+cpu," in results_markdown([dict(r, torch="2.15.0+cpu") for r in ROWS])
+    assert ", torch not recorded (2.13 or older)," in results_markdown(ROWS)  # rows from before it was recorded
