@@ -13,7 +13,7 @@ from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_c
 from .dist import exit_now
 from .schema import ConfigError, register_configs, to_job_config
 
-__all__ = ["main"]
+__all__ = ["main", "run_cli"]
 
 
 
@@ -24,25 +24,33 @@ def main(step_callbacks: Sequence[Any] = ()) -> None:
         step_callbacks: passed on to :func:`run` (an entry module of one's own can
             install them, as ``tests/_fault_job.py`` does).
     """
-    import hydra
-
     if config_error_reported_before():  # torchrun restarted the group after a config error: no retry
         exit_now(CONFIG_ERROR_EXIT)
+    exit_now(run_cli(_quiet_other_ranks(sys.argv[1:]), step_callbacks))
+
+
+def run_cli(argv: Sequence[str], step_callbacks: Sequence[Any] = ()) -> int:
+    """What ``python -m launch.train ARGV`` does, in this process, up to its exit code:
+    0 done, 2 bad input (one message, no traceback), 1 failure. :func:`main` ends the
+    process with it; tests call this to check exit codes without starting a process."""
+    import hydra
+
     register_configs()
-    sys.argv = [sys.argv[0]] + _quiet_other_ranks(sys.argv[1:])
     codes: list[int] = []  # one exit code per task Hydra ran; none when it could not compose the config
 
     def task(dcfg: Any) -> None:
         codes.append(_run_task(dcfg, step_callbacks))
 
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0] if saved_argv else "launch.train", *argv]
     try:
         hydra.main(version_base="1.3", config_path="../configs", config_name="config")(task)()
-        code = codes[-1] if codes else 0
+        return codes[-1] if codes else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code == 1 and not codes:
-            code = 2  # Hydra could not compose the config (it printed why): bad input
-    exit_now(code)
+        return 2 if code == 1 and not codes else code  # no task ran: Hydra could not compose the config (it printed why)
+    finally:
+        sys.argv = saved_argv
 
 
 def _run_task(dcfg: Any, step_callbacks: Sequence[Any]) -> int:

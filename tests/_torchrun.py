@@ -5,11 +5,13 @@ for what the job wrote."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -35,6 +37,33 @@ def torchrun(cwd: Path, *overrides: str, fault: str | None = None, restarts: int
         # A hung exit lands here: the job must end by itself.
         pytest.fail(f"torchrun did not end within {timeout}s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class CliResult(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli_in_process(capfd, argv: list[str]) -> CliResult:
+    """``python -m launch.train ARGV`` run in this process (``launch.shell.run_cli``), its
+    output captured at the file descriptors; the logging handlers Hydra installs are
+    removed afterwards so that no later test writes to this test's capture."""
+    from launch.shell import run_cli
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    capfd.readouterr()
+    try:
+        code = run_cli(argv)
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        root.setLevel(level)
+    out, err = capfd.readouterr()
+    return CliResult(code, out, err)
 
 
 def ok(proc) -> None:

@@ -2,6 +2,9 @@
 (STYLE.md principle 9): compiler state, then one gloo rank in this process, then
 real gloo ranks in spawned processes, then the main job under torchrun.
 
+The hooks keep the fast tier fast (Note [Test tiers] in ``_tiers.py``): a test that
+spawns processes or compiles with Inductor is marked ``slow`` or fails.
+
 The plain helpers they wrap stay in ``_dist.py`` and ``_torchrun.py`` (the spawned
 ranks and ``_cache_job.py`` import them too). No fixture here is autouse: a module
 that wants one for all its tests says so with ``pytestmark = pytest.mark.usefixtures(...)``.
@@ -13,6 +16,27 @@ import pytest
 import torch
 
 import _dist
+import _tiers
+
+
+def pytest_collection_modifyitems(config, items):
+    _tiers.mark_spawning_tests(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _tiers.no_spawn(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with _tiers.no_spawn(item):
+        return (yield)
 
 
 @pytest.fixture
@@ -63,3 +87,15 @@ def torchrun():
     import _torchrun  # imports launch.train: only for the tests that launch
 
     return _torchrun.torchrun
+
+
+@pytest.fixture
+def launch_cli(tmp_path, capfd, monkeypatch):
+    """``launch_cli(*overrides) -> CliResult(code, out, err)``: what ``python -m launch.train
+    OVERRIDES`` prints and exits with, run in this process (``launch.shell.run_cli``) from
+    ``tmp_path`` with its Hydra run directory there. One subprocess smoke test
+    (``test_launch_run.py``) keeps the real ``python -m`` path honest."""
+    import _torchrun
+
+    monkeypatch.chdir(tmp_path)
+    return lambda *overrides: _torchrun.cli_in_process(capfd, [*overrides, f"hydra.run.dir={tmp_path / 'run'}"])

@@ -324,6 +324,7 @@ def test_doctor_sees_one_graph_with_intended_splits_and_a_fallback():
                for a in report.advice)
 
 
+@pytest.mark.slow
 def test_torch_logs_turns_on_our_loggers():
     import os
     import subprocess

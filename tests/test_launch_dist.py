@@ -4,10 +4,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 
 
+@pytest.mark.slow
 def test_dropping_a_ddp_model_right_after_teardown_does_not_hang():
     # Note [Process-group teardown]: the loop hung within 50 tries before the fix; 100 tries take ~5 s.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}

@@ -5,9 +5,6 @@ checkpoint to the same losses and final parameters as an uninterrupted run."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -64,12 +61,8 @@ def test_fsdp_options_without_parallel_fsdp_are_refused():
         validate(_job("fsdp.prefetch=2"), world_size=2)
 
 
-def test_cli_bad_fsdp_value_exits_2(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.train", "parallel=fsdp", "fsdp.mixed_precision=fp8",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def test_cli_bad_fsdp_value_exits_2(launch_cli):
+    proc = launch_cli("parallel=fsdp", "fsdp.mixed_precision=fp8")
     assert proc.returncode == 2, proc.stderr
     assert "fsdp.mixed_precision='fp8'" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
 

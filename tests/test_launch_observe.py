@@ -111,11 +111,8 @@ def test_tensorboard_without_the_package_is_refused_with_the_install_command(tmp
         run(_job(tmp_path, log=LogConfig(tensorboard=True)))
 
 
-def test_python_m_launch_train_exits_2_on_a_bad_profile_range(tmp_path):
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "launch.train", "train.steps=3", "profile.steps=[2,9]",
-                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def test_python_m_launch_train_exits_2_on_a_bad_profile_range(launch_cli):
+    proc = launch_cli("train.steps=3", "profile.steps=[2,9]")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "profile.steps=[2,9] is not within the run" in proc.stderr
 

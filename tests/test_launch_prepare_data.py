@@ -23,11 +23,11 @@ def _cli(cwd, *args: str, module: str = "launch.prepare_data", timeout: float = 
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_bytes_by_default_with_progress_and_a_summary(tmp_path):
+def test_bytes_by_default_with_progress_and_a_summary(tmp_path, capsys, monkeypatch):
     (tmp_path / "in.txt").write_text(TEXT)
-    proc = _cli(tmp_path, "in.txt", "data/out.bin", "--chunk-mb", "0.005")
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert prepare_data.main(["in.txt", "data/out.bin", "--chunk-mb", "0.005"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("prepare_data:") and "% read (" in lines[0] and len(lines) > 3
     size = len(TEXT.encode())
     assert lines[-1].startswith(f"prepare_data: wrote data/out.bin: {size:,} tokens (uint16, vocab 256, tokenizer "

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -162,10 +160,8 @@ def test_a_signal_without_checkpoints_says_nothing_was_saved(tmp_path):
         run(_job(tmp_path), step_callbacks=[_signal_at(2, signal.SIGTERM)])
 
 
-def test_cli_bad_on_nonfinite_exits_2_with_one_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.train", "train.on_nonfinite=ignore",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_cli_bad_on_nonfinite_exits_2_with_one_message(launch_cli):
+    proc = launch_cli("train.on_nonfinite=ignore")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("train.on_nonfinite='ignore' is not one of stop, skip") == 1
     assert "Traceback" not in proc.stderr + proc.stdout

@@ -127,8 +127,18 @@ def _cli(tmp_path, *overrides):
     (["ddp.bucket_cap_mb=-1"], "ddp.bucket_cap_mb=-1.0 is not valid"),
     (["ddp.bucket_cap_mb=abc"], "ddp.bucket_cap_mb"),  # a type error, found by Hydra while composing
 ])
-def test_cli_bad_input_exits_2_with_one_message(tmp_path, overrides, needle):
-    proc = _cli(tmp_path, *overrides)
+def test_cli_bad_input_exits_2_with_one_message(tmp_path, launch_cli, overrides, needle):
+    proc = launch_cli(*overrides)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_python_m_launch_train_exits_2_with_one_message_in_its_own_process(tmp_path):
+    # The smoke test of the real entry point (launch.shell.main: exit_now, argv handling);
+    # every other exit-code check runs the same shell in process (the launch_cli fixture).
+    proc = _cli(tmp_path, "ddp.bucket_cap_mb=-1")
+    assert proc.returncode == 2, proc.stderr
+    assert "ddp.bucket_cap_mb=-1.0 is not valid" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "ckpt").exists()

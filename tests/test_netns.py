@@ -19,8 +19,20 @@ import pytest
 from benchmarks.netns import PREFIX, namespaces, parse_rate, rate_bits_per_s, shaped_network, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
-REASON = unavailable_reason()
-needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}")
+
+
+@pytest.fixture(scope="module")
+def netns_here():
+    """Skip where namespaces cannot be made; probed once, and only by the tests that need
+    them (the probe starts ``ip``: no process at collection or in the fast tier)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no network namespaces here: {reason}")
+
+
+def needs_netns(test):
+    """A test that makes namespaces: it starts ip and tc, so it is in the slow tier."""
+    return pytest.mark.slow(pytest.mark.usefixtures("netns_here")(test))
 
 
 def _ours() -> list[str]:
@@ -88,7 +100,6 @@ def _losses(run_dir: Path) -> list:
 
 
 @needs_netns
-@pytest.mark.slow
 def test_the_main_job_on_two_nodes_over_a_shaped_link_trains_as_on_one(tmp_path, torchrun):
     ref = torchrun(tmp_path, *SMALL, "hydra.run.dir=standalone", timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -123,8 +134,11 @@ def test_the_main_job_on_two_nodes_over_a_shaped_link_trains_as_on_one(tmp_path,
     (["--net", "shaped:800mbit", "--nproc", "3"], "--nproc 3 does not split in two: pass an even --nproc"),
     (["--net", "shaped:800mbit", "--link", "1ms,100MB/s"], "are two links at once"),
 ])
-def test_ddp_compare_net_flags_are_refused_before_launching(argv, message, capsys):
+def test_ddp_compare_net_flags_are_refused_before_launching(argv, message, capsys, monkeypatch):
+    from benchmarks import netns
     from benchmarks.ddp_compare import parse_args
+
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: None)  # refused whether or not namespaces can be made
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--quick", *argv])
@@ -144,7 +158,6 @@ def test_without_namespaces_net_says_why_and_points_at_the_simulated_link(monkey
 
 
 @needs_netns
-@pytest.mark.slow
 def test_ddp_compare_runs_as_two_nodes_over_the_shaped_link(tmp_path):
     out = tmp_path / "rows.json"
     before = set(namespaces())
