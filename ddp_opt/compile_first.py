@@ -161,9 +161,8 @@ class _DeferredBackend:
         if share is not None:
             backend = share.wrap_graph(backend, barrier_if=produces_gradients)
         self._backend = backend
+        # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
+        # where realignment happens.
         self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share)
-        # The first call is under way: the hooks run from the second on, where realignment happens.
-        ddp_model.register_forward_pre_hook(lambda module, args: self.controller.before_forward())
-        ddp_model.register_forward_hook(lambda module, args, out: self.controller.after_forward())
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

@@ -36,7 +36,9 @@ class CompiledDDP:
     """What the training loop calls in place of the DDP model.
 
     Calling it calls the DDP model, whose wrapped module ``compile_ddp`` compiled
-    in place. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
+    in place; what this object adds (realignment, the cache's save, the traced
+    strategy's checks) runs from hooks on the DDP model, so calling the DDP model
+    itself is the same. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
     ``module``, ...) is the DDP model's, and checkpoints keep DDP's keys; setting
     one of DDP's attributes sets it on the DDP model (nanoGPT's
     ``model.require_backward_grad_sync = last_micro_step``).
@@ -85,6 +87,9 @@ class CompiledDDP:
         self._comm_hooks: list[tuple[Any, Callable]] = []
         self._realign_key = next_plan_namespace("realign")
         self._realign_decided = False
+        # Either handle works: DDP's own forward runs these, so ddp_model(x) and compiled(x) are the same call.
+        self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
+                       ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
         self._ready = True  # from here on, setting one of DDP's public attributes sets it on DDP
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
@@ -220,7 +225,8 @@ class CompiledDDP:
         self._backward_pending = torch.is_grad_enabled()
 
     def before_forward(self) -> None:
-        """What runs before each call of the DDP model: the cache's save, realignment."""
+        """What runs before each call of the DDP model (a forward pre-hook on it, so also
+        when the loop calls the DDP model itself): the cache's save, realignment."""
         if self.auto_save_cache and self.compile_cache is not None and not self._save_attempted:
             self._calls += 1  # counted only while a save is pending
             if self._calls >= 2 and torch.is_grad_enabled():
@@ -229,14 +235,12 @@ class CompiledDDP:
         self._check_backward_path()
 
     def after_forward(self) -> None:
-        """What runs after each call of the DDP model: the realigned buckets' measure."""
+        """What runs after each call of the DDP model (a forward hook on it): the realigned
+        buckets' measure."""
         self._check_realigned()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.before_forward()
-        out = self.ddp_model(*args, **kwargs)
-        self.after_forward()
-        return out
+        return self.ddp_model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set in __init__.

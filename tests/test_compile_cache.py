@@ -149,7 +149,9 @@ def test_a_payload_torch_rejects_is_reported_as_corrupt(tmp_path, monkeypatch, c
     assert "load_cache_artifacts failed (RuntimeError: unpickling failed)" in msg
 
 
-def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_path, caplog, monkeypatch, clean_dynamo):
+@pytest.mark.parametrize("handle", ["compiled", "ddp"])  # either handle saves: a hook on DDP's forward
+def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_path, caplog, monkeypatch, clean_dynamo,
+                                                                          handle):
     # aot_eager records no cache artifacts, so the saved payload is stubbed; the
     # compile and its parity with eager are real.
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"fresh artifacts", None))
@@ -172,9 +174,10 @@ def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_pa
         assert compiled.compile_cache.path == path
         (msg,) = _warnings(caplog)
         assert f"Compile cache entry {path} is corrupt" in msg
+        call = compiled if handle == "compiled" else ddp2
         for step in range(2):
             x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
-            loss, ref_loss = compiled(x, x)[1], ref(x, x)[1]
+            loss, ref_loss = call(x, x)[1], ref(x, x)[1]
             loss.backward(), ref_loss.backward()
             torch.testing.assert_close(loss, ref_loss)
             for p, q in zip(ddp2.parameters(), ref.parameters()):

@@ -83,6 +83,17 @@ def test_realigned_buckets_equal_the_partitions_and_gradients_match_eager():
 
 
 @needs_realignment
+def test_calling_the_ddp_model_itself_realigns_as_calling_the_compiled_handle():
+    # Either handle works: compile_ddp's additions run from hooks on DDP's own forward.
+    model, ddp, ref, compiled = _gpt_pair()
+    _steps_with_eager_gradients(model, ddp, ref, ddp, 4)  # the loop never calls `compiled`
+    a = measure_alignment(ddp, compiled.buckets)
+    assert compiled.aligned_caps == tuple(b.size for b in reversed(compiled.buckets))
+    assert a.fraction == 1.0 and a.aligned == [True] * 4
+    assert compiled.realignment is not None and compiled.realignment.fraction == 1.0
+
+
+@needs_realignment
 def test_comm_hooks_survive_realignment_or_are_refused():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -258,3 +258,15 @@ def test_traced_falls_back_to_split_with_a_warning(run_ranks, why, reason):
         assert strategy == "split"
         assert reason in message and "pass strategy='split'" in message
     torch.testing.assert_close(results[0][2], results[1][2])  # still all-reduced
+
+
+def test_calling_the_ddp_model_itself_gets_the_traced_checks(gloo, clean_dynamo):
+    # Either handle works: the check that backward ran in compiled.backward runs from DDP's own forward.
+    torch.manual_seed(0)
+    ddp = DDP(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)), bucket_cap_mb=1)
+    compiled = compile_ddp(ddp, backend="aot_eager", strategy="traced")
+    assert compiled.strategy == "traced"
+    x = torch.randint(0, 512, (2, 8))
+    ddp(x, x)[1].backward()
+    with pytest.warns(UserWarning, match=r"a forward ran again without compiled.backward\(loss\)"):
+        ddp(x, x)
