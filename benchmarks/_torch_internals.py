@@ -14,7 +14,10 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["graphs_compiled", "cache_counts", "inductor_cache_dir", "room_for_compiled_copies", "BuiltinBuckets",
+# One definition each, in ddp_opt: the python reducer's switch and its compiled-autograd backward.
+from ddp_opt._torch_internals import python_reducer_ddp, traced_backward
+
+__all__ = ["graphs_compiled", "cache_counts", "inductor_cache_at", "room_for_compiled_copies", "BuiltinBuckets",
            "python_reducer_ddp", "python_reducer_step"]
 
 # Relies on: Inductor reading its on-disk cache location from this environment variable.
@@ -51,7 +54,7 @@ def cache_counts() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def inductor_cache_dir(path: str) -> Iterator[None]:
+def inductor_cache_at(path: str) -> Iterator[None]:
     """Point Inductor at ``path`` for the block, with its in-process caches cleared first,
     so that a compile reads and fills only that directory."""
     # Relies on: torch._inductor.utils.clear_caches, which empties Inductor's registered in-memory caches.
@@ -109,33 +112,16 @@ class BuiltinBuckets(logging.Handler):
 # --- PyTorch's compiled-autograd reducer (the benchmark's compiled_autograd mode) -----------
 
 
-def python_reducer_ddp() -> contextlib.AbstractContextManager:
-    """Where a DDP made inside takes PyTorch's Python reducer instead of the C++ one.
-
-    Relies on: ``torch._dynamo.config.optimize_ddp = "python_reducer"`` read by
-    ``DistributedDataParallel.__init__`` (``_use_python_reducer``), which then registers
-    AccumulateGrad hooks that all-reduce each gradient with functional collectives."""
-    return torch._dynamo.config.patch(optimize_ddp="python_reducer")
-
-
 @contextlib.contextmanager
 def python_reducer_step(backend, bucket_cap_mb: float) -> Iterator[None]:
     """One step of a python-reducer DDP: compiled autograd on (its backward graph, with the
-    reducer's all-reduces traced into it, compiled with ``backend``), and Inductor's
-    fusion of those all-reduces into buckets of ``bucket_cap_mb``.
-
-    Relies on: ``torch._dynamo.compiled_autograd._enable(compiler_fn)``; the private
-    Inductor settings ``_fuse_ddp_communication`` / ``_fuse_ddp_bucket_size`` (which
-    DDP's __init__ sets process-wide; scoped here to this mode's steps, so several
-    caps can run side by side); ``optimize_ddp`` as above, read while tracing."""
-    from torch._dynamo import compiled_autograd
+    reducer's all-reduces traced into it, compiled with ``backend``), and Inductor's own
+    fusion of those all-reduces into buckets of ``bucket_cap_mb`` (which DDP's __init__
+    sets process-wide; scoped here to this mode's steps, so several caps can run side by
+    side). The context is ddp_opt's (``traced_backward``), with PyTorch's default passes."""
 
     def compiler_fn(gm):
         return torch.compile(gm, backend=backend, fullgraph=True)
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(python_reducer_ddp())
-        stack.enter_context(torch._inductor.config.patch(_fuse_ddp_communication=True,
-                                                         _fuse_ddp_bucket_size=bucket_cap_mb))
-        stack.enter_context(compiled_autograd._enable(compiler_fn))
+    with traced_backward(compiler_fn, bucket_size_mb=bucket_cap_mb):
         yield

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from models import GPT, GPTConfig
 
-from ._torch_internals import cache_counts, inductor_cache_dir, room_for_compiled_copies
+from ._torch_internals import cache_counts, inductor_cache_at, room_for_compiled_copies
 from .device import device_label
 from .report import nan_to_none, print0
 from .rounds import interleaved_rounds
@@ -211,7 +211,7 @@ def first_steps(runners: Sequence[R], step: Callable[[R], float], *, phase: str,
             r.cache_dir = _new_cache_dir(r, tag, cache_root)
         print0(f"{prefix}{phase}: {r.label}{' (compiling...)' if compiling else ''}", end=" ")
         before = cache_counts()
-        with inductor_cache_dir(r.cache_dir) if compiling and cache else contextlib.nullcontext():
+        with inductor_cache_at(r.cache_dir) if compiling and cache else contextlib.nullcontext():
             r.first_step_s.append(step(r))
         after = cache_counts()
         r.cache_events.append({k: after[k] - before[k] for k in after})

@@ -23,7 +23,8 @@ from torch import fx
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel import distributed as _ddp_module
 
-from compiler._torch_internals import warn_feature_off_once
+# One definition each, in the core: the default group's store, the feature-off warning.
+from compiler._torch_internals import default_store, warn_feature_off_once
 
 def missing_for_realignment() -> list[str]:
     """What bucket realignment (:func:`rebuild_reducer`) needs from DDP that this torch lacks;
@@ -189,11 +190,6 @@ def no_builtin_ddp_splitter() -> Any:
     return torch._dynamo.config.patch(optimize_ddp=False)
 
 
-def default_store() -> dist.Store:
-    # torch.distributed.distributed_c10d._get_default_store(): the default group's rendezvous store.
-    return dist.distributed_c10d._get_default_store()
-
-
 def graph_slot() -> int | None:
     """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile).
 
@@ -309,19 +305,35 @@ def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
 
 
 @contextlib.contextmanager
-def traced_backward(compiler_fn: Any, fusion_passes: list) -> Iterator[None]:
-    """The context a traced-strategy backward runs in: compiled autograd on with ``compiler_fn``,
-    Inductor's DDP all-reduce fusion on with ``fusion_passes`` (callables ``graph -> None`` or the
-    names of Inductor's own passes)."""
+def traced_backward(compiler_fn: Any, fusion_passes: list | None = None,
+                    bucket_size_mb: float | None = None) -> Iterator[None]:
+    """The context a backward of DDP's python reducer runs in: compiled autograd on with
+    ``compiler_fn``, Inductor's DDP all-reduce fusion on with ``fusion_passes`` (callables
+    ``graph -> None`` or the names of Inductor's own passes; None: Inductor's default passes)
+    and ``bucket_size_mb`` (None: Inductor's default). The traced strategy passes its own
+    passes; the benchmarks' peer mode (PyTorch's compiled-autograd reducer) passes a cap."""
     from torch._dynamo import compiled_autograd
 
+    fusion: dict[str, Any] = {"_fuse_ddp_communication": True}
+    if fusion_passes is not None:
+        fusion["_fuse_ddp_communication_passes"] = fusion_passes
+    if bucket_size_mb is not None:
+        fusion["_fuse_ddp_bucket_size"] = bucket_size_mb
     # torch._dynamo.config.optimize_ddp = "python_reducer": read while the backward is traced.
-    # Inductor's private _fuse_ddp_communication(_passes): fuse the traced all-reduces into buckets.
+    # Inductor's private _fuse_ddp_communication(_passes, _bucket_size): fuse the traced all-reduces into buckets.
     # torch._dynamo.compiled_autograd._enable(compiler_fn): backward() runs as one compiled graph.
-    with (torch._dynamo.config.patch(optimize_ddp="python_reducer"),
-          torch._inductor.config.patch(_fuse_ddp_communication=True, _fuse_ddp_communication_passes=fusion_passes),
-          compiled_autograd._enable(compiler_fn)):
+    with (python_reducer_ddp(), torch._inductor.config.patch(**fusion), compiled_autograd._enable(compiler_fn)):
         yield
+
+
+def python_reducer_ddp() -> contextlib.AbstractContextManager:
+    """Where a DDP made inside takes PyTorch's python reducer instead of the C++ one, and a
+    backward traced inside traces the reducer's hooks.
+
+    Relies on: ``torch._dynamo.config.optimize_ddp = "python_reducer"`` read by
+    ``DistributedDataParallel.__init__`` (``_use_python_reducer``), which then registers
+    AccumulateGrad hooks that all-reduce each gradient with functional collectives."""
+    return torch._dynamo.config.patch(optimize_ddp="python_reducer")
 
 
 def has_all_reduce(gm: fx.GraphModule) -> bool:

@@ -12,16 +12,13 @@ from typing import Iterator
 
 import torch
 
+# One definition, in the core: dynamo's recompile limit (torch._dynamo.config.recompile_limit).
+from compiler._torch_internals import recompile_limit
+
 __all__ = ["RecompileError", "error_on_recompile", "mark_dynamic", "recompile_limit"]
 
 # Raised by dynamo instead of recompiling a frame while `error_on_recompile` is set.
 RecompileError = torch._dynamo.exc.RecompileError
-
-
-def recompile_limit() -> int:
-    """How many compiled versions of one frame dynamo keeps before it runs the frame
-    eagerly (``torch._dynamo.config.recompile_limit``; 8 by default)."""
-    return int(torch._dynamo.config.recompile_limit)
 
 
 @contextlib.contextmanager
