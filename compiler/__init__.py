@@ -8,6 +8,7 @@ from .diagnose import Diagnoser, Report, size_guard
 from .graph_kind import produces_gradients
 from .partition import DYNAMO_CONTROL_FLOW, FALLBACKS, LazyPartition, PartitionRecord, compile_partitions
 from .regional import block_containers, block_lists, check_blocks_setting, compile_blocks, find_blocks
+from .settings_key import cache_settings, not_compiled
 from .split import SplitGraph, ensure_tuple_output, split_graph
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     # persistent compile cache
     "CacheKey",
     "CompileCache",
+    "cache_settings",
+    "not_compiled",
     # diagnostics
     "Diagnoser",
     "Report",

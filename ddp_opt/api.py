@@ -4,6 +4,7 @@ its graph is split where DDP's real buckets are."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import warnings
@@ -196,14 +197,9 @@ def compile_ddp(
         SettingError (a ValueError): a setting that cannot work, before anything
             is measured or compiled.
     """
-    keywords = DDPCompileConfig(
-        backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph, fallback=fallback,
-        split=split, check_plans=check_plans, align_buckets=align_buckets, bucket_cap_mb=bucket_cap_mb, link=link,
-        cache_dir=cache_dir, regional=regional, blocks=blocks, share_compile=share_compile,
-        share_timeout_s=share_timeout_s, strategy=strategy, wrap_backend=wrap_backend, torch_compile_kwargs=more,
-    ) if config is None else None
-    if config is not None and DDPCompileConfig(wrap_backend=wrap_backend, torch_compile_kwargs=more,
-                                               **_keywords_given(locals())).changed_from_default():
+    given = {name: value for name, value in locals().items() if name in SETTING_KEYWORDS}
+    keywords = DDPCompileConfig(**given, torch_compile_kwargs=more)
+    if config is not None and keywords.changed_from_default():
         raise ValueError(
             "compile_ddp(config=..., <keyword settings>): a DDPCompileConfig carries every setting, so keywords "
             "given beside it would be silently dropped or silently win. Put them into the config "
@@ -212,11 +208,10 @@ def compile_ddp(
     return _compile(ddp_model, config or keywords)
 
 
-def _keywords_given(args: dict[str, Any]) -> dict[str, Any]:
-    names = ("backend", "mode", "options", "dynamic", "fullgraph", "fallback", "split", "check_plans",
-             "align_buckets", "bucket_cap_mb", "link", "cache_dir", "regional", "blocks", "share_compile",
-             "share_timeout_s", "strategy")
-    return {n: args[n] for n in names}
+# compile_ddp's setting keywords: the fields of DDPCompileConfig, one each (pinned by a test);
+# torch_compile_kwargs is compile_ddp's **more, and spelling belongs to entry points of their own.
+SETTING_KEYWORDS = frozenset(f.name for f in dataclasses.fields(DDPCompileConfig)) - {"torch_compile_kwargs",
+                                                                                        "spelling"}
 
 
 def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, backend_fn: Callable,

@@ -45,7 +45,7 @@ from compiler import SettingError, produces_gradients
 from compiler.share import share_for_group
 
 from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
-from .api import keep_builtin_splitter_out, splitter_for
+from .api import SETTING_KEYWORDS, keep_builtin_splitter_out, splitter_for
 from .compiled import CompiledDDP
 from .config import DDPCompileConfig
 
@@ -84,7 +84,7 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
             f"compile_for_ddp(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every "
             "setting, so keywords beside it would be silently dropped. Put them into the config or drop config=.")
     if config is None:
-        known = set(DDPCompileConfig.__dataclass_fields__) - {"torch_compile_kwargs", "spelling"}
+        known = SETTING_KEYWORDS
         more = {k: settings.pop(k) for k in list(settings) if k not in known}
         config = DDPCompileConfig(**settings, torch_compile_kwargs=more)
     refused = [name for name in _ONLY_COMPILE_DDP if name in config.changed_from_default()]

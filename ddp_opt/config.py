@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from compiler import FALLBACKS, BackendFn, SettingError, check_blocks_setting, resolve_backend
+from compiler import (FALLBACKS, BackendFn, SettingError, cache_settings, check_blocks_setting, not_compiled,
+                      resolve_backend)
 
 from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
@@ -33,22 +34,25 @@ class DDPCompileConfig:
     options: Mapping[str, Any] | None = None
     dynamic: bool | None = None
     fullgraph: bool = False
-    fallback: str = "warn"
+    fallback: str = not_compiled("warn", why="what happens when a compile fails; nothing of it is cached")
     split: bool = True
-    check_plans: bool = True
-    align_buckets: bool = True
+    check_plans: bool = not_compiled(True, why="a check across ranks before the compile")
+    align_buckets: bool = not_compiled(True, why="DDP's runtime buckets, after the compile")
     bucket_cap_mb: str | None = None
-    link: LinkEstimate | CostModel | Callable | None = None
-    cache_dir: str | os.PathLike | None = None
+    link: LinkEstimate | CostModel | Callable | None = not_compiled(
+        None, why="a measure that differs run to run; the plan it gives is in the graphs, which the artifacts' "
+                  "own keys hash")
+    cache_dir: str | os.PathLike | None = not_compiled(None, why="where the cache is kept")
     regional: bool = False
     blocks: str | Sequence[str] = "auto"
-    share_compile: bool = True
-    share_timeout_s: float = 7200.0
+    share_compile: bool = not_compiled(True, why="which rank compiles, not what")
+    share_timeout_s: float = not_compiled(7200.0, why="how long a rank waits")
     strategy: str = "split"
-    wrap_backend: Callable[[Callable], Callable] | None = None
+    wrap_backend: Callable[[Callable], Callable] | None = not_compiled(
+        None, why="an observer of the backend (Diagnoser().wrap); its output is the backend's")
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # How messages name a setting: an entry point of its own (the launcher) passes its spelling.
-    spelling: Spelling = API_SPELLING
+    spelling: Spelling = not_compiled(API_SPELLING, why="how messages name settings")
 
     def __post_init__(self) -> None:
         self.resolve_backend()  # unknown backend, mode or options fail here, naming the valid ones
@@ -133,9 +137,6 @@ class DDPCompileConfig:
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
     def cache_settings(self) -> dict[str, Any]:
-        """The settings that change what is compiled, as the compile-cache key sees them."""
-        backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__qualname__",
-                                                                             repr(self.backend))
-        return dict(backend=backend, mode=self.mode, options=self.options, dynamic=self.dynamic,
-                    fullgraph=self.fullgraph, split=self.split, regional=self.regional, blocks=self.blocks,
-                    bucket_cap_mb=self.bucket_cap_mb, strategy=self.strategy, more=dict(self.torch_compile_kwargs))
+        """The settings that change what is compiled, as the compile-cache key sees them:
+        every field not declared ``not_compiled`` (Note [Settings in the cache key])."""
+        return cache_settings(self)

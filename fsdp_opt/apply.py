@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from compiler import compile_blocks, resolve_backend
+from compiler import cache_settings, compile_blocks, resolve_backend
 from compiler.cache import open_cache
 from compiler.share import share_for_group
 
@@ -179,17 +179,9 @@ def _only_config(config: FSDPConfig, keywords: dict) -> FSDPConfig:
 
 
 def _cache_settings(config: FSDPConfig) -> dict:
-    """What the compile cache key covers besides the model: everything that changes the
-    compiled graphs (Note [Compile cache])."""
-    cc = config.compile
-    mp = config.mp_policy
-    return {
-        "parallel": "fsdp", "backend": cc.backend if isinstance(cc.backend, str) else repr(cc.backend),
-        "mode": cc.mode, "options": cc.options, "dynamic": cc.dynamic, "fullgraph": cc.fullgraph,
-        "whole_model": cc.whole_model, "blocks": list(config.blocks) if not isinstance(config.blocks, str)
-        else config.blocks, "checkpointing": config.checkpointing,
-        "param_dtype": repr(mp.param_dtype) if mp is not None else None,
-    }
+    """What the compile cache key covers besides the model: every setting that changes the
+    compiled graphs (Note [Settings in the cache key])."""
+    return {"parallel": "fsdp", **cache_settings(config)}
 
 
 def _device_type_of(model: nn.Module) -> str | None:

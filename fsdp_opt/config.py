@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from compiler import check_blocks_setting
+from compiler import check_blocks_setting, not_compiled
 
 __all__ = ["CompileConfig", "FSDPConfig"]
 
@@ -63,9 +63,9 @@ class CompileConfig:
     fullgraph: bool = True
     whole_model: bool = False
     compiled_autograd: bool = False
-    cache_dir: str | None = None
-    share: bool = True
-    share_timeout_s: float = 7200.0
+    cache_dir: str | None = not_compiled(None, why="where the cache is kept")
+    share: bool = not_compiled(True, why="which rank compiles, not what")
+    share_timeout_s: float = not_compiled(7200.0, why="how long a rank waits")
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
@@ -127,11 +127,13 @@ class FSDPConfig:
 
     blocks: str | Sequence[str] = "auto"
     compile: CompileConfig | str | Callable | None = None
-    reshard_after_forward: bool | int = True
+    # The sharding around the compiled blocks: the blocks are compiled before fully_shard, and
+    # these change FSDP's hooks between them, not the block graphs (mp_policy changes their dtypes).
+    reshard_after_forward: bool | int = not_compiled(True, why="FSDP's hooks around the compiled blocks")
     mp_policy: MixedPrecisionPolicy | None = None
-    offload_policy: OffloadPolicy | None = None
-    prefetch: int = 1
-    shard_unit_mb: float | None = None
+    offload_policy: OffloadPolicy | None = not_compiled(None, why="where FSDP keeps the shards between uses")
+    prefetch: int = not_compiled(1, why="FSDP's hooks around the compiled blocks")
+    shard_unit_mb: float | None = not_compiled(None, why="FSDP's hooks around the compiled blocks")
     checkpointing: bool = False
 
     def __post_init__(self) -> None:

@@ -71,3 +71,62 @@ def test_a_torch_without_realignments_internals_turns_it_off_naming_them(monkeyp
                                             r"DDP keeps its own buckets"):
         compiled = compile_ddp(DDP(nn.Linear(4, 4)), backend="eager")
     assert compiled.align_buckets is False
+
+
+# --- one definition per setting: the keyword list and the cache key come from the fields ------
+
+
+def test_compile_ddp_has_one_keyword_per_config_field():
+    import inspect
+
+    params = inspect.signature(compile_ddp).parameters
+    keywords = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"config"}
+    assert keywords == ddp_opt.api.SETTING_KEYWORDS, (
+        "compile_ddp's keywords and DDPCompileConfig's fields differ: add the keyword (or the field) for "
+        f"{sorted(keywords ^ ddp_opt.api.SETTING_KEYWORDS)}")
+
+
+@pytest.mark.parametrize("name, value", [
+    (n, v) for n, v in [("mode", "max-autotune"), ("fullgraph", True), ("split", False), ("dynamic", True),
+                        ("fallback", "raise"), ("check_plans", False), ("align_buckets", False),
+                        ("share_compile", False), ("share_timeout_s", 5.0), ("regional", True),
+                        ("strategy", "traced"), ("bucket_cap_mb", "auto")]
+])
+def test_every_keyword_given_beside_a_config_is_refused(name, value):
+    # Derived from the fields: no keyword can be silently dropped next to config=.
+    with pytest.raises(ValueError, match=r"config=\.\.\., <keyword settings>"):
+        compile_ddp(DDP(nn.Linear(4, 4)), config=DDPCompileConfig(backend="aot_eager"), **{name: value})
+
+
+def test_a_new_setting_is_in_the_cache_key_without_any_other_edit():
+    from dataclasses import dataclass
+
+    from fsdp_opt import FSDPConfig
+    from fsdp_opt.apply import _cache_settings
+
+    @dataclass(frozen=True)
+    class WithANewSetting(DDPCompileConfig):
+        new_knob: int = 3
+
+    key = WithANewSetting(backend="aot_eager").cache_settings()
+    assert key["new_knob"] == 3 and key["backend"] == "aot_eager" and key["strategy"] == "split"
+    # What the fields declare not_compiled stays out, each with its reason beside it.
+    assert not {"cache_dir", "share_compile", "share_timeout_s", "check_plans", "align_buckets", "spelling"} & set(key)
+
+    @dataclass(frozen=True)
+    class FSDPWithANewSetting(FSDPConfig):
+        new_knob: str = "x"
+
+    fsdp_key = _cache_settings(FSDPWithANewSetting(compile="aot_eager"))
+    assert fsdp_key["new_knob"] == "x" and fsdp_key["compile"]["backend"] == "aot_eager"
+    assert "prefetch" not in fsdp_key and "share" not in fsdp_key["compile"]
+
+
+def test_the_cache_key_is_the_same_in_every_run():
+    # Callables by qualified name, not address: a backend function keys the same in a restart.
+    def my_backend(gm, example_inputs):
+        return gm.forward
+
+    a, b = DDPCompileConfig(backend=my_backend), DDPCompileConfig(backend=my_backend, share_timeout_s=9.0)
+    assert a.cache_settings() == b.cache_settings()
+    assert a.cache_settings()["backend"].endswith("my_backend")
