@@ -17,7 +17,7 @@ import torch
 # One definition each, in ddp_opt: the python reducer's switch and its compiled-autograd backward.
 from ddp_opt._torch_internals import python_reducer_ddp, traced_backward
 
-__all__ = ["graphs_compiled", "cache_counts", "inductor_cache_at", "room_for_compiled_copies", "BuiltinBuckets",
+__all__ = ["has_compile_on_one_rank", "graphs_compiled", "cache_counts", "inductor_cache_at", "room_for_compiled_copies", "BuiltinBuckets",
            "python_reducer_ddp", "python_reducer_step"]
 
 # Relies on: Inductor reading its on-disk cache location from this environment variable.
@@ -125,3 +125,10 @@ def python_reducer_step(backend, bucket_cap_mb: float) -> Iterator[None]:
 
     with traced_backward(compiler_fn, bucket_size_mb=bucket_cap_mb):
         yield
+
+
+def has_compile_on_one_rank() -> bool:
+    """Whether this torch has ``torch.compiler.config.compile_on_one_rank`` (2.14+), PyTorch's
+    switch that keeps ranks and devices out of compiled graphs (env TORCH_COMPILE_ON_ONE_RANK)."""
+    config = getattr(torch.compiler, "config", None)
+    return config is not None and hasattr(config, "compile_on_one_rank")

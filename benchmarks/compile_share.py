@@ -17,7 +17,12 @@ as ranks on separate machines have) (Note [Shared compile]). From each run's
                           (compile_ddp or fsdp_opt.apply returned) to the end of the
                           first step: the tracing, compiling, loading and waiting of it
 
-Ratios are shared over unshared per round (both measured in the same round), the
+A third mode, ``one_rank`` (where torch has it, 2.14+), is PyTorch's own answer:
+``compile.share=false`` with ``TORCH_COMPILE_ON_ONE_RANK=1``
+(``torch.compiler.config.compile_on_one_rank``), which computes ranks and devices at run
+time instead of baking them into the graphs, so that one compile can serve every rank.
+
+Ratios are each mode over unshared per round (measured in the same round), the
 median with its IQR. ``OMP_NUM_THREADS=1`` per rank, as torchrun sets it.
 
     python -m benchmarks.compile_share                                 # the real run
@@ -37,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from ._torch_internals import has_compile_on_one_rank
 from .report import fmt, markdown_table, update_section, with_iqr, write_result
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
@@ -46,7 +52,10 @@ __all__ = ["START", "END", "run_cold", "summarize", "results_markdown", "render"
 
 START = "<!-- bench:share:start -->"
 END = "<!-- bench:share:end -->"
-MODES = ("shared", "unshared")
+MODES = ("shared", "unshared", "one_rank")
+# What each mode sets: compile.share, and the environment of every rank.
+MODE_SETTINGS = {"shared": (True, {}), "unshared": (False, {}),
+                 "one_rank": (False, {"TORCH_COMPILE_ON_ONE_RANK": "1"})}
 METRICS = ("first_step_s", "cpu_s_total", "cpu_since_compile_s")
 QUICK_OVERRIDES = ["model.n_embd=32", "model.n_head=2", "train.batch_size=4", "train.seq_len=16"]
 
@@ -59,7 +68,9 @@ def run_cold(mode: str, nproc: int, run_dir: Path, *, backend: str, steps: int, 
     run_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    overrides = [f"compile={backend}", f"train.steps={steps}", f"compile.share={str(mode == 'shared').lower()}",
+    share, mode_env = MODE_SETTINGS[mode]
+    env.update(mode_env)
+    overrides = [f"compile={backend}", f"train.steps={steps}", f"compile.share={str(share).lower()}",
                  *extra, f"hydra.run.dir={run_dir / 'run'}"]
     if inductor == "per_rank":
         env["DISTCOMPILE_INDUCTOR_BASE"] = str(run_dir / "inductor")
@@ -84,17 +95,21 @@ def run_cold(mode: str, nproc: int, run_dir: Path, *, backend: str, steps: int, 
 
 def summarize(rows: Sequence[dict]) -> dict:
     """Per Inductor-directory setting and rank count (key ``shared/4``): each metric's
-    median per mode and the shared/unshared per-round ratios."""
+    median per mode, the shared/unshared per-round ratios (``ratio``, ``iqr``) and, where
+    run, each other mode's (``one_rank_ratio``, ``one_rank_iqr``)."""
     out = {}
     for setting in dict.fromkeys((r.get("inductor", "shared"), r["nproc"]) for r in rows):
         by_mode = {mode: [r for r in rows if (r.get("inductor", "shared"), r["nproc"]) == setting
                           and r["mode"] == mode] for mode in MODES}
         entry = {}
         for metric in METRICS:
-            shared = [r[metric] for r in by_mode["shared"]]
             unshared = [r[metric] for r in by_mode["unshared"]]
-            value, q1, q3 = ratio_summary(shared, unshared)
-            entry[metric] = {"shared": median(shared), "unshared": median(unshared), "ratio": value, "iqr": [q1, q3]}
+            e = entry[metric] = {"unshared": median(unshared)}
+            for mode in (m for m in MODES if m != "unshared" and by_mode[m]):
+                values = [r[metric] for r in by_mode[mode]]
+                value, q1, q3 = ratio_summary(values, unshared)
+                prefix = "" if mode == "shared" else f"{mode}_"
+                e.update({mode: median(values), f"{prefix}ratio": value, f"{prefix}iqr": [q1, q3]})
         out[f"{setting[0]}/{setting[1]}"] = entry
     return out
 
@@ -107,22 +122,32 @@ LABELS = {"first_step_s": "first step s (rank 0)", "cpu_s_total": "CPU s, all ra
 
 def results_markdown(result: dict) -> str:
     rows = []
+    one_rank = any(r["mode"] == "one_rank" for r in result["rows"])
     for setting, entry in result["summary"].items():
         inductor, nproc = setting.split("/")
         for metric in METRICS:
             e = entry[metric]
-            rows.append([nproc, DIRS[inductor], LABELS[metric], fmt(e["shared"], ".1f"), fmt(e["unshared"], ".1f"),
-                         with_iqr(e["ratio"], *e["iqr"], spec=".2f"), TARGETS[metric]])
+            row = [nproc, DIRS[inductor], LABELS[metric], fmt(e["shared"], ".1f"), fmt(e["unshared"], ".1f")]
+            if one_rank:
+                row.append(fmt(e["one_rank"], ".1f"))
+            row.append(with_iqr(e["ratio"], *e["iqr"], spec=".2f"))
+            if one_rank:
+                row.append(with_iqr(e["one_rank_ratio"], *e["one_rank_iqr"], spec=".2f"))
+            rows.append([*row, TARGETS[metric]])
     parts = sorted({r["partitions"] for r in result["rows"]})
+    head = ["ranks", "Inductor cache", "measure", "compile.share=true", "false"]
+    head += ["false + compile_on_one_rank", "true / false", "one_rank / false"] if one_rank else ["true / false"]
     return "\n\n".join([
         f"Backend `{result['backend']}`, {result['steps']} steps per run, {result['runs']} run(s) per mode and setting, "
         f"modes in rotating order; every run is a new torchrun job with empty Inductor caches: one directory for "
         f"all ranks (one machine's default), or one per rank (as on separate machines) "
-        f"({', '.join(map(str, parts))} partition(s) per rank). Ratios are shared / unshared per run pair, median "
-        f"[IQR]. Machine: {result['cpus']} CPU core(s).",
+        f"({', '.join(map(str, parts))} partition(s) per rank). Ratios are each mode / compile.share=false per run "
+        f"of one round, median [IQR]. Machine: {result['cpus']} CPU core(s); torch "
+        f"{result.get('torch', 'not recorded (2.13 or older)')}."
+        + (" `compile_on_one_rank` = PyTorch's `torch.compiler.config.compile_on_one_rank` "
+           "(TORCH_COMPILE_ON_ONE_RANK=1) with compile.share=false." if one_rank else ""),
         f"Command: `{result['command']}`",
-        markdown_table(["ranks", "Inductor cache", "measure", "compile.share=true", "false", "true / false",
-                        "target"], rows),
+        markdown_table([*head, "target"], rows),
         "Generated by `python -m benchmarks.compile_share --render` from the benchmark's JSON.",
     ])
 
@@ -141,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--inductor", default="shared,per_rank",
                    help="Inductor cache directories: shared (one for every rank, the default of one machine), "
                         "per_rank (one each, as on separate machines); comma-separated")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated, from {', '.join(MODES)}; default: all that this torch has "
+                        "(one_rank needs torch.compiler.config.compile_on_one_rank, torch 2.14+)")
     p.add_argument("--out", default="bench_out/compile_share", help="work directory (emptied per run)")
     p.add_argument("--json", default="benchmarks/results/compile_share.json")
     p.add_argument("--readme", default=None, help="regenerate this README's shared-compile section")
@@ -166,10 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = [s for s in a.inductor.split(",") if s]
     if not settings or set(settings) - set(DIRS):
         p.error(f"--inductor {a.inductor!r}: expected a comma-separated subset of {', '.join(DIRS)}.")
+    modes = [m for m in (a.modes or ",".join(available_modes())).split(",") if m]
+    if set(modes) - set(MODES) or not {"shared", "unshared"} <= set(modes):
+        p.error(f"--modes {a.modes!r}: expected a comma-separated subset of {', '.join(MODES)} with shared and "
+                "unshared in it (the ratios are against unshared).")
+    if "one_rank" in modes and "one_rank" not in available_modes():
+        p.error(f"--modes one_rank: this torch ({__import__('torch').__version__}) has no "
+                "torch.compiler.config.compile_on_one_rank (torch 2.14+). Leave one_rank out.")
     rows = []
     for inductor in settings:
         for nproc in nprocs:
-            for order, _, label in interleaved_rounds(list(MODES), 0, a.runs):
+            for order, _, label in interleaved_rounds(modes, 0, a.runs):
                 print(f"{nproc} ranks, {inductor} Inductor dir, {label}", flush=True)
                 rows += [run_cold(mode, nproc, Path(a.out) / f"{nproc}_{mode}", backend=a.backend, steps=a.steps,
                                   extra=extra, inductor=inductor) for mode in order]
@@ -179,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summarize(rows), "torch": __import__("torch").__version__,
     }
     return write_result(result, a.json, a.readme, render)
+
+
+def available_modes() -> list[str]:
+    """The modes this torch can run: one_rank where it has compile_on_one_rank."""
+    return [m for m in MODES if m != "one_rank" or has_compile_on_one_rank()]
 
 
 if __name__ == "__main__":

@@ -33,3 +33,23 @@ def test_a_single_rank_count_is_refused_with_the_reason(capsys):
     with pytest.raises(SystemExit):
         compile_share.main(["--nprocs", "1"])
     assert "sharing needs a second rank" in capsys.readouterr().err
+
+
+def test_pytorchs_compile_on_one_rank_gets_its_own_columns_against_unshared():
+    rows = ROWS + [_row("one_rank", 4, 54, 90, 72), _row("one_rank", 4, 64, 100, 80)]
+    result = {"summary": compile_share.summarize(rows), "rows": rows, "backend": "inductor", "steps": 2, "runs": 2,
+              "cpus": 2, "command": "python -m benchmarks.compile_share", "torch": "2.15.0"}
+    s = result["summary"]["shared/4"]["first_step_s"]
+    assert s["one_rank"] == 59 and s["one_rank_ratio"] == pytest.approx((54 / 60 + 64 / 80) / 2)
+    text = compile_share.results_markdown(result)
+    assert "| compile.share=true | false | false + compile_on_one_rank | true / false | one_rank / false |" in text
+    assert "| 4 | one for all ranks | first step s (rank 0) | 30.0 | 70.0 | 59.0 | 0.44 [0.41, 0.47] |" in text
+    assert "torch 2.15.0" in text
+
+
+def test_one_rank_is_refused_where_torch_lacks_it(capsys, monkeypatch):
+    monkeypatch.setattr(compile_share, "has_compile_on_one_rank", lambda: False)
+    assert compile_share.available_modes() == ["shared", "unshared"]
+    with pytest.raises(SystemExit):
+        compile_share.main(["--modes", "shared,unshared,one_rank"])
+    assert "has no torch.compiler.config.compile_on_one_rank (torch 2.14+)" in capsys.readouterr().err
