@@ -38,7 +38,6 @@ import os
 import shlex
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -46,7 +45,7 @@ from ._torch_internals import has_compile_on_one_rank
 from .report import fmt, markdown_table, update_section, with_iqr, write_result
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
-from .torchrun import run_checked, torchrun_command
+from .torchrun import job_env, run_main_job
 
 __all__ = ["START", "END", "run_cold", "summarize", "results_markdown", "render", "main"]
 
@@ -66,22 +65,14 @@ def run_cold(mode: str, nproc: int, run_dir: Path, *, backend: str, steps: int, 
     ``shared`` one for every rank, ``per_rank`` one each, as on separate machines)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.setdefault("OMP_NUM_THREADS", "1")
     share, mode_env = MODE_SETTINGS[mode]
-    env.update(mode_env)
-    overrides = [f"compile={backend}", f"train.steps={steps}", f"compile.share={str(share).lower()}",
-                 *extra, f"hydra.run.dir={run_dir / 'run'}"]
+    overrides = [f"compile={backend}", f"train.steps={steps}", f"compile.share={str(share).lower()}", *extra]
     if inductor == "per_rank":
-        env["DISTCOMPILE_INDUCTOR_BASE"] = str(run_dir / "inductor")
-        cmd = torchrun_command("benchmarks.rank_inductor", ["launch.train", *overrides], nproc)
+        env = job_env(DISTCOMPILE_INDUCTOR_BASE=str(run_dir / "inductor"), **mode_env)
+        entry: tuple[str, ...] = ("benchmarks.rank_inductor", "launch.train")
     else:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
-        cmd = torchrun_command("launch.train", overrides, nproc)
-    t0 = time.perf_counter()
-    run_checked(cmd, env=env, timeout=timeout, cwd=Path.cwd())
-    wall = time.perf_counter() - t0
-    m = json.loads((run_dir / "run" / "metrics.json").read_text())
+        env, entry = job_env(run_dir / "inductor", **mode_env), ("launch.train",)
+    m, wall = run_main_job(overrides, run_dir / "run", nproc=nproc, env=env, timeout=timeout, entry=entry)
     stats = m["compile_stats"]
     row = {"mode": mode, "nproc": nproc, "inductor": inductor, "first_step_s": m["first_step_s"], "cpu_s_total": stats["cpu_s_total"],
            "cpu_since_compile_s": stats["cpu_since_compile_s_total"], "process_wall_s": wall,

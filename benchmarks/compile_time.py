@@ -46,11 +46,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -58,7 +56,7 @@ from typing import Sequence
 from .report import fmt, markdown_table, update_section, with_iqr, write_result
 from .rounds import interleaved_rounds
 from .stats import median, ratio_summary
-from .torchrun import run_checked, torchrun_command
+from .torchrun import job_env, run_checked, run_main_job
 
 __all__ = ["MODES", "RestartMode", "START", "END", "run_mode", "run_restarts", "interleaved_steps", "summarize",
            "results_markdown", "render", "main"]
@@ -105,22 +103,9 @@ MODES: dict[str, RestartMode] = {
 }
 
 
-def _job_env(inductor_dir: Path | None) -> dict[str, str]:
-    """This environment with one thread per rank, and TORCHINDUCTOR_CACHE_DIR only where given."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if inductor_dir is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    return env
-
-
 def _run(overrides: Sequence[str], nproc: int, inductor_dir: Path | None, run_dir: Path, timeout: float) -> dict:
     """One job in a new process; its metrics.json plus the wall time of the whole process."""
-    cmd = torchrun_command("launch.train", [*overrides, f"hydra.run.dir={run_dir}"], nproc)
-    t0 = time.perf_counter()
-    run_checked(cmd, env=_job_env(inductor_dir), timeout=timeout, cwd=Path.cwd())
-    wall = time.perf_counter() - t0
-    m = json.loads((run_dir / "metrics.json").read_text())
+    m, wall = run_main_job(overrides, run_dir, nproc=nproc, env=job_env(inductor_dir), timeout=timeout)
     return {"first_step_s": m["first_step_s"], "step_ms_median": m["median_step_ms"],
             "final_loss": m.get("final_loss"), "process_wall_s": wall}
 
@@ -177,7 +162,7 @@ def interleaved_steps(out: Path, *, backend: str, nproc: int, global_batch: int,
            "--json", str(json_path), "--plot", str(out / f"{name}.png")]
     print(f"interleaved step times: {shlex.join(cmd)}", flush=True)
     # ddp_compare gives every mode a fresh TORCHINDUCTOR_CACHE_DIR of its own
-    proc = run_checked(cmd, env=_job_env(None), timeout=timeout, cwd=Path.cwd())
+    proc = run_checked(cmd, env=job_env(), timeout=timeout, cwd=Path.cwd())
     print(proc.stdout, flush=True)
     return json.loads(json_path.read_text())
 

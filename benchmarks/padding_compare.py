@@ -49,7 +49,7 @@ from typing import Any, Sequence
 from .cli import new_parser
 from .report import fmt, markdown_table, print0, update_section, write_json
 from .rounds import interleaved_rounds
-from .torchrun import run_checked, torchrun_command
+from .torchrun import run_main_job
 
 __all__ = ["main", "parse_args", "run_strategy", "summarize", "padding_markdown", "update_padding_section",
            "STRATEGIES", "START", "END"]
@@ -103,20 +103,17 @@ def _overrides(args: argparse.Namespace, padding: str, run_dir: Path) -> list[st
         f"train.steps={args.steps}", f"train.log_interval={max(args.steps, 1)}",
         "data.lengths=skewed", f"data.padding={padding}", f"data.pad_multiple={args.pad_multiple}",
         "train.no_recompile_after_warmup=true", f"train.checkpoint_dir={run_dir / 'ckpt'}",
-        f"hydra.run.dir={run_dir}",
     ]
 
 
 def run_strategy(args: argparse.Namespace, padding: str, work: Path, tag: str) -> dict[str, Any]:
     """One fresh launcher process (fresh inductor cache) for ``padding``; its metrics.json."""
     run_dir = work / f"{tag}_{padding}"
-    overrides = _overrides(args, padding, run_dir)
-    cmd = (torchrun_command("launch.train", overrides, args.nproc) if args.nproc > 1
-           else [sys.executable, "-m", "launch.train", *overrides])
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor_cache"))
-    print0(f"[padding_compare] {tag} {padding}: {shlex.join(cmd)}")
-    run_checked(cmd, env=env, timeout=args.timeout, what=f"padding={padding} ({tag})")
-    return json.loads((run_dir / "metrics.json").read_text())
+    print0(f"[padding_compare] {tag} {padding}: {run_dir}")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor_cache"))  # a fresh Inductor cache
+    metrics, _ = run_main_job(_overrides(args, padding, run_dir), run_dir, nproc=args.nproc, env=env,
+                              timeout=args.timeout, what=f"padding={padding} ({tag})")
+    return metrics
 
 
 def summarize(padding: str, runs: list[dict[str, Any]], pad_multiple: int) -> dict[str, Any]:

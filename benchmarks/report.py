@@ -12,17 +12,17 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from launch.dist import print0 as launch_print0
+
 __all__ = ["print0", "fmt", "nan_to_none", "cap_label", "with_iqr", "markdown_table", "terminal_table",
            "replace_section", "update_section", "write_json", "write_result"]
 
 
 def print0(*args, **kwargs) -> None:
-    """Progress on rank 0 only (every process when there is no process group), to stderr
-    so stdout keeps just the table."""
-    # torch.distributed is looked up, not imported: a process that never imported it has no group.
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, file=sys.stderr, flush=True, **kwargs)
+    """The launcher's ``print0`` (global rank 0 only, flushed), to stderr so that stdout
+    keeps just the table."""
+    kwargs.setdefault("file", sys.stderr)
+    launch_print0(*args, **kwargs)
 
 
 def fmt(value: Any, spec: str) -> str:

@@ -1,19 +1,22 @@
 """Starting benchmark processes: a benchmark module under torchrun when it was started
 as a plain script (``relaunch``), and the checked child runs of the benchmarks that
-time whole jobs (``torchrun_command``, ``run_checked``)."""
+time whole jobs (``torchrun_command``, ``run_checked``, and ``run_main_job``: one run of
+the main job in a new process, its ``metrics.json`` read back)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 __all__ = ["inside_torchrun", "relaunch", "relaunch_on_nodes", "here_or_relaunched", "torchrun_command",
-           "run_checked"]
+           "run_checked", "job_env", "run_main_job"]
 
 RDZV_PORT = 29541  # node 0's c10d rendezvous port, inside its own namespace
 
@@ -116,3 +119,33 @@ def run_checked(cmd: Sequence[str], *, env: Mapping[str, str], timeout: float, w
             f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+def job_env(inductor_dir: str | Path | None = None, **extra: str) -> dict[str, str]:
+    """This environment for a benchmark's child job: one thread per rank (as torchrun sets it)
+    unless set, ``TORCHINDUCTOR_CACHE_DIR`` only where given, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if inductor_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+    env.update(extra)
+    return env
+
+
+def run_main_job(overrides: Sequence[str], run_dir: Path, *, nproc: int, env: Mapping[str, str], timeout: float,
+                 entry: Sequence[str] = ("launch.train",), what: str | None = None) -> tuple[dict, float]:
+    """One run of the main job in a new process: ``python -m launch.train OVERRIDES`` (under
+    torchrun for ``nproc`` > 1; ``entry`` = a wrapper module and its arguments, such as
+    ``("benchmarks.rank_inductor", "launch.train")``), its Hydra run directory ``run_dir``.
+    Returns its ``metrics.json`` and the wall seconds of the whole process.
+
+    Raises:
+        RuntimeError: the job failed (``run_checked``).
+    """
+    module, *args = entry
+    args = [*args, *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = torchrun_command(module, args, nproc) if nproc > 1 else [sys.executable, "-m", module, *args]
+    t0 = time.perf_counter()
+    run_checked(cmd, env=env, timeout=timeout, what=what, cwd=Path.cwd())
+    wall = time.perf_counter() - t0
+    return json.loads((Path(run_dir) / "metrics.json").read_text()), wall
