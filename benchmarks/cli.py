@@ -116,7 +116,7 @@ def process_group(device: str, name: str) -> Iterator[Placement]:
     written its outputs before any rank leaves."""
     import torch.distributed as dist
 
-    from launch.dist import destroy_process_group
+    from launch.runtime.dist import destroy_process_group
 
     from .device import device_label, place_rank
 
@@ -127,7 +127,7 @@ def process_group(device: str, name: str) -> Iterator[Placement]:
         yield placement
         dist.barrier()
     finally:
-        destroy_process_group()  # Note [Process-group teardown] in launch.dist
+        destroy_process_group()  # Note [Process-group teardown] in launch.runtime.dist
 
 
 def publish(rows: Sequence[dict], args: argparse.Namespace, *, module: str, command_env: str,

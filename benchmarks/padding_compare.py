@@ -10,7 +10,7 @@ Background
     Padding every batch to the maximum length compiles once and wastes compute
     on padding; padding to the batch's longest wastes little and, naively,
     recompiles all the time. ``data.padding=multiple`` and ``dynamic`` sit in
-    between (Note [Padding strategies] in ``launch.batching``).
+    between (Note [Padding strategies] in ``launch.data.batching``).
 
 Algorithm
     Each (round, strategy) is one fresh ``python -m launch.train`` process (or

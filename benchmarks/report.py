@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from launch.dist import print0 as launch_print0
+from launch.runtime.dist import print0 as launch_print0
 
 __all__ = ["print0", "fmt", "nan_to_none", "cap_label", "with_iqr", "markdown_table", "terminal_table",
            "replace_section", "update_section", "write_json", "write_result"]

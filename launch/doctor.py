@@ -3,7 +3,7 @@ training job for a few steps and report what the compiler did to it.
 
 The report (graphs, accidental graph breaks with their user lines, recompiles
 with the guard that failed, the DDP partitions and any that fell back to eager,
-advice) is the launcher's ``diagnose=true`` (``launch.diagnosis``); this entry
+advice) is the launcher's ``diagnose=true`` (``launch.checks.diagnosis``); this entry
 point only sets that and a short default length. Run it under torchrun for a
 multi-rank job, like the main job:
 
@@ -12,7 +12,7 @@ multi-rank job, like the main job:
 With ``profile.steps=[5,6]`` the report also links a Chrome trace of those steps
 and a timeline picture of the last one, each partition's backward and each
 bucket's all-reduce on its own row, with the exposed communication marked
-(``launch.profile``, Note [Overlap timeline] in ``launch.timeline``); without it,
+(``launch.observe.profile``, Note [Overlap timeline] in ``launch.observe.timeline``); without it,
 the report says how to get them.
 """
 

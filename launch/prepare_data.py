@@ -1,5 +1,5 @@
 """Turn a local text file into a token file for ``data=tokens`` (Note [Token files]
-in ``launch.tokens``).
+in ``launch.data.tokens``).
 
     python -m launch.prepare_data INPUT.txt OUT                  # bytes: ids 0..255
     python -m launch.prepare_data INPUT.txt OUT --tokenizer DIR  # a local HF tokenizer
@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .schema import ConfigError
+from .config.schema import ConfigError
 
 __all__ = ["prepare", "main"]
 

@@ -7,7 +7,7 @@
 wrapping, the optimizer and the data; :func:`warm_up` compiles every input shape
 first; :func:`loop` trains; :func:`report` prints the summary and returns the
 metrics. :func:`run` validates the config and holds the process group around it.
-:func:`main` (in ``launch.shell``, importable from here) is a thin Hydra shell:
+:func:`main` is the entry point, a thin Hydra shell (``launch.config.shell``):
 compose, convert to :class:`JobConfig`, call :func:`run`, turn a
 :class:`ConfigError` into one message on stderr and exit code 2. Tests call
 :func:`run` directly.
@@ -20,7 +20,6 @@ job and the step: the hook point for what a test (or a user's entry module, as
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import sys
@@ -35,30 +34,32 @@ import torch.distributed as dist
 from compiler import BackendSpec, Diagnoser
 from ddp_opt.graph_plan import describe as describe_plan
 
-from .agree import check_same_config
-from .bad_input import report_config_error
-from .banner import ddp_lines, describe, partition_table
-from .checkpoint import save_checkpoint
-from .compile_stats import after_first_compile, save_compile_cache
-from .data import TokenSource, build_data, stream_seed
-from .diagnosis import diagnose
-from .dist import DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun, world_size_from_env
-from .evaluate import Evaluator, build_evaluator
-from .guard import OnNonfinite, nonfinite_loss
-from .observe import Observer
-from .optim import OptimizerStep, build_optimizer
-from .parallel import Wrapped, apply_parallel, build_model
-from .precision import grad_scaler
-from .preempt import Preempted, Preemption
-from .recompiles import CompileCounter
-from .report import Tally, step_line, summary_lines, write_json
-from .resume import resume
-from .run_identity import run_identity
-from .schedule import Schedule
-from .schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
-from .shell import main  # noqa: F401 - the entry point of python -m launch.train, kept importable from here
-from .step import StepRunner, micro_batches
-from .validate import validate
+from .checkpoint.resume import resume
+from .checkpoint.run_identity import run_identity
+from .checkpoint.store import save_checkpoint
+from .checks.agree import check_same_config
+from .checks.diagnosis import diagnose
+from .checks.validate import validate
+from .config import shell
+from .config.bad_input import report_config_error
+from .config.schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
+from .data.build import build_data
+from .data.source import TokenSource, stream_seed
+from .observe.banner import ddp_lines, describe, partition_table
+from .observe.observer import Observer
+from .observe.report import Tally, step_line, summary_lines, write_json
+from .runtime.compile_stats import after_first_compile, save_compile_cache
+from .runtime.dist import (DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun,
+                           world_size_from_env)
+from .runtime.guard import OnNonfinite, nonfinite_loss
+from .runtime.parallel import Wrapped, apply_parallel, build_model
+from .runtime.precision import grad_scaler
+from .runtime.preempt import Preempted, Preemption
+from .runtime.recompiles import CompileCounter
+from .step.evaluate import Evaluator, build_evaluator
+from .step.optim import OptimizerStep, build_optimizer
+from .step.schedule import Schedule
+from .step.train_step import StepRunner, input_names, micro_batches
 
 __all__ = ["Job", "StepCallback", "run", "train", "setup", "warm_up", "loop", "report", "main", "to_job_config"]
 
@@ -101,7 +102,7 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
     """Validate, start the process group, train, tear down.
 
     SIGTERM and SIGINT stop every rank after the same step, with a checkpoint
-    (Note [Preemption] in ``launch.preempt``).
+    (Note [Preemption] in ``launch.runtime.preempt``).
 
     Args:
         cfg: the job config.
@@ -109,15 +110,15 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
         step_callbacks: called as ``callback(job, step)`` at the start of every step.
         exit_on_error: on an error once the process group is up, print it and end the
             process at once (:func:`_leave`; the entry point's choice, Note [Exit on
-            error] in ``launch.dist``) instead of raising it.
+            error] in ``launch.runtime.dist``) instead of raising it.
 
     Returns:
         The metrics (every rank computes them; rank 0 writes them).
 
     Raises:
         ConfigError: a config value that cannot work, found before any process group starts;
-            or ranks started with different configs, found as it starts (``launch.agree``).
-        NonFinite: the loss or the model stopped being finite (``launch.guard``).
+            or ranks started with different configs, found as it starts (``launch.checks.agree``).
+        NonFinite: the loss or the model stopped being finite (``launch.runtime.guard``).
         Preempted: a rank got SIGTERM/SIGINT; every rank stopped after the same step.
     """
     validate(cfg, world_size=world_size_from_env())
@@ -140,7 +141,7 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
 
 def _leave(e: BaseException, env: DistEnv) -> None:
     """Print ``e`` and end the process before any destructor of the model or the process
-    group runs (Note [Exit on error] in ``launch.dist``). A stop every rank agreed on
+    group runs (Note [Exit on error] in ``launch.runtime.dist``). A stop every rank agreed on
     (:class:`Preempted`, :class:`NonFinite`; a :class:`ConfigError`, code 2) is one line
     from rank 0, with its own exit code; anything else is this rank's traceback and exit
     code 1."""
@@ -154,6 +155,13 @@ def _leave(e: BaseException, env: DistEnv) -> None:
         traceback.print_exception(e)
         code = 1
     exit_now(code)
+
+
+def main(step_callbacks: Sequence[StepCallback] = ()) -> None:
+    """Entry point of ``python -m launch.train``: the Hydra shell (``launch.config.shell``)
+    around :func:`run`, ``step_callbacks`` passed on (``tests/_fault_job.py`` installs some);
+    ends the process with the shell's exit code (Note [Reliable exit] in ``launch.runtime.dist``)."""
+    exit_now(shell.main(run, step_callbacks))
 
 
 def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] = (),
@@ -186,7 +194,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     print0(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     compiled = cfg.compile.backend != "eager"
     diagnoser = Diagnoser() if cfg.diagnose or (compiled and cfg.parallel.name != ParallelMode.FSDP) else None
-    input_names = _input_names(model)
+    names = input_names(model)
     wrapped = apply_parallel(model, cfg, env, wrap_backend=diagnoser.wrap if diagnoser else None)
     optimizer = build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
@@ -197,7 +205,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     runner = StepRunner(wrapped.forward, wrapped.module,
                         OptimizerStep(optimizer, opt_backend, grad_scaler(t.precision, env.device),
                                       max_grad_norm=t.max_grad_norm, tensor_lr=schedule.varies),
-                        precision=t.precision, device=env.device, input_names=input_names,
+                        precision=t.precision, device=env.device, input_names=names,
                         no_recompile_after_warmup=t.no_recompile_after_warmup,
                         skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP, backward_context=wrapped.backward_context)
     counter = CompileCounter(diagnoser) if diagnoser is not None else None
@@ -209,7 +217,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
 
 def warm_up(job: Job) -> None:
     """Compile every input shape training can produce before step 1 (Note [Warm-up]
-    in ``launch.step``), when compiling with ``data.padding`` other than ``max`` or
+    in ``launch.step.train_step``), when compiling with ``data.padding`` other than ``max`` or
     under ``train.no_recompile_after_warmup``."""
     cfg, env = job.cfg, job.env
     t, d = cfg.train, cfg.data
@@ -259,7 +267,7 @@ def loop(job: Job) -> None:
 
 
 def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int) -> int:
-    """Note [Finite-loss guard] in ``launch.guard``: stop on a non-finite loss, or count
+    """Note [Finite-loss guard] in ``launch.runtime.guard``: stop on a non-finite loss, or count
     a skipped update; returns the skipped steps in a row."""
     t = job.cfg.train
     if job.runner.skipped:
@@ -333,21 +341,14 @@ def report(job: Job) -> dict[str, Any]:
 def _static_shapes_for_padding(cfg: JobConfig) -> JobConfig:
     """``data.padding=multiple`` compiles each padded shape as a static graph:
     ``dynamic=False`` so dynamo's automatic dynamic shapes do not make the second
-    shape symbolic (Note [Padding strategies] in ``launch.batching``)."""
+    shape symbolic (Note [Padding strategies] in ``launch.data.batching``)."""
     if cfg.data.padding != Padding.MULTIPLE or cfg.compile.dynamic is not None:
         return cfg
     return dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, dynamic=False))
 
 
-def _input_names(model: torch.nn.Module) -> tuple[str, str]:
-    """The model's names for (inputs, targets), as dynamo's guards name them."""
-    names = [n for n, p in inspect.signature(model.forward).parameters.items()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (names + ["inputs", "targets"])[0], (names[1:] + ["targets"])[0]
-
-
 def _resume(cfg: JobConfig, env: DistEnv, wrapped: Wrapped, optimizer: torch.optim.Optimizer, schedule: Schedule) -> int:
-    """The step to continue after: the verified checkpoint ``launch.resume`` picks when
+    """The step to continue after: the verified checkpoint ``launch.checkpoint.resume`` picks when
     resuming (asked for, or restarted by torchrun), else 0."""
     info = resume(cfg.train, run_identity(cfg, env.world_size), wrapped.module, optimizer,
                   restarted=restarted_by_torchrun(), schedule=schedule)

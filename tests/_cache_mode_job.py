@@ -1,6 +1,6 @@
 """One launcher-built training step with ``compile.cache_dir``, for the restart tests of
 parallel=none and parallel=fsdp: ``python tests/_cache_mode_job.py CACHE_DIR MODE`` (under
-``torchrun --nproc-per-node 2`` for fsdp) builds the model with ``launch.parallel``, runs one
+``torchrun --nproc-per-node 2`` for fsdp) builds the model with ``launch.runtime.parallel``, runs one
 step, calls the launcher's ``_after_first_step`` (which saves the cache on rank 0) and writes
 one JSON file per rank into OUT_DIR (``... CACHE_DIR MODE OUT_DIR``): the load status, whether
 the entry was written, cache counters. Files, not stdout: two ranks' lines can interleave."""
@@ -44,9 +44,9 @@ def main(cache_dir: str, mode: str, out_dir: str) -> None:
     from hydra import compose, initialize_config_module
     from torch._dynamo.utils import counters
 
-    from launch.dist import DistEnv
-    from launch.parallel import apply_parallel, build_model
-    from launch.schema import register_configs
+    from launch.config.schema import register_configs
+    from launch.runtime.dist import DistEnv
+    from launch.runtime.parallel import apply_parallel, build_model
     from launch.train import _after_first_step, to_job_config
 
     register_configs()

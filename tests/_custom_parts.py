@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from launch.data import SyntheticTokens
+from launch.data.source import SyntheticTokens
 
 
 class WrongShape(SyntheticTokens):

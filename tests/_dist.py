@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launch.dist import destroy_process_group
+from launch.runtime.dist import destroy_process_group
 
 
 def free_port() -> int:

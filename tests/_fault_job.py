@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from launch.dist import restarted_by_torchrun
+from launch.runtime.dist import restarted_by_torchrun
 from launch.train import Job, main
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.dist import setup_distributed, teardown_distributed
-from launch.schema import ParallelConfig
+from launch.config.schema import ParallelConfig
+from launch.runtime.dist import setup_distributed, teardown_distributed
 
 for i in range(int(sys.argv[1])):
     setup_distributed(ParallelConfig(dist_backend="gloo"), timeout_s=60)

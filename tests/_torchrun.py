@@ -46,16 +46,18 @@ class CliResult(NamedTuple):
 
 
 def cli_in_process(capfd, argv: list[str]) -> CliResult:
-    """``python -m launch.train ARGV`` run in this process (``launch.shell.run_cli``), its
-    output captured at the file descriptors; the logging handlers Hydra installs are
-    removed afterwards so that no later test writes to this test's capture."""
-    from launch.shell import run_cli
+    """``python -m launch.train ARGV`` run in this process (``launch.config.shell.run_cli``
+    with ``launch.train.run``), its output captured at the file descriptors; the logging
+    handlers Hydra installs are removed afterwards so that no later test writes to this
+    test's capture."""
+    from launch.config.shell import run_cli
+    from launch.train import run
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     capfd.readouterr()
     try:
-        code = run_cli(argv)
+        code = run_cli(argv, run)
     finally:
         for h in root.handlers[:]:
             if h not in handlers:

@@ -92,7 +92,7 @@ def torchrun():
 @pytest.fixture
 def launch_cli(tmp_path, capfd, monkeypatch):
     """``launch_cli(*overrides) -> CliResult(code, out, err)``: what ``python -m launch.train
-    OVERRIDES`` prints and exits with, run in this process (``launch.shell.run_cli``) from
+    OVERRIDES`` prints and exits with, run in this process (``launch.config.shell.run_cli``) from
     ``tmp_path`` with its Hydra run directory there. One subprocess smoke test
     (``test_launch_run.py``) keeps the real ``python -m`` path honest."""
     import _torchrun

@@ -365,7 +365,7 @@ def test_a_slow_compiling_rank_does_not_time_out_the_first_all_reduce():
 def test_the_share_settings_reach_compile_ddp_and_a_bad_timeout_is_refused():
     from compiler import SettingError
     from ddp_opt import DDPCompileConfig
-    from launch.parallel import ddp_compile_config
+    from launch.runtime.parallel import ddp_compile_config
     from test_launch_config import _job
 
     assert ddp_compile_config(_job()).share_compile is True  # on by default
@@ -377,8 +377,8 @@ def test_the_share_settings_reach_compile_ddp_and_a_bad_timeout_is_refused():
 
 
 def test_the_launcher_words_a_bad_share_timeout_in_its_own_terms():
-    from launch.schema import ConfigError
-    from launch.validate import validate
+    from launch.config.schema import ConfigError
+    from launch.checks.validate import validate
     from test_launch_config import _job
 
     with pytest.raises(ConfigError, match=r"compile.share_timeout_s=-1.0 is not valid: .* a positive number of "
@@ -406,7 +406,7 @@ def test_a_publication_over_the_stores_value_limit_goes_in_parts(monkeypatch):
 
 
 def test_the_launcher_says_who_compiled_and_what_it_cost():
-    from launch.compile_stats import describe
+    from launch.runtime.compile_stats import describe
 
     ranks = [{"compiled": 1, "loaded": 1, "cpu_since_compile_s": 30.0}, {"compiled": 1, "loaded": 1,
                                                                         "cpu_since_compile_s": 20.5}]

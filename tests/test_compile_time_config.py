@@ -3,8 +3,8 @@
 import pytest
 from hydra import compose, initialize_config_module
 
-from launch.schema import ConfigError, register_configs
-from launch.validate import validate
+from launch.config.schema import ConfigError, register_configs
+from launch.checks.validate import validate
 from launch.train import to_job_config
 
 
@@ -23,7 +23,7 @@ def test_cache_dir_and_regional_are_accepted_with_ddp(tmp_path):
 
 @pytest.mark.parametrize("parallel", ["fsdp", "none"])
 def test_cache_dir_is_accepted_with_fsdp_and_none(tmp_path, parallel):
-    from launch.parallel import fsdp_config
+    from launch.runtime.parallel import fsdp_config
 
     cfg = _job(f"compile.cache_dir={tmp_path / 'cache'}", f"parallel={parallel}")
     validate(cfg, world_size=2 if parallel == "fsdp" else 1)
@@ -57,8 +57,8 @@ def test_bad_compile_time_settings_say_how_to_fix(overrides, match, tmp_path):
 
 def test_regional_reaches_compile_ddp_and_a_bad_blocks_name_says_how_to_fix(tmp_path):
     from _dist import single_rank_group
-    from launch.dist import DistEnv
-    from launch.parallel import apply_parallel, build_model
+    from launch.runtime.dist import DistEnv
+    from launch.runtime.parallel import apply_parallel, build_model
     import torch
 
     cfg = _job("compile=aot_eager", "compile.regional=true", "compile.blocks=layers")

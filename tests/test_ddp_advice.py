@@ -3,7 +3,7 @@ setting as an override, a Python user reads compile_ddp / DDP arguments."""
 
 from compiler.diagnose import GraphInfo, compile_seconds
 from ddp_opt import API_SPELLING, ddp_advice
-from launch.diagnosis import OVERRIDE_SPELLING
+from launch.checks.diagnosis import OVERRIDE_SPELLING
 
 
 def test_poor_alignment_suggests_the_partition_sizes_as_bucket_caps():

@@ -380,7 +380,7 @@ def test_forced_different_cost_numbers_fail_on_both_ranks_with_a_clear_error(run
 def _job(*overrides):
     from hydra import compose, initialize_config_module
 
-    from launch.schema import register_configs
+    from launch.config.schema import register_configs
     from launch.train import to_job_config
 
     register_configs()
@@ -389,9 +389,9 @@ def _job(*overrides):
 
 
 def test_launcher_accepts_auto_and_numbers_and_rejects_other_words():
-    from launch.schema import ConfigError
-    from launch.validate import validate
-    from launch.parallel import ddp_bucket_kwargs
+    from launch.config.schema import ConfigError
+    from launch.checks.validate import validate
+    from launch.runtime.parallel import ddp_bucket_kwargs
 
     cfg = _job("ddp.bucket_cap_mb=auto", "compile.backend=aot_eager")
     assert cfg.ddp.bucket_cap_mb == "auto"

@@ -256,7 +256,7 @@ def test_break_reason_of_a_directly_used_ddpoptimizer_advises_the_plain_backend(
 
 
 def test_the_launcher_passes_its_own_spelling():
-    from launch.parallel import OVERRIDE_SPELLING
+    from launch.runtime.parallel import OVERRIDE_SPELLING
     from ddp_opt.optimizer import split_reason
 
     assert "compile.split=false" in split_reason(OVERRIDE_SPELLING)

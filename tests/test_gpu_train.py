@@ -56,7 +56,7 @@ def test_fsdp2_per_block_compile_with_bf16_mixed_precision_matches_eager_fsdp2()
 def test_compiled_adamw_step_matches_the_eager_step_without_recompiling(impl):
     from torch._dynamo.utils import counters
 
-    from launch.optim import OptimizerStep
+    from launch.step.optim import OptimizerStep
 
     device = cuda0()
     torch.manual_seed(0)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from launch.resume import plan_resume
-from launch.run_identity import (CheckpointError, RunIdentity, differences, read_identity, run_identity,
+from launch.checkpoint.resume import plan_resume
+from launch.checkpoint.run_identity import (CheckpointError, RunIdentity, differences, read_identity, run_identity,
                                  verify_manifest, write_identity, write_manifest)
-from launch.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
+from launch.checks.validate import validate
+from launch.config.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
 from launch.train import run
-from launch.validate import validate
 
 
 def _cfg(root: Path, *, model: dict | None = None, **train) -> JobConfig:

@@ -1,8 +1,8 @@
 """Two gloo ranks, the launcher's training step with train.max_grad_norm (Note [Gradient
-clipping] in launch/optim.py) against one process clipping with
+clipping] in launch/step/optim.py) against one process clipping with
 torch.nn.utils.clip_grad_norm_ on the whole global batch: compiled DDP with gradient
 accumulation, and eager FSDP2 (DTensor gradients). Then the held-out evaluation (Note
-[Evaluation] in launch/evaluate.py) on the same models: one loss for every rank, the mean
+[Evaluation] in launch/step/evaluate.py) on the same models: one loss for every rank, the mean
 over ranks, and the training graphs neither recompiled nor added to."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.data import SyntheticTokens
-from launch.evaluate import Evaluator
-from launch.optim import OptimizerStep
-from launch.step import StepRunner, micro_batches
+from launch.data.source import SyntheticTokens
+from launch.step.evaluate import Evaluator
+from launch.step.optim import OptimizerStep
+from launch.step.train_step import StepRunner, micro_batches
 from models import GPT, GPTConfig
 
 STEPS = 3
@@ -29,7 +29,7 @@ LOCAL_BATCH, SEQ = 4, 16
 NORM_TOL = dict(rel=1e-5)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 # The attention's key bias has an analytically zero gradient, and Adam normalises its float noise
-# to about lr * g / eps (Note [Compiled optimizer step] in launch/optim.py): 1.2e-5 seen with lr 1e-2.
+# to about lr * g / eps (Note [Compiled optimizer step] in launch/step/optim.py): 1.2e-5 seen with lr 1e-2.
 QKV_BIAS_TOL = dict(rtol=0.0, atol=1e-4)
 
 

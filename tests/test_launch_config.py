@@ -10,11 +10,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from launch.checkpoint import latest_checkpoint
-from launch.schema import ConfigError, JobConfig, register_configs, to_job_config
-from launch.data import SyntheticTokens, build_data
-from launch.parallel import build_model, ddp_bucket_kwargs
-from launch.validate import validate
+from launch.checkpoint.store import latest_checkpoint
+from launch.checks.validate import validate
+from launch.config.schema import ConfigError, JobConfig, register_configs, to_job_config
+from launch.data.build import build_data
+from launch.data.source import SyntheticTokens
+from launch.runtime.parallel import build_model, ddp_bucket_kwargs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("model", "parallel", "compile", "ddp", "data", "train")
@@ -154,7 +155,7 @@ def test_nccl_with_more_ranks_than_gpus_on_a_node_is_bad_input(monkeypatch):
     ("gloo", 0, 2, 2, ("gloo", "cpu")),
 ])
 def test_the_backend_and_device_follow_the_gpus_per_node(requested, local_rank, ranks, gpus, expected):
-    from launch.dist import choose_backend
+    from launch.runtime.dist import choose_backend
 
     backend, device = choose_backend(requested, local_rank, ranks, gpus)
     assert (backend, str(device)) == expected

@@ -1,4 +1,4 @@
-"""launch.dist: tearing the process group down does not hang when a DDP model outlives it."""
+"""launch.runtime.dist: tearing the process group down does not hang when a DDP model outlives it."""
 
 import os
 import subprocess

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
+from launch.config.schema import (CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig,
+                                  TrainConfig)
 from launch.doctor import DEFAULT_STEPS, doctor_argv
-from launch.schema import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from launch.train import run
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import _custom_parts
-from launch.data import SyntheticTokens
-from launch.optim import OptimizerStep
-from launch.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.config.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.data.source import SyntheticTokens
+from launch.step.optim import OptimizerStep
 from launch.train import run
 from models import GPT, GPTConfig
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from launch.banner import describe
-from launch.parallel import fsdp_config
-from launch.schema import ConfigError, FSDPOptions, JobConfig, register_configs, to_job_config
-from launch.validate import validate
+from launch.checks.validate import validate
+from launch.config.schema import ConfigError, FSDPOptions, JobConfig, register_configs, to_job_config
+from launch.observe.banner import describe
+from launch.runtime.parallel import fsdp_config
 from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_module
 
-from launch.schema import ConfigError, JobConfig, register_configs, to_job_config
-from launch.validate import validate
+from launch.checks.validate import validate
+from launch.config.schema import ConfigError, JobConfig, register_configs, to_job_config
 
 
 def _job(*overrides: str) -> JobConfig:
@@ -54,8 +54,8 @@ def test_sizes_that_cannot_fit_in_memory_are_refused_with_the_estimate(override)
 
 
 def test_memory_estimate_counts_the_gpt_parameters():
-    from launch.parallel import build_model
-    from launch.rules_resources import gpt_parameters
+    from launch.checks.rules_resources import gpt_parameters
+    from launch.runtime.parallel import build_model
 
     cfg = _job("model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=100")
     assert gpt_parameters(cfg) == sum(p.numel() for p in build_model(cfg.model).parameters())

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from launch.report import Tally, curve_name
-from launch.schema import CompileConfig, ConfigError, JobConfig, LogConfig, ModelConfig, ProfileConfig, TrainConfig
-from launch.tensorboard import summary_scalars
-from launch.timeline import read_step
+from launch.config.schema import (CompileConfig, ConfigError, JobConfig, LogConfig, ModelConfig, ProfileConfig,
+                                  TrainConfig)
+from launch.observe.report import Tally, curve_name
+from launch.observe.tensorboard import summary_scalars
+from launch.observe.timeline import read_step
 from launch.train import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import single_rank_group
 from ddp_opt import compile_ddp
-from launch.optim import OptimizerStep, build_optimizer
-from launch.precision import autocast
+from launch.runtime.precision import autocast
+from launch.step.optim import OptimizerStep, build_optimizer
 from models import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")

@@ -9,11 +9,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from compiler.diagnose import Diagnoser
-from launch.batching import IGNORE_INDEX, pad_batch, padded_lengths, sequence_lengths, warmup_lengths
-from launch.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
-from launch.optim import OptimizerStep
-from launch.recompiles import CompileCounter, RecompileAfterWarmupError
-from launch.step import StepRunner
+from launch.config.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from launch.data.batching import IGNORE_INDEX, pad_batch, padded_lengths, sequence_lengths, warmup_lengths
+from launch.runtime.recompiles import CompileCounter, RecompileAfterWarmupError
+from launch.step.optim import OptimizerStep
+from launch.step.train_step import StepRunner
 from launch.train import run
 from models import GPT, GPTConfig
 

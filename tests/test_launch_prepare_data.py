@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from launch import prepare_data
-from launch.tokens import TokenFile
+from launch.data.tokens import TokenFile
 
 TEXT = "".join(f"the quick brown fox jumps over the lazy dog {i % 10}.\n" for i in range(400))
 

@@ -1,6 +1,6 @@
 """The main job's finite-loss guard and preemption in one process: ``run(cfg)`` with
 step callbacks that break the loss or signal the process (Note [Finite-loss guard]
-in ``launch.guard``, Note [Preemption] in ``launch.preempt``). The two-rank runs
+in ``launch.runtime.guard``, Note [Preemption] in ``launch.runtime.preempt``). The two-rank runs
 under torchrun are in ``test_launch_reliability_runs.py``."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.checkpoint import save_checkpoint
-from launch.guard import NonFinite
-from launch.preempt import EXIT_PREEMPTED, Preempted
-from launch.rules_train import check_nonfinite
-from launch.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
+from launch.checkpoint.store import save_checkpoint
+from launch.checks.rules_train import check_nonfinite
+from launch.config.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
+from launch.runtime.guard import NonFinite
+from launch.runtime.preempt import EXIT_PREEMPTED, Preempted
 from launch.train import run
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64)

@@ -1,5 +1,5 @@
 """Checkpoints under torchrun with 2 ranks on gloo (Note [Resume policy] in
-``launch.resume``): a restart never adopts another run's checkpoint, a corrupt newest
+``launch.checkpoint.resume``): a restart never adopts another run's checkpoint, a corrupt newest
 checkpoint falls back to the intact earlier one and the resumed losses equal an
 uninterrupted run's, and a resume with another model shape (and world size) is one
 message, exit 2."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from _torchrun import metrics as _metrics, ok as _ok
-from launch.schema import CompileConfig, JobConfig, ModelConfig, TrainConfig
+from launch.config.schema import CompileConfig, JobConfig, ModelConfig, TrainConfig
 from launch.train import run
 
 pytestmark = pytest.mark.slow

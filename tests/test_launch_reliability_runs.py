@@ -1,7 +1,7 @@
 """The main job under torchrun with 2 ranks on gloo, stopped on purpose: SIGTERM to
 the torchrun agent (what a scheduler sends), to one rank, SIGINT to the whole
 process group (Ctrl-C); and an error on rank 0 alone, which must end the job
-promptly every time (Note [Exit on error] in ``launch.dist``)."""
+promptly every time (Note [Exit on error] in ``launch.runtime.dist``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from _torchrun import FAULT_JOB, metrics as _metrics, ok as _ok
-from launch.preempt import EXIT_PREEMPTED
+from launch.runtime.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.schema import CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.config.schema import (CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig,
+                                  TrainConfig)
 from launch.train import run
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64)
@@ -136,7 +137,7 @@ def test_cli_bad_input_exits_2_with_one_message(tmp_path, launch_cli, overrides,
 
 @pytest.mark.slow
 def test_python_m_launch_train_exits_2_with_one_message_in_its_own_process(tmp_path):
-    # The smoke test of the real entry point (launch.shell.main: exit_now, argv handling);
+    # The smoke test of the real entry point (launch.train.main: exit_now; launch.config.shell.main: argv);
     # every other exit-code check runs the same shell in process (the launch_cli fixture).
     proc = _cli(tmp_path, "ddp.bucket_cap_mb=-1")
     assert proc.returncode == 2, proc.stderr

@@ -1,4 +1,4 @@
-"""The lr schedule (Note [LR schedule] in launch/schedule.py): its values, the compiled
+"""The lr schedule (Note [LR schedule] in launch/step/schedule.py): its values, the compiled
 optimizer step reading a tensor lr (one compile for every lr, where a float lr
 recompiles for each value), and a run interrupted and resumed from its checkpoint
 getting the same lr and loss at every step as an uninterrupted one."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from launch.optim import OptimizerStep, build_optimizer
-from launch.schedule import Schedule
-from launch.schema import CompileConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.config.schema import CompileConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.step.optim import OptimizerStep, build_optimizer
+from launch.step.schedule import Schedule
 from launch.train import run
 from models import GPT, GPTConfig
 

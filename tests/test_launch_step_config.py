@@ -8,8 +8,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from launch.schema import ConfigError, register_configs, to_job_config
-from launch.validate import validate
+from launch.checks.validate import validate
+from launch.config.schema import ConfigError, register_configs, to_job_config
 
 
 def _job(*overrides):

@@ -1,4 +1,4 @@
-"""Two gloo ranks, the launcher's training step (launch.step.StepRunner) under
+"""Two gloo ranks, the launcher's training step (launch.step.train_step.StepRunner) under
 compile_ddp against eager DDP references: gradient accumulation with no_sync
 against one large-batch step, and bf16 autocast against eager bf16."""
 
@@ -11,16 +11,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp
-from launch.data import SyntheticTokens
-from launch.optim import OptimizerStep
-from launch.step import StepRunner, micro_batches
+from launch.data.source import SyntheticTokens
+from launch.step.optim import OptimizerStep
+from launch.step.train_step import StepRunner, micro_batches
 from models import GPT, GPTConfig
 
 STEPS = 3
 LR = 1e-3
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LOCAL_BATCH = 4
-# Tolerances (stated in launch/precision.py and the README):
+# Tolerances (stated in launch/runtime/precision.py and the README):
 ACCUM_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the same sums in another order
 # aot_eager runs the same aten ops and casts as eager under autocast (0.0 seen); the margin is for
 # backends that fuse (inductor); 8 mantissa bits: bf16 vs fp32 1e-4 seen on this model.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from launch.config.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from launch.train import run
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")

@@ -1,4 +1,4 @@
-"""data=tokens (launch.tokens): a flat token file, memory-mapped, read as per-rank
+"""data=tokens (launch.data.tokens): a flat token file, memory-mapped, read as per-rank
 training batches and validation batches that are pure functions of (seed, step,
 rank); and every bad file refused before any process group starts, each with a
 message that says what, why and how to fix it."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from launch.data import build_data
-from launch.schema import ConfigError, JobConfig, register_configs, to_job_config
-from launch.tokens import TokenFile, max_id
-from launch.validate import validate
+from launch.checks.validate import validate
+from launch.config.schema import ConfigError, JobConfig, register_configs, to_job_config
+from launch.data.build import build_data
+from launch.data.tokens import TokenFile, max_id
 
 N = 20_000  # ids; in a uint16 file of np.arange(N), an id is its own position
 

@@ -1,10 +1,10 @@
-"""One small test per private torch access of the launcher (``launch/_torch_internals.py``):
+"""One small test per private torch access of the launcher (``launch/runtime/_torch_internals.py``):
 if a torch upgrade changes what one relies on, it fails here, by name."""
 
 import pytest
 import torch
 
-import launch._torch_internals as lti
+import launch.runtime._torch_internals as lti
 
 
 @pytest.fixture(autouse=True)

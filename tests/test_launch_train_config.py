@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_module
 
-from launch.banner import describe
-from launch.run_identity import run_identity
-from launch.schema import ConfigError, register_configs, to_job_config
-from launch.validate import validate
+from launch.checkpoint.run_identity import run_identity
+from launch.checks.validate import validate
+from launch.config.schema import ConfigError, register_configs, to_job_config
+from launch.observe.banner import describe
 
 
 def _job(*overrides):

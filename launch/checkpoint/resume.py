@@ -1,0 +1,258 @@
+"""Which checkpoint a run resumes, and loading it only once it is known to fit.
+
+Note [Resume policy]
+
+Background
+    ``train.checkpoint_dir`` (default ``checkpoints``, relative to where the job
+    starts) can hold checkpoints of another run, of this config under another
+    torchrun invocation, checkpoints damaged on disk, or ones written before
+    checkpoints carried an identity (Note [Checkpoint identity and manifest] in
+    ``launch.checkpoint.run_identity``).
+
+Algorithm
+    :func:`plan_resume` reads only small files, so ``launch.checks.rules_train`` runs it
+    before any process group starts (a refusal exits 2), and :func:`resume` runs
+    it again at load time:
+
+    - fresh run (``train.resume=false``, first torchrun attempt): nothing is
+      loaded; a folder already holding checkpoints is refused when this run would
+      write checkpoints there too.
+    - ``train.resume=true``: the newest checkpoint must have this run's identity
+      (else one message lists what differs); older ones of the same identity are
+      the fall-backs. A legacy checkpoint (no identity) is accepted with a
+      warning: the user asked for it, and the shapes are still checked.
+    - torchrun restart (``TORCHELASTIC_RESTART_COUNT > 0``) without
+      ``train.resume=true``: only checkpoints of this identity *and* this torchrun
+      invocation (``TORCHELASTIC_RUN_ID``) are this run's; the others are ignored
+      with a warning, and refused when this run writes checkpoints there.
+
+    :func:`resume` then has rank 0 verify the candidates newest first against
+    their manifests and broadcast the first intact one (every rank loads the same
+    checkpoint); a corrupt one is skipped with a warning. Rank 0 alone reads the
+    bytes: the ranks share the files (a shared filesystem is required anyway), and
+    one reader costs 1/world_size of every rank reading them. Before loading, the
+    model's parameter names and shapes are compared with the checkpoint's
+    metadata, so that a checkpoint never loads partially. After loading,
+    ``train.lr`` and ``train.weight_decay`` from the config are set on the
+    optimizer's param groups, with one line when they differ from the checkpoint's.
+
+Notes
+    Rank 0 hashes every file while the other ranks wait in a broadcast bounded by
+    ``train.timeout_s``; at about 0.5 GB/s that is ~150 GB for the default 300 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn, optim
+
+from ..config.schema import ConfigError, TrainConfig
+from ..runtime.dist import print0
+from ..step.schedule import Schedule, resume_note
+from .run_identity import CheckpointError, RunIdentity, differences, read_identity, verify_manifest
+from .store import CheckpointInfo, load_checkpoint, published_checkpoints
+
+__all__ = ["ResumePlan", "plan_resume", "resume"]
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """The checkpoints to try, newest first (load the first intact one), whether they
+    are legacy (no identity, no manifest), and warnings for rank 0 to print."""
+
+    candidates: tuple[CheckpointInfo, ...] = ()
+    legacy: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def plan_resume(t: TrainConfig, now: RunIdentity, *, restarted: bool) -> ResumePlan:
+    """Choose the checkpoints this run may resume (Note [Resume policy]); reads small files only.
+
+    Raises:
+        ConfigError: the folder cannot be used as asked, with what differs and how to fix it.
+    """
+    published = published_checkpoints(t.checkpoint_dir)[::-1]
+    if not (t.resume or restarted):
+        if published and t.checkpoint_every > 0:
+            raise ConfigError(
+                f"train.checkpoint_dir={t.checkpoint_dir!r} already holds checkpoints of another run (latest: step "
+                f"{published[0].step}) and train.resume=false: writing new ones there would mix two runs. Continue "
+                "it with train.resume=true, pick another train.checkpoint_dir, or delete the folder."
+            )
+        return ResumePlan()
+    if t.resume and not published and not restarted:
+        raise ConfigError(
+            f"train.resume=true but there is no checkpoint in train.checkpoint_dir={t.checkpoint_dir!r} "
+            f"(looked for {os.path.join(t.checkpoint_dir, 'latest')}). Point train.checkpoint_dir at the "
+            "folder of the run to continue, or set train.resume=false to start fresh."
+        )
+    plan = _explicit(t, published, now) if t.resume else _restart(t, published, now)
+    if plan.candidates and plan.candidates[0].step >= t.steps:
+        raise ConfigError(
+            f"train.resume=true but the latest checkpoint ({plan.candidates[0].path}) is already at step "
+            f"{plan.candidates[0].step} >= train.steps={t.steps}: there is nothing left to train. Raise train.steps "
+            "to train further."
+        )
+    return plan
+
+
+def _identities(published: list[CheckpointInfo], notes: list[str]) -> list[tuple[CheckpointInfo, RunIdentity | None]]:
+    """Each checkpoint with its identity; one whose identity.json is damaged is left out, with a note."""
+    out = []
+    for info in published:
+        try:
+            out.append((info, read_identity(info.path)))
+        except CheckpointError as e:
+            notes.append(f"skipping checkpoint {info.path}: {e}")
+    return out
+
+
+def _explicit(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity) -> ResumePlan:
+    notes: list[str] = []
+    found = _identities(published, notes)
+    if not found:
+        raise CheckpointError(
+            f"train.resume=true but no checkpoint in train.checkpoint_dir={t.checkpoint_dir!r} can be read: "
+            + "; ".join(notes) + ". Delete the damaged folders, or start fresh with train.resume=false and another "
+            "train.checkpoint_dir."
+        )
+    newest, saved = found[0]
+    if saved is None:
+        return ResumePlan((newest,), True, (
+            *notes,
+            f"checkpoint {newest.path} was written before checkpoints carried an identity and checksums: "
+            "resuming it as asked (train.resume=true) without checking that it belongs to this config or is "
+            "intact; only parameter names and shapes are checked.",
+        ))
+    if saved.digest != now.digest:
+        raise CheckpointError(
+            f"train.resume=true but the latest checkpoint {newest.path} was written by a run with another "
+            f"config: {'; '.join(differences(saved, now))}. Resuming it would continue another training "
+            "trajectory. Resume with the checkpoint's values, or start fresh with train.resume=false and another "
+            "train.checkpoint_dir. (May change on resume: train.steps, train.lr, train.weight_decay, logging, "
+            "checkpoint cadence, timeouts, compile.*, ddp.*.)"
+        )
+    return ResumePlan(tuple(i for i, s in found if s is not None and s.digest == now.digest), False, tuple(notes))
+
+
+def _restart(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity) -> ResumePlan:
+    notes: list[str] = []
+    found = _identities(published, notes)
+    own = tuple(i for i, s in found if s is not None and s.digest == now.digest and now.run_id is not None
+                and s.run_id == now.run_id)
+    others = [i for i, s in found if i not in own]
+    if others and not own and t.checkpoint_every > 0:
+        raise ConfigError(
+            f"torchrun restarted this run (TORCHELASTIC_RESTART_COUNT > 0), and train.checkpoint_dir="
+            f"{t.checkpoint_dir!r} holds checkpoints of another run (latest: {others[0].path}) but none of this "
+            "one: resuming them would train on another run's weights, and writing new ones there would mix two "
+            "runs. Pick another train.checkpoint_dir, delete the folder, or continue that run with train.resume=true."
+        )
+    if others:
+        notes.append(f"torchrun restart: ignoring {len(others)} checkpoint(s) in {t.checkpoint_dir} written by "
+                     f"another run or torchrun invocation (latest: {others[0].path}); train.resume=true adopts a "
+                     "checkpoint of the same config.")
+    return ResumePlan(own, False, tuple(notes))
+
+
+def _intact(info: CheckpointInfo, legacy: bool) -> str | None:
+    """What is wrong with the files of ``info``, or None (rank 0 reads them)."""
+    problem = None if legacy else verify_manifest(info.path)
+    if problem is None:
+        try:
+            with open(os.path.join(info.path, "train_state.json")) as f:
+                step = int(json.load(f)["step"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"its train_state.json cannot be read ({type(e).__name__}: {e})"
+        if step != info.step:
+            return f"its train_state.json says step {step}, its name step {info.step}"
+    return problem
+
+
+def _check_shapes(info: CheckpointInfo, model: nn.Module, optimizer: optim.Optimizer) -> None:
+    """Refuse a checkpoint whose model entries are not exactly the model's (names and shapes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, _ = get_state_dict(model, optimizer)
+    meta = FileSystemReader(info.path).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: list(m.size) for k, m in meta.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    now = {k: list(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    problems = [f"{k} only in the checkpoint" for k in sorted(saved.keys() - now.keys())]
+    problems += [f"{k} only in the model" for k in sorted(now.keys() - saved.keys())]
+    problems += [f"{k} has shape {saved[k]} in the checkpoint, {now[k]} in the model"
+                 for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {info.path} does not fit the model: {'; '.join(problems[:5])}{more}. It was written for "
+            "another model; resume with that checkpoint's model.* settings, or start fresh with "
+            "train.resume=false and another train.checkpoint_dir."
+        )
+
+
+def _apply_hyperparameters(t: TrainConfig, optimizer: optim.Optimizer, step: int) -> str | None:
+    """Set train.lr and train.weight_decay on every param group; say what changed."""
+    changed = []
+    for key, value in (("lr", t.lr), ("weight_decay", t.weight_decay)):
+        for group in optimizer.param_groups:
+            old = float(group[key])
+            if old != value:
+                changed.append(f"train.{key}={value:g} (the checkpoint's optimizer had {old:g})")
+            if isinstance(group[key], torch.Tensor):
+                group[key].fill_(value)
+            else:
+                group[key] = value
+    if not changed:
+        return None
+    return f"resume: {', '.join(dict.fromkeys(changed))} applies from step {step + 1}"
+
+
+def resume(t: TrainConfig, now: RunIdentity, model: nn.Module, optimizer: optim.Optimizer, *,
+           restarted: bool, schedule: Schedule | None = None) -> CheckpointInfo | None:
+    """Load the checkpoint :func:`plan_resume` picks, verified first (collective). With the
+    run's lr ``schedule``, a line says when it differs from the checkpoint's (``launch.step.schedule``).
+
+    Returns:
+        The checkpoint loaded, or None to start at step 0.
+
+    Raises:
+        CheckpointError: every candidate is corrupt, or the checkpoint does not fit the model.
+    """
+    plan = plan_resume(t, now, restarted=restarted)
+    verdict: list = [None, list(plan.notes)]
+    if dist.get_rank() == 0:
+        for i, info in enumerate(plan.candidates):
+            problem = _intact(info, plan.legacy)
+            if problem is None:
+                verdict[0] = i
+                break
+            verdict[1].append(f"checkpoint {info.path} is corrupt ({problem}): "
+                              + ("falling back to an earlier one" if i + 1 < len(plan.candidates) else "skipped"))
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    index, notes = verdict
+    for note in notes:
+        print0(f"warning: {note}")
+    if index is None:
+        if not plan.candidates:
+            return None
+        raise CheckpointError(
+            f"no intact checkpoint to resume in train.checkpoint_dir={t.checkpoint_dir!r}: "
+            f"{'; '.join(n for n in notes if 'corrupt' in n)}. Delete the corrupt folders to resume from an "
+            "older checkpoint elsewhere, or start fresh with train.resume=false and another train.checkpoint_dir."
+        )
+    info = plan.candidates[index]
+    _check_shapes(info, model, optimizer)
+    step = load_checkpoint(info, model, optimizer)
+    for line in (_apply_hyperparameters(t, optimizer, step), schedule and resume_note(info.path, step, schedule)):
+        if line:
+            print0(line)
+    return CheckpointInfo(step, info.path)

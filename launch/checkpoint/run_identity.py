@@ -1,0 +1,242 @@
+"""What a checkpoint says about itself: the run that wrote it and the bytes it holds.
+
+Note [Checkpoint identity and manifest]
+
+Background
+    A checkpoint folder is only worth loading when it continues *this* training
+    trajectory and when its bytes are the ones written. Neither held before: a
+    torchrun restart adopted whatever lay in ``train.checkpoint_dir``, a flipped
+    byte loaded silently, and a 4-layer checkpoint loaded partially into a
+    2-layer model.
+
+Algorithm
+    - The *identity* of a run is every config value that defines its training
+      trajectory, flattened to dotted keys (``model.n_layer``), plus the world
+      size (the data stream and the RNG are functions of (seed, rank, step)).
+      Its digest is the sha256 of that dict as canonical JSON. Values that may
+      change on resume are left out (:data:`RESUMABLE`): how long to train,
+      logging, checkpoint cadence, timeouts, how the same math is compiled or
+      bucketed, evaluation, and ``train.lr`` / ``train.weight_decay``, which the
+      resumed optimizer takes from the config (``launch.checkpoint.resume``). Trajectory keys
+      added later (:data:`ADDED_LATER`: the lr schedule, gradient clipping) are
+      left out at their defaults, so older checkpoints keep their digest.
+    - ``identity.json`` holds the fields, the digest and torchrun's
+      ``TORCHELASTIC_RUN_ID`` (not part of the digest: it tells one torchrun
+      invocation from another with the same config, so that a restart only
+      adopts checkpoints its own invocation wrote).
+    - ``manifest.json`` holds the size and sha256 of every other file in the
+      folder. Rank 0 writes it last, before publishing (Note [Write, then
+      publish] in ``launch.checkpoint.store``); :func:`verify_manifest` recomputes it.
+
+Notes
+    A checkpoint written before this change has neither file (a *legacy*
+    checkpoint); ``launch.checkpoint.resume`` decides what to do with one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.schema import ConfigError, JobConfig
+
+__all__ = [
+    "RESUMABLE",
+    "ADDED_LATER",
+    "IDENTITY_FILE",
+    "MANIFEST_FILE",
+    "CheckpointError",
+    "RunIdentity",
+    "run_identity",
+    "flat_config",
+    "digest_of",
+    "write_identity",
+    "read_identity",
+    "differences",
+    "write_manifest",
+    "verify_manifest",
+]
+
+IDENTITY_FILE = "identity.json"
+MANIFEST_FILE = "manifest.json"
+_VERSION = 1
+
+# Dotted keys (or whole sections, ending in ".") that may differ between a checkpoint
+# and the run resuming it. Everything else is the trajectory and must match.
+RESUMABLE = frozenset({
+    "train.steps", "train.log_interval", "train.checkpoint_dir", "train.checkpoint_every", "train.keep_last",
+    "train.resume", "train.timeout_s", "train.no_recompile_after_warmup",
+    "train.lr", "train.weight_decay",  # applied to the loaded optimizer, with a line saying so
+    "compile.", "ddp.", "parallel.dist_backend",  # how the same math is compiled, bucketed, communicated
+    "fsdp.shard_unit_mb", "fsdp.prefetch", "fsdp.reshard_after_forward", "fsdp.checkpointing",
+    "diagnose", "diagnose_json",
+    "log.", "profile.",  # what is written about the run, not what it computes
+    "train.eval_every", "train.eval_batches",  # evaluation reads the model, it does not change it
+})
+
+# Trajectory keys added after checkpoints carried identities: left out of the identity at
+# these values (their defaults, which behave as before the key existed), so that a
+# checkpoint written before the key still resumes and keeps its digest.
+ADDED_LATER = {"train.lr_schedule": "constant", "train.warmup_steps": 0, "train.min_lr": 0.0,
+               "train.max_grad_norm": 0.0}
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed: foreign, corrupt or incompatible. A
+    ConfigError, so the job prints it as one message and exits with code 2."""
+
+
+def _resumable(key: str) -> bool:
+    return key in RESUMABLE or any(p.endswith(".") and key.startswith(p) for p in RESUMABLE)
+
+
+def _canonical(value: Any) -> Any:
+    """JSON-safe and stable: enums as their value, tuples as lists, the rest as repr."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, str):
+        return str(value)  # a str-valued Enum becomes its plain value
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The trajectory-defining config of a run (dotted key -> value), and torchrun's run id."""
+
+    fields: dict[str, Any]
+    run_id: str | None = None
+
+    @property
+    def digest(self) -> str:
+        return digest_of(self.fields)
+
+
+def flat_config(cfg: JobConfig) -> dict[str, Any]:
+    """The whole config as dotted keys (``model.n_layer``, ``model.kwargs.dim``) to
+    JSON-safe values; an empty dict stays one key."""
+    def flat(tree: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(tree, dict) and tree:
+            return {k: v for name, sub in tree.items() for k, v in flat(sub, f"{prefix}{name}.").items()}
+        return {prefix[:-1]: _canonical(tree)}
+
+    return flat(dataclasses.asdict(cfg), "")
+
+
+def digest_of(fields: dict[str, Any]) -> str:
+    """The sha256 of flat config ``fields`` (key order does not matter)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> RunIdentity:
+    """The identity of the run ``cfg`` on ``world_size`` ranks.
+
+    Args:
+        cfg: the job config.
+        world_size: the number of ranks.
+        run_id: torchrun's ``TORCHELASTIC_RUN_ID``; default: read from the environment.
+    """
+    fields = {"world_size": world_size, **{k: v for k, v in flat_config(cfg).items()
+                                           if not _resumable(k) and not (k in ADDED_LATER and v == ADDED_LATER[k])}}
+    return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def write_identity(folder: str, identity: RunIdentity) -> None:
+    _write_json(os.path.join(folder, IDENTITY_FILE),
+                {"version": _VERSION, "digest": identity.digest, "run_id": identity.run_id, "fields": identity.fields})
+
+
+def read_identity(folder: str) -> RunIdentity | None:
+    """The identity a checkpoint was written with; None for a legacy checkpoint (no file).
+
+    Raises:
+        CheckpointError: the file exists but is not an identity this code wrote.
+    """
+    path = os.path.join(folder, IDENTITY_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        identity = RunIdentity(dict(data["fields"]), data.get("run_id"))
+        ok = data["digest"] == identity.digest
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    if not ok:
+        raise CheckpointError(f"{path} does not match its own digest: the file was changed after it was written")
+    return identity
+
+
+def differences(saved: RunIdentity, now: RunIdentity) -> list[str]:
+    """What differs between a checkpoint's identity and this run's, one phrase per key."""
+    out = []
+    for key in sorted(set(saved.fields) | set(now.fields)):
+        a, b = saved.fields.get(key, "<unset>"), now.fields.get(key, "<unset>")
+        if a != b:
+            out.append(f"{key} {json.dumps(a)} in the checkpoint, {json.dumps(b)} now")
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), folder)
+            if rel != MANIFEST_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(folder: str) -> None:
+    """Record the size and sha256 of every file in ``folder`` (rank 0, after every rank wrote)."""
+    files = {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": _sha256(os.path.join(folder, rel))}
+             for rel in _files(folder)}
+    _write_json(os.path.join(folder, MANIFEST_FILE), {"version": _VERSION, "files": files})
+
+
+def verify_manifest(folder: str) -> str | None:
+    """Check ``folder`` against its manifest. Returns None when every file is intact, else
+    what is wrong (a missing manifest included: a legacy checkpoint)."""
+    path = os.path.join(folder, MANIFEST_FILE)
+    if not os.path.exists(path):
+        return f"it has no {MANIFEST_FILE}"
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+        expected = {str(rel): (int(e["bytes"]), str(e["sha256"])) for rel, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {MANIFEST_FILE} cannot be read ({type(e).__name__}: {e})"
+    for rel, (size, digest) in sorted(expected.items()):
+        full = os.path.join(folder, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        actual = os.path.getsize(full)
+        if actual != size:
+            return f"{rel} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
+        if _sha256(full) != digest:
+            return f"{rel} does not match its sha256 in the manifest (the bytes changed after writing)"
+    return None
+
+
+def _write_json(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,244 @@
+"""Real data: a flat file of token ids (``data=tokens``), memory-mapped.
+
+Note [Token files]
+
+Background
+    nanoGPT's data format: one flat array of token ids (``uint16`` when the
+    vocabulary fits in 65,536 ids, else ``uint32``), no header, read with
+    ``numpy.memmap`` so that nothing is loaded up front and a file larger than
+    memory works. ``python -m launch.prepare_data`` writes one, with a sidecar
+    ``PATH.json`` (dtype, vocab_size, tokens, tokenizer) that this module reads.
+
+Algorithm
+    - Split: the last ``floor(n * data.val_fraction)`` ids are the validation
+      region, the rest the train region. A window never crosses the boundary, so
+      no validation token is ever trained on.
+    - Train: the train region is cut into ``world_size`` equal contiguous slices,
+      one per rank. Rank ``r``'s batch at ``step`` is ``batch_size`` windows of
+      ``seq_len + 1`` ids whose starts are drawn uniformly in its slice by a
+      generator seeded with ``stream_seed(seed, r, step)``; inputs are the first
+      ``seq_len`` ids of each window, targets the last ``seq_len``.
+    - Validation (:meth:`TokenFile.eval_batch`): the same draw over the whole
+      validation region, with a salted seed (every rank reads the whole region,
+      each its own draws).
+    - So a batch is a pure function of (seed, step, rank, world size): there is no
+      loader state to checkpoint, and a resumed run replays exactly the batches
+      the interrupted one would have seen.
+
+Notes
+    - :func:`check_token_data` refuses a bad file before any process group starts
+      (missing, empty, a size that is not a whole number of ids of the dtype, too
+      short for one window in a rank's train slice or in the validation region,
+      ids past ``model.vocab_size``, a sidecar that disagrees with the settings).
+    - The id scan reads the whole file up to :data:`SCAN_LIMIT` ids; a larger file
+      is checked on :data:`SAMPLE_CHUNKS` evenly spaced chunks (the first and last
+      included). Every batch checks its own ids too, so an id past the vocabulary
+      outside the sample stops the step that reads it, with the same message,
+      instead of indexing out of the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config.schema import ConfigError, JobConfig
+from .source import stream_seed
+
+__all__ = ["DTYPES", "SCAN_LIMIT", "SAMPLE_CHUNKS", "TokenFile", "read_sidecar", "max_id", "check_token_data"]
+
+DTYPES = ("uint16", "uint32")
+SCAN_LIMIT = 1 << 28  # ids scanned in full (512 MiB of uint16); past it, a sample
+SAMPLE_CHUNKS = 64
+_CHUNK = 1 << 22  # ids per read of the scan
+_EVAL_SALT = 0x5DEECE66D  # keeps the validation draws apart from the training draws of the same step
+
+
+def read_sidecar(path: str) -> dict[str, Any] | None:
+    """``PATH.json`` as written by ``launch.prepare_data``; None when there is none."""
+    side = path + ".json"
+    if not os.path.exists(side):
+        return None
+    try:
+        with open(side) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path={path!r}: its sidecar {side} cannot be read ({type(e).__name__}: {e}); it "
+                          "holds the file's dtype and vocabulary. Write it again with python -m launch.prepare_data, "
+                          "or delete it and set data.dtype.") from None
+    return meta
+
+
+class TokenFile:
+    """The token file ``path``: per-rank training batches and validation batches
+    (Note [Token files]).
+
+    Args:
+        path: the flat file of ids.
+        seed: ``train.seed``.
+        dtype: ``uint16`` or ``uint32``; None: the sidecar's, else ``uint16``.
+        val_fraction: the share of the file, at its end, kept for validation.
+        vocab_size: when given, every batch is checked to hold ids below it.
+
+    Raises:
+        ConfigError: the file is missing or empty, its size is not a whole number of
+            ids, or the dtype disagrees with the sidecar or is not one of :data:`DTYPES`.
+    """
+
+    def __init__(self, path: str, *, seed: int, dtype: str | None = None, val_fraction: float = 0.1,
+                 vocab_size: int | None = None) -> None:
+        self.path, self.seed, self.vocab_size = path, seed, vocab_size
+        self.meta = read_sidecar(path)
+        self.dtype = _dtype(path, dtype, self.meta)
+        self.tokens = _count(path, self.dtype)
+        self.val_tokens = int(self.tokens * val_fraction)
+        self.train_tokens = self.tokens - self.val_tokens
+        self._ids: np.ndarray | None = None
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The whole file as a read-only memmap (opened on first use)."""
+        if self._ids is None:
+            self._ids = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return self._ids
+
+    def train_slice(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, end)`` of rank's slice of the train region."""
+        size = self.train_tokens // world_size
+        return rank * size, (rank + 1) * size
+
+    def batch(self, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank's training batch at ``step``: (inputs, targets), int64 ``(batch_size, seq_len)``."""
+        lo, hi = self.train_slice(rank, world_size)
+        return self._windows(stream_seed(self.seed, rank, step), lo, hi, batch_size, seq_len)
+
+    def eval_batch(self, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A validation batch from the region at the end of the file, a pure function of its arguments."""
+        return self._windows(stream_seed(self.seed ^ _EVAL_SALT, rank, step), self.train_tokens, self.tokens,
+                             batch_size, seq_len)
+
+    def _windows(self, seed: int, lo: int, hi: int, batch_size: int, seq_len: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if hi - lo < seq_len + 1:
+            raise ValueError(f"{self.path}: a region of {hi - lo} ids holds no window of seq_len + 1 = {seq_len + 1}")
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(lo, hi - seq_len, (batch_size,), generator=g).tolist()
+        ids = self.ids
+        rows = torch.from_numpy(np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+        if self.vocab_size is not None and int(rows.max()) >= self.vocab_size:
+            raise _past_vocab(self.path, int(rows.max()), None, self.vocab_size, self.meta)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _dtype(path: str, dtype: str | None, meta: dict[str, Any] | None) -> str:
+    side = (meta or {}).get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(DTYPES)}: a token file holds unsigned "
+                          "16-bit ids (vocabularies up to 65,536) or 32-bit ones. Use data.dtype=uint16 or "
+                          "data.dtype=uint32, or leave it null to take the sidecar's.")
+    if dtype is not None and side is not None and dtype != side:
+        raise ConfigError(f"data.dtype={dtype} but the sidecar {path}.json says the file holds {side} ids: read "
+                          f"with the wrong dtype every id is garbage. Set data.dtype={side}, or leave it null.")
+    chosen = dtype or side or "uint16"
+    if chosen not in DTYPES:
+        raise ConfigError(f"the sidecar {path}.json says dtype {chosen!r}, not one of {', '.join(DTYPES)}. Write the "
+                          "file again with python -m launch.prepare_data.")
+    return chosen
+
+
+def _count(path: str, dtype: str) -> int:
+    """The number of ids in the file, after the checks that need only its size."""
+    if not os.path.isfile(path):
+        why = "is a folder" if os.path.isdir(path) else "does not exist"
+        raise ConfigError(f"data.path={path!r} {why}: data=tokens reads a flat file of token ids. Make one with "
+                          "`python -m launch.prepare_data INPUT.txt OUT` and set data.path=OUT (relative paths are "
+                          "from the folder the job starts in), or use data=synthetic.")
+    size, width = os.path.getsize(path), np.dtype(dtype).itemsize
+    if size == 0:
+        raise ConfigError(f"data.path={path!r} is empty: there are no tokens to train on. Prepare it again from a "
+                          "non-empty text with python -m launch.prepare_data.")
+    if size % width:
+        raise ConfigError(f"data.path={path!r} has {size} bytes, not a multiple of {width} (the size of one "
+                          f"{dtype} id): the file was written with another dtype, or cut short. Set data.dtype to "
+                          "the one it was written with (uint16 or uint32), or prepare it again.")
+    return size // width
+
+
+def max_id(ids: np.ndarray, limit: int = SCAN_LIMIT, chunks: int = SAMPLE_CHUNKS, chunk: int = _CHUNK
+           ) -> tuple[int, int, bool]:
+    """The largest id and its position, over the whole array when it holds at most
+    ``limit`` ids, else over ``chunks`` evenly spaced chunks of ``chunk`` ids.
+
+    Returns:
+        (largest id, its index, whether every id was read).
+    """
+    n = len(ids)
+    chunk = max(1, min(chunk, n))
+    if n <= limit:
+        starts, full = range(0, n, chunk), True
+    else:
+        starts, full = sorted({int(i) for i in np.linspace(0, n - chunk, chunks)}), False
+    best, where = -1, 0
+    for s in starts:
+        part = ids[s:s + chunk]
+        i = int(np.argmax(part))
+        if int(part[i]) > best:
+            best, where = int(part[i]), s + i
+    return best, where, full
+
+
+def _past_vocab(path: str, top: int, where: int | None, vocab: int, meta: dict[str, Any] | None) -> ConfigError:
+    at = f" (at id position {where:,})" if where is not None else ""
+    known = f" The sidecar says the tokenizer has {meta['vocab_size']:,} ids." if meta and "vocab_size" in meta else ""
+    return ConfigError(f"data.path={path!r} holds token id {top:,}{at}, but model.vocab_size={vocab}: the embedding "
+                       f"has no row for ids past {vocab - 1}.{known} Set model.vocab_size to at least {top + 1} (the "
+                       "tokenizer's vocabulary), or prepare the file with the tokenizer the model is sized for.")
+
+
+def check_token_data(cfg: JobConfig, world_size: int) -> None:
+    """``data=tokens``: the file against the settings, before any process group starts
+    (Note [Token files]). Raises :class:`ConfigError` naming what is wrong."""
+    d, t, vocab = cfg.data, cfg.train, cfg.model.vocab_size
+    if d.name != "tokens" or d._target_:
+        return
+    if not d.path:
+        raise ConfigError("data=tokens needs data.path, the token file to train on. Make one with `python -m "
+                          "launch.prepare_data INPUT.txt OUT` and set data.path=OUT, or use data=synthetic.")
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} is not in (0, 1): it is the share of the file, at its "
+                          "end, kept for validation, and both regions need tokens. Use e.g. data.val_fraction=0.1.")
+    f = TokenFile(d.path, seed=t.seed, dtype=d.dtype, val_fraction=d.val_fraction)
+    need = t.seq_len + 1
+    per_rank = f.train_tokens // world_size
+    if per_rank < need:
+        raise ConfigError(f"data.path={d.path!r} holds {f.tokens:,} ids: its train region ({f.train_tokens:,}, with "
+                          f"data.val_fraction={d.val_fraction}) gives each of {world_size} rank(s) a slice of "
+                          f"{per_rank:,}, shorter than one window of train.seq_len + 1 = {need}. Use a longer file, "
+                          "a lower train.seq_len or fewer ranks.")
+    if f.val_tokens < need:
+        raise ConfigError(f"data.path={d.path!r} holds {f.tokens:,} ids: its validation region (the last "
+                          f"{f.val_tokens:,}, data.val_fraction={d.val_fraction}) is shorter than one window of "
+                          f"train.seq_len + 1 = {need}. Raise data.val_fraction, use a longer file or a lower "
+                          "train.seq_len.")
+    side_vocab = (f.meta or {}).get("vocab_size")
+    if isinstance(side_vocab, int) and side_vocab > vocab:
+        raise ConfigError(f"data.path={d.path!r} was tokenized with a vocabulary of {side_vocab:,} ids (its sidecar "
+                          f"{d.path}.json), more than model.vocab_size={vocab}: ids past {vocab - 1} have no row in "
+                          f"the embedding. Set model.vocab_size={side_vocab} (or larger), or prepare the file with "
+                          "the tokenizer the model is sized for.")
+    side_tokens = (f.meta or {}).get("tokens")
+    if isinstance(side_tokens, int) and side_tokens != f.tokens:
+        raise ConfigError(f"data.path={d.path!r} holds {f.tokens:,} {f.dtype} ids but its sidecar says {side_tokens:,}: "
+                          "the file was changed or cut short after it was written. Prepare it again with "
+                          "python -m launch.prepare_data.")
+    top, where, _ = max_id(f.ids)
+    if top >= vocab:
+        raise _past_vocab(d.path, top, where, vocab, f.meta)

@@ -1,0 +1,110 @@
+"""The finite-loss guard of the main job: what happens when a step's loss, or the
+model, stops being finite (``train.on_nonfinite``).
+
+Note [Finite-loss guard]
+
+Background
+    A learning rate too high, an fp16 overflow or a bad batch turns the loss into
+    inf/NaN, and from then on every step is NaN: a job that does not look keeps
+    going, exits 0, and its checkpoint rotation (``train.keep_last``) replaces the
+    last good checkpoints with NaN ones. Each rank sees only its own loss, so the
+    decision must be one that every rank takes at the same step.
+
+Algorithm
+    - ``stop`` (the default) costs no extra collective: ``launch.train._step``
+      already all-reduces a small stats tensor (loss, tokens) after every step,
+      and a sum with one non-finite term is non-finite, so every rank sees the
+      same non-finite mean loss at the same step and raises :class:`NonFinite`
+      (exit code :data:`EXIT_NONFINITE`, one line naming the step and what to try).
+    - ``skip`` must decide *before* the optimizer step: :func:`all_finite`
+      all-reduces one flag (MIN over ranks) between backward and
+      ``optimizer.step``. On a non-finite step the gradients are zeroed and the
+      update is not applied (Adam's moments and step count stay as they were);
+      the loop counts the step in ``metrics.json`` (``skipped_steps``) and stops
+      with :class:`NonFinite` after ``train.max_consecutive_skips`` in a row, so a
+      diverged run does not spin.
+    - A checkpoint is published only when every parameter is finite on every
+      rank (:func:`model_finite`, one all-reduce per save, in
+      ``launch.checkpoint.store.save_checkpoint``); otherwise the save raises
+      :class:`NonFinite` before writing anything. So every published checkpoint
+      is finite, and rotation, which runs only after a new one is published,
+      never deletes the last finite one.
+
+Notes
+    - The loss is checked, not the gradients: a finite loss with non-finite
+      gradients makes non-finite parameters, hence a non-finite loss one step
+      later (and no checkpoint in between).
+    - The extra all-reduce of ``skip`` is one float on the critical path of every
+      step: a median of 104 us (p90 156 us) on 2 CPU ranks over gloo on one
+      machine, against a ~37 ms step of the 2-layer test model there (~0.3%).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["OnNonfinite", "NonFinite", "EXIT_NONFINITE", "all_finite", "model_finite", "nonfinite_loss", "nonfinite_model"]
+
+EXIT_NONFINITE = 3  # the run diverged: the last finite checkpoint is kept; retrying as is would diverge again
+
+
+class OnNonfinite(str, Enum):
+    """``train.on_nonfinite``: stop the run, or skip the step's update."""
+    STOP, SKIP = "stop", "skip"
+
+
+class NonFinite(RuntimeError):
+    """The loss or the model stopped being finite; the message is one line saying what to try."""
+
+    exit_code = EXIT_NONFINITE
+
+
+_TRY = "lower train.lr, use train.precision=fp32 or check the data"
+_RESUME = "the last finite checkpoint is kept: resume from it with train.resume=true"
+
+
+def nonfinite_loss(step: int, loss: float, skipped_in_a_row: int = 0) -> NonFinite:
+    """The error for a non-finite mean loss at ``step`` (after ``skipped_in_a_row`` skipped steps)."""
+    if skipped_in_a_row:
+        return NonFinite(f"the loss was not finite for {skipped_in_a_row} steps in a row, up to step {step} "
+                         f"(train.max_consecutive_skips={skipped_in_a_row}): the run has diverged and skipping "
+                         f"does not bring it back. Try to {_TRY}; {_RESUME}.")
+    return NonFinite(f"the loss at step {step} is {loss}, not finite, so the run stopped before it could save a "
+                     f"non-finite model (train.on_nonfinite=stop). Try to {_TRY}, or set train.on_nonfinite=skip "
+                     f"to skip such steps; {_RESUME}.")
+
+
+def nonfinite_model(step: int) -> NonFinite:
+    """The error for parameters that are not finite when saving after ``step``."""
+    return NonFinite(f"the model's parameters after step {step} are not finite, so checkpoint step {step} was not "
+                     f"saved. Try to {_TRY}; {_RESUME}.")
+
+
+def all_finite(value: torch.Tensor) -> bool:
+    """True when ``value`` is finite on every rank: one all-reduce (MIN) of a flag."""
+    return _everywhere(torch.isfinite(value).all())
+
+
+def _everywhere(ok: torch.Tensor) -> bool:
+    """True when the boolean ``ok`` holds on every rank (one all-reduce, MIN, of a float)."""
+    flag = ok.to(torch.float32).reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor, FSDP2) parameter: no collective."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def model_finite(model: torch.nn.Module) -> bool:
+    """True when every floating-point parameter and buffer of ``model`` is finite on
+    every rank: local checks, then one all-reduce."""
+    local = [torch.isfinite(_local(t).detach()).all() for t in (*model.parameters(), *model.buffers())
+             if t.is_floating_point() and t.numel()]
+    return _everywhere(torch.stack(local).all() if local else torch.ones((), dtype=torch.bool))
