@@ -39,6 +39,8 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from .liveness import PeerWatch
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
@@ -68,6 +70,7 @@ class GraphBarrier:
         self.timeout_s, self.grace_s, self.progress_s = timeout_s, grace_s, progress_s
         self.stats, self.warn = stats, warn
         self.on = True
+        self.watch = PeerWatch(store, rank, describe=self._describe)
 
     def enter(self, base: str) -> float:
         """This rank starts compiling graph ``base``; returns when (``perf_counter``)."""
@@ -110,6 +113,8 @@ class GraphBarrier:
                         self._excuse(state.split(" ", 1)[1])
             if not waiting:
                 break
+            self.watch.check(sorted(waiting),
+                             f"rank(s) {sorted(waiting)} to finish compiling graph {key_label(base)}")
             if now - t0 >= self.timeout_s:
                 self.on = False
                 self.warn(f"rank(s) {sorted(waiting)} did not finish compiling graph {key_label(base)} within "
@@ -129,6 +134,12 @@ class GraphBarrier:
     def _peer_state(self, rank: int) -> str:
         key = f"{self.prefix}/state/{rank}"
         return self.store.get(key).decode() if self.store.check([key]) else "running"
+
+    def _describe(self, rank: int) -> str:
+        state = self._peer_state(rank)
+        if state.startswith("meeting "):
+            return f"waiting at the barrier of graph {key_label(state.split(' ', 1)[1])}"
+        return "compiling" if state == "compiling" else state
 
     def _excuse(self, theirs: str) -> None:
         """A peer waits at the barrier of a graph this rank is not compiling now: mark this rank done

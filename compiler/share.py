@@ -56,6 +56,9 @@ Failure handling (a rank compiles for itself, with one warning, when)
     - loading the artifacts raises.
     A compile with nothing to publish (a backend without Inductor, such as
     ``aot_eager``) publishes an empty payload and the other ranks compile quietly.
+    A peer that dies or stops while others wait for it ends every wait with
+    :class:`compiler.liveness.PeerLost` within the store's timeout, and SIGTERM ends
+    them at once (Note [Peer liveness]).
 
 Notes
     - Published payloads are freed once every rank that compiles the graph is
@@ -88,6 +91,8 @@ from .cputime import cpu_seconds
 from .artifacts import inductor_cache_dir
 from .barrier import POLL_S, GraphBarrier, key_label
 from .kernels import collect_kernels, install_kernels, kernel_snapshot
+from .liveness import Heartbeat
+from .pending import Pending
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +160,11 @@ class CompileShare:
         self._seen: dict[str, int] = {}  # how often this rank has met each key (graph digest) so far
         self._published: list[str] = []
         self._pending: list[Pending] = []
+        # Waits end when the peer waited for dies or stops, or on SIGTERM (Note [Peer liveness]).
+        Heartbeat.start(store, rank, self)
         self.barrier = GraphBarrier(store, rank, self.ranks, self.prefix, timeout_s=timeout_s, grace_s=grace_s,
                                     progress_s=progress_s, stats=self.stats, warn=self._warn)
+        self.watch = self.barrier.watch
 
     def _key(self, kind: str, digest: str) -> str:
         """The store key of this rank's next occurrence of a graph: ranks that compile the same
@@ -252,7 +260,7 @@ class CompileShare:
     def _receive(self, p: Pending) -> tuple[bytes, bytes] | None:
         """The claiming rank's (artifacts, kernels) for a compile, or None when this rank must compile it."""
         what = f"another rank to compile {p.label}"
-        if not self._wait([p.key], what, self.timeout_s):
+        if not self._wait([p.key], what, self.timeout_s, owner_key=f"{p.key}/owner"):
             self._warn(f"waited {self.timeout_s:.0f}s for {self._owner(p)} to compile {p.label} without an answer; "
                        "compiling it on this rank")
             self.stats.fell_back += 1
@@ -331,13 +339,18 @@ class CompileShare:
 
     # -- waiting ------------------------------------------------------------------------------
 
-    def _wait(self, keys: list[str], what: str, timeout_s: float) -> bool:
+    def _wait(self, keys: list[str], what: str, timeout_s: float, owner_key: str | None = None) -> bool:
         """Poll the store until every key is set (True) or ``timeout_s`` passes (False);
-        progress is logged every ``progress_s``."""
+        progress is logged every ``progress_s``. The rank named at ``owner_key`` is watched:
+        :class:`PeerLost` when it dies or stops, :class:`WaitInterrupted` on a stop request."""
         t0 = time.perf_counter()
         next_note = self.progress_s
+        owner: list[int] = []
         try:
             while not self.store.check(keys):
+                if not owner and owner_key is not None and self.store.check([owner_key]):
+                    owner = [int(self.store.get(owner_key))]
+                self.watch.check(owner, what)
                 waited = time.perf_counter() - t0
                 if waited >= timeout_s:
                     return False
@@ -365,33 +378,3 @@ def share_for_group(ranks: Sequence[int] | None, **kw: Any) -> CompileShare | No
     if len(ranks) <= 1 or dist.get_rank() not in ranks:
         return None
     return CompileShare(_ti.default_store(), dist.get_rank(), ranks, **kw)
-
-
-class Pending:
-    """What :meth:`CompileShare.wrap_compile` returns for a compile another rank owns:
-    a callable that loads the owner's artifacts and compiles when resolved (by
-    :meth:`CompileShare.resolve_pending` at the end of the graph's compile, or at its
-    first call). A compile that still fails then is handed to the failure callbacks
-    (``compiler.partition.LazyPartition`` falls back to eager there), else raised."""
-
-    def __init__(self, share: CompileShare, backend: Callable, gm: fx.GraphModule, example_inputs: list,
-                 key: str) -> None:
-        self.share, self.backend, self.gm, self.example_inputs = share, backend, gm, example_inputs
-        self.key, self.label = key, key_label(key)
-        self.fn: Callable | None = None
-        self.failure_callbacks: list[Callable[[Exception], Callable]] = []
-
-    def resolve(self) -> Callable:
-        if self.fn is None:
-            try:
-                self.fn = self.share._load_or_compile(self)
-            except Exception as e:  # noqa: BLE001 - handed to whoever compiled through us
-                if not self.failure_callbacks:
-                    raise
-                for callback in self.failure_callbacks:
-                    self.fn = callback(e)
-            self.example_inputs = []  # the fakes are not needed any more
-        return self.fn
-
-    def __call__(self, *args: Any) -> Any:
-        return (self.fn or self.resolve())(*args)

@@ -1,0 +1,173 @@
+"""Waits in the store that end when a peer dies, stops, or the job is told to stop.
+
+Note [Peer liveness]
+
+Background
+    The compile barrier and the shared compile wait in the store for a peer, up to
+    ``share_timeout_s`` (two hours by default: a cold compile of a large model is
+    long, and a live peer that compiles must be waited for). A peer that died
+    (``kill -9``, an OOM kill, a lost node) or was stopped (SIGSTOP) will never
+    answer, and its survivors waited the two hours, deaf to SIGTERM, where a
+    collective would have failed after the process group's timeout.
+
+Algorithm
+    Every rank that shares compiles keeps a heartbeat: a daemon thread adds one to
+    ``distcompile/alive/<rank>`` in the store every ``beat_s`` for the life of the
+    process (the store's ``add``, which releases the GIL, so a rank busy
+    compiling in Python still beats). A waiter reads the counters of the peers it
+    waits for about once a second and notes, on its own clock, when each last
+    moved: no clocks are compared across machines. A peer whose counter has not
+    moved for ``dead_after_s`` (the store's own timeout, which the launcher sets
+    to ``train.timeout_s``; the process group's timeout for ``init_process_group``
+    callers) is taken for dead, and the wait raises :class:`PeerLost` naming the
+    peer, what it was doing and how long it has been silent. A live peer is
+    waited for as long as before.
+
+    Every wait also polls :func:`stop_requested`: the launcher's SIGTERM handler
+    calls :func:`request_stop`, and the wait raises :class:`WaitInterrupted` at
+    once instead of finishing the compile first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeerLost", "WaitInterrupted", "Heartbeat", "PeerWatch", "request_stop", "stop_requested",
+           "clear_stop", "dead_after_s"]
+
+KEY = "distcompile/alive"
+DEFAULT_DEAD_AFTER_S = 300.0  # a store without a timeout of its own
+CHECK_S = 1.0  # how often a waiter reads its peers' heartbeats
+
+_stop_reason: str | None = None
+
+
+class PeerLost(RuntimeError):
+    """A peer this rank waits for in the store stopped beating: dead or stopped."""
+
+
+class WaitInterrupted(RuntimeError):
+    """The job was told to stop (SIGTERM) while this rank waited for a peer in the store."""
+
+
+def request_stop(reason: str) -> None:
+    """Make every store wait of this process end at once with :class:`WaitInterrupted`
+    (called from a signal handler: it only sets a flag)."""
+    global _stop_reason
+    _stop_reason = reason
+
+
+def clear_stop() -> None:
+    global _stop_reason
+    _stop_reason = None
+
+
+def stop_requested() -> str | None:
+    return _stop_reason
+
+
+def dead_after_s(store: Any) -> float:
+    """How long a silent peer is waited for: the store's timeout (the launcher's
+    ``train.timeout_s``), else :data:`DEFAULT_DEAD_AFTER_S`."""
+    timeout = getattr(store, "timeout", None)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 0.0
+    return seconds if seconds > 0 else DEFAULT_DEAD_AFTER_S
+
+
+class Heartbeat:
+    """One rank's heartbeat in one store, while any of its owners lives (see the Note).
+    ``Heartbeat.start(store, rank, owner)`` starts it once per (store, rank) and adds the
+    owner (a :class:`compiler.share.CompileShare`); the thread ends with the last owner."""
+
+    _running: dict[tuple[int, int], "Heartbeat"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, store: Any, rank: int, beat_s: float) -> None:
+        self.store, self.rank, self.beat_s = store, rank, beat_s
+        self.owners: list[weakref.ref] = []
+        self._thread = threading.Thread(target=self._run, name=f"distcompile-heartbeat-{rank}", daemon=True)
+
+    @classmethod
+    def start(cls, store: Any, rank: int, owner: Any, beat_s: float | None = None) -> "Heartbeat":
+        with cls._lock:
+            key = (id(store), rank)
+            beat = cls._running.get(key)
+            if beat is None or not beat._thread.is_alive() or beat.store is not store:
+                beat = cls(store, rank, beat_s if beat_s is not None else min(1.0, dead_after_s(store) / 10))
+                beat._beat()  # the first beat before anyone waits for it
+                cls._running[key] = beat
+                beat.owners.append(weakref.ref(owner))
+                beat._thread.start()
+            else:
+                beat.owners.append(weakref.ref(owner))
+            return beat
+
+    def _beat(self) -> None:
+        self.store.add(f"{KEY}/{self.rank}", 1)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.beat_s)
+            with self._lock:
+                if all(owner() is None for owner in self.owners):  # nobody waits on this rank through it
+                    if self._running.get((id(self.store), self.rank)) is self:
+                        del self._running[(id(self.store), self.rank)]
+                    return
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone (the group was torn down): stop beating
+                return
+
+
+class PeerWatch:
+    """What a waiter knows of its peers' heartbeats: raise when the one waited for is silent
+    for ``dead_after_s``, or when the job was told to stop.
+
+    Args:
+        store, rank: the store the peers beat in, and this rank (for messages).
+        dead_after_s: silence after which a peer is taken for dead (default: the store's timeout).
+        describe: ``rank -> str``, what a peer was doing, for the message.
+    """
+
+    def __init__(self, store: Any, rank: int, dead_after_s: float | None = None,
+                 describe: Callable[[int], str] | None = None) -> None:
+        self.store, self.rank = store, rank
+        self.dead_after_s = dead_after_s if dead_after_s is not None else globals()["dead_after_s"](store)
+        self.describe = describe or (lambda r: "")
+        self._last: dict[int, tuple[bytes | None, float]] = {}
+        self._checked = 0.0
+
+    def check(self, peers: Sequence[int], what: str) -> None:
+        """Called in a wait loop: raises :class:`WaitInterrupted` when a stop was requested, and
+        :class:`PeerLost` when one of ``peers`` has been silent for ``dead_after_s``."""
+        reason = stop_requested()
+        if reason is not None:
+            raise WaitInterrupted(f"rank {self.rank} stopped waiting for {what}: {reason}.")
+        now = time.monotonic()
+        if now - self._checked < CHECK_S:
+            return
+        self._checked = now
+        for peer in peers:
+            key = f"{KEY}/{peer}"
+            value = self.store.get(key) if self.store.check([key]) else None
+            seen, since = self._last.get(peer, (None, now))
+            if peer not in self._last or value != seen:
+                self._last[peer] = (value, now)
+                continue
+            if now - since >= self.dead_after_s:
+                doing = self.describe(peer)
+                raise PeerLost(
+                    f"rank {self.rank} waited for {what}, but rank {peer} has been silent for {now - since:.0f}s "
+                    f"(no heartbeat in the store{'; it was ' + doing if doing else ''}): it died or was stopped "
+                    "(kill -9, an out-of-memory kill, SIGSTOP, a lost node). Every rank stops here instead of "
+                    f"waiting for it; the limit is the process group's timeout ({self.dead_after_s:.0f}s, "
+                    "train.timeout_s in the launcher). Restart the job; with checkpoints, resume with "
+                    "train.resume=true (Note [Peer liveness] in compiler/liveness.py)."
+                )
