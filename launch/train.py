@@ -22,9 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -41,8 +39,7 @@ from .checks.agree import check_same_config
 from .checks.diagnosis import diagnose
 from .checks.validate import validate
 from .config import shell
-from .config.bad_input import report_config_error
-from .config.schema import ConfigError, JobConfig, Padding, ParallelMode, to_job_config
+from .config.schema import JobConfig, Padding, ParallelMode, to_job_config
 from .data.build import build_data
 from .data.source import TokenSource, stream_seed
 from .observe.banner import ddp_lines, describe, partition_table
@@ -52,6 +49,7 @@ from .runtime.compile_stats import after_first_compile, save_compile_cache
 from .runtime.dist import (DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun,
                            world_size_from_env)
 from .runtime.guard import OnNonfinite, nonfinite_loss
+from .runtime.leave import leave
 from .runtime.parallel import Wrapped, apply_parallel, build_model
 from .runtime.precision import grad_scaler
 from .runtime.preempt import Preempted, Preemption
@@ -109,7 +107,7 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
         output_dir: where rank 0 writes ``metrics.json`` (Hydra's run directory).
         step_callbacks: called as ``callback(job, step)`` at the start of every step.
         exit_on_error: on an error once the process group is up, print it and end the
-            process at once (:func:`_leave`; the entry point's choice, Note [Exit on
+            process at once (``launch.runtime.leave``; the entry point's choice, Note [Exit on
             error] in ``launch.runtime.dist``) instead of raising it.
 
     Returns:
@@ -134,27 +132,9 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
                             "diagnosis")
         except BaseException as e:
             if exit_on_error:
-                _leave(e, env)
+                leave(e, env)
             raise
     return metrics
-
-
-def _leave(e: BaseException, env: DistEnv) -> None:
-    """Print ``e`` and end the process before any destructor of the model or the process
-    group runs (Note [Exit on error] in ``launch.runtime.dist``). A stop every rank agreed on
-    (:class:`Preempted`, :class:`NonFinite`; a :class:`ConfigError`, code 2) is one line
-    from rank 0, with its own exit code; anything else is this rank's traceback and exit
-    code 1."""
-    if isinstance(e, ConfigError):  # found in the group (ranks' configs, the checkpoint): as before it
-        exit_now(report_config_error(str(e)))
-    code = getattr(e, "exit_code", None)
-    if isinstance(code, int):
-        if env.is_main:
-            print(f"{'preempted' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
-    else:
-        traceback.print_exception(e)
-        code = 1
-    exit_now(code)
 
 
 def main(step_callbacks: Sequence[StepCallback] = ()) -> None:

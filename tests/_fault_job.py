@@ -8,7 +8,13 @@ default) SIGKILLs itself, TERM or INT sends itself that signal, PAUSE prints
 "paused at step STEP" and waits until the process is signalled (for a test to
 signal the agent or the process group at a known step; 120 s at most), RAISE
 raises a RuntimeError (an error on one rank while the others go on);
-everything else is ``python -m launch.train [overrides]``."""
+everything else is ``python -m launch.train [overrides]``.
+
+    python tests/_fault_job.py compile:RANK:ACTION compile.backend=fault_aot_eager [overrides]
+
+registers the dynamo backend ``fault_aot_eager`` (``aot_eager``, except that RANK does
+ACTION, KILL or STOP, at its first compile: a rank that dies or is stopped in the
+middle of the first compile, as its peers wait for it at the compile barrier)."""
 
 from __future__ import annotations
 
@@ -45,6 +51,25 @@ def kill_at(spec: str):
     return fault
 
 
+def register_compile_fault(spec: str) -> None:
+    """The backend ``fault_aot_eager``: aot_eager, with RANK doing ACTION at its first compile."""
+    import torch
+    from torch._dynamo import register_backend  # the documented way to add a backend name
+
+    _, fault_rank, action = spec.split(":")
+
+    @register_backend(name="fault_aot_eager")
+    def fault_aot_eager(gm, example_inputs):
+        if int(os.environ.get("RANK", "0")) == int(fault_rank) and not restarted_by_torchrun():
+            print(f"[rank {fault_rank}] fault {spec}: SIG{action} in the first compile", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), getattr(signal, f"SIG{action}"))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
 if __name__ == "__main__":
     spec = sys.argv.pop(1)
-    main(step_callbacks=[kill_at(spec)])
+    if spec.startswith("compile:"):
+        register_compile_fault(spec)
+        main()
+    else:
+        main(step_callbacks=[kill_at(spec)])

@@ -40,6 +40,10 @@ Notes
       its grace period, or a scheduler's.
     - A signal during setup or warm-up is acted on after the first step; a rank
       blocked in a collective runs the handler only when the collective returns.
+      A rank waiting in the store for a peer's compile (the compile barrier, a shared
+      compile) stops at once: the handler also calls ``compiler.liveness.request_stop``,
+      and the rank exits with :data:`EXIT_PREEMPTED` and one line, saving nothing new
+      (``launch.runtime.leave``; Note [Peer liveness]).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import signal
 import threading
 from types import FrameType
 from typing import Any
+
+from compiler.liveness import clear_stop, request_stop
 
 __all__ = ["Preemption", "Preempted", "EXIT_PREEMPTED", "SIGNALS"]
 
@@ -84,6 +90,8 @@ class Preemption:
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self.requested:
             self.requested = signum
+        # A rank waiting in the store for a peer's compile stops at once (Note [Peer liveness]).
+        request_stop(f"{signal.Signals(signum).name} (preemption)")
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():
@@ -95,3 +103,4 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        clear_stop()
