@@ -24,8 +24,11 @@ Algorithm
     waited for as long as before.
 
     Every wait also polls :func:`stop_requested`: the launcher's SIGTERM handler
-    calls :func:`request_stop`, and the wait raises :class:`WaitInterrupted` at
-    once instead of finishing the compile first.
+    calls :func:`request_stop`, and a wait still going ``STOP_GRACE_S`` after the
+    request raises :class:`WaitInterrupted`. torchrun's agent SIGKILLs its workers
+    30 s after forwarding a SIGTERM: a compile that ends within the grace still lets
+    the step finish and the preemption save its checkpoint, and a longer one ends
+    with a line said instead of a silent SIGKILL.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ __all__ = ["PeerLost", "WaitInterrupted", "Heartbeat", "PeerWatch", "request_sto
 KEY = "distcompile/alive"
 DEFAULT_DEAD_AFTER_S = 300.0  # a store without a timeout of its own
 CHECK_S = 1.0  # how often a waiter reads its peers' heartbeats
+STOP_GRACE_S = 10.0  # how long a wait goes on after a stop request (torchrun's agent SIGKILLs after 30 s)
 
-_stop_reason: str | None = None
+_stop: tuple[str, float] | None = None  # the reason, and when (monotonic)
 
 
 class PeerLost(RuntimeError):
@@ -58,19 +62,21 @@ class WaitInterrupted(RuntimeError):
 
 
 def request_stop(reason: str) -> None:
-    """Make every store wait of this process end at once with :class:`WaitInterrupted`
-    (called from a signal handler: it only sets a flag)."""
-    global _stop_reason
-    _stop_reason = reason
+    """Make every store wait of this process end with :class:`WaitInterrupted` once it has
+    gone on ``STOP_GRACE_S`` after this call (called from a signal handler: it only sets a flag)."""
+    global _stop
+    if _stop is None:
+        _stop = (reason, time.monotonic())
 
 
 def clear_stop() -> None:
-    global _stop_reason
-    _stop_reason = None
+    global _stop
+    _stop = None
 
 
 def stop_requested() -> str | None:
-    return _stop_reason
+    """The reason of a stop request whose grace has passed, else None."""
+    return _stop[0] if _stop is not None and time.monotonic() - _stop[1] >= STOP_GRACE_S else None
 
 
 def dead_after_s(store: Any) -> float:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from compiler import BackendSpec, Diagnoser
 from ddp_opt.graph_plan import describe as describe_plan
 
+from .checkpoint.lock import checkpoint_folder_lock
 from .checkpoint.resume import resume
 from .checkpoint.run_identity import run_identity
 from .checkpoint.store import save_checkpoint
@@ -124,7 +125,8 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
         try:
             configure_logging(env.rank)
             check_same_config(cfg)  # ranks given different configs stop here, with the keys that differ
-            metrics = train(cfg, env, step_callbacks, preemption, output_dir)
+            with checkpoint_folder_lock(cfg.train, env):  # one job per checkpoint folder
+                metrics = train(cfg, env, step_callbacks, preemption, output_dir)
             if env.is_main and output_dir:
                 write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
             if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):

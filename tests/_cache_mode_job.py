@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=64", "model.block_size=16"]
+from _jobs import TINY_OVERRIDES as TINY
 
 
 def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
@@ -41,18 +41,14 @@ def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
 
 
 def main(cache_dir: str, mode: str, out_dir: str) -> None:
-    from hydra import compose, initialize_config_module
     from torch._dynamo.utils import counters
 
-    from launch.config.schema import register_configs
+    from _jobs import composed
     from launch.runtime.dist import DistEnv
     from launch.runtime.parallel import apply_parallel, build_model
-    from launch.train import _after_first_step, to_job_config
+    from launch.train import _after_first_step
 
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        cfg = to_job_config(compose(config_name="config", overrides=[
-            "compile=inductor", f"compile.cache_dir={cache_dir}", f"parallel={mode}", *TINY]))
+    cfg = composed("compile=inductor", f"compile.cache_dir={cache_dir}", f"parallel={mode}", *TINY)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         torch.distributed.init_process_group("gloo")

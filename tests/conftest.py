@@ -59,6 +59,14 @@ def one_thread():
 
 
 @pytest.fixture
+def no_process_group_left(one_thread, clean_dynamo):
+    """For tests that call ``launch.train.run`` in this process: one thread, a clean dynamo,
+    and no process group left behind by the run."""
+    yield
+    assert not torch.distributed.is_initialized(), "run() must tear its process group down"
+
+
+@pytest.fixture
 def gloo():
     """A gloo group of world size 1 in this process for one test (in-memory store)."""
     with _dist.single_rank_group():

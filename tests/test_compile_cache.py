@@ -13,11 +13,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _cache_job import run_job as _run_job
 from _dist import single_rank_group
+from _jobs import TINY_GPT as TINY
 from compiler.cache import MAGIC, CacheKey, CompileCache
 from ddp_opt import compile_ddp
 from models import GPT, GPTConfig
 
-TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
 
 
 def _key(**settings):

@@ -83,10 +83,14 @@ def test_a_live_peer_is_waited_for_beyond_the_silence_limit():
     assert rank0.barrier.on
 
 
-def test_a_stop_request_ends_a_wait_at_once():
+def test_a_stop_request_ends_a_wait_after_its_grace(monkeypatch):
+    import compiler.liveness as liveness
+
     watch = PeerWatch(_store(), 0)
     request_stop("SIGTERM")
     try:
+        watch.check([1], "a compile")  # within the grace: a short compile still finishes (and the step saves)
+        monkeypatch.setattr(liveness, "STOP_GRACE_S", 0.0)
         with pytest.raises(WaitInterrupted, match=r"rank 0 stopped waiting for a compile: SIGTERM"):
             watch.check([1], "a compile")
     finally:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
+from _jobs import TINY_GPT as TINY
 from compiler.share import CompileShare, Pending
 
 
@@ -214,7 +215,6 @@ def test_a_graph_the_predicate_refuses_holds_no_peer():
 
 # --- real ranks ---------------------------------------------------------------------------------
 
-TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
 
 
 def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=False, steps=3):

@@ -1,17 +1,11 @@
 """Launcher settings of issue 6: compile.cache_dir and compile.regional."""
 
 import pytest
-from hydra import compose, initialize_config_module
 
-from launch.config.schema import ConfigError, register_configs
+from launch.config.schema import ConfigError
 from launch.checks.validate import validate
-from launch.train import to_job_config
 
-
-def _job(*overrides):
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+from _jobs import composed as _job
 
 
 def test_cache_dir_and_regional_are_accepted_with_ddp(tmp_path):

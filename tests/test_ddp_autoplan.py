@@ -378,14 +378,9 @@ def test_forced_different_cost_numbers_fail_on_both_ranks_with_a_clear_error(run
 
 
 def _job(*overrides):
-    from hydra import compose, initialize_config_module
+    from _jobs import composed
 
-    from launch.config.schema import register_configs
-    from launch.train import to_job_config
-
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+    return composed(*overrides)
 
 
 def test_launcher_accepts_auto_and_numbers_and_rejects_other_words():

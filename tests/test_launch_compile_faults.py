@@ -1,7 +1,7 @@
 """The main job when a rank dies or stops in the middle of the first compile (compile.share
 on, the default), with ranks started by hand as on two machines (no agent to stop the
 survivor): the survivor ends within train.timeout_s plus a margin with one line, not after
-share_timeout_s (two hours), and SIGTERM ends its wait at once (Note [Peer liveness])."""
+share_timeout_s (two hours), and SIGTERM ends its wait within its 10 s grace (Note [Peer liveness])."""
 
 from __future__ import annotations
 
@@ -76,13 +76,15 @@ def test_the_survivor_of_a_rank_killed_or_stopped_in_the_first_compile_ends_with
     print(f"rank 0 ended {waited:.1f}s after rank 1's SIG{action} (train.timeout_s={TIMEOUT_S})")
 
 
-def test_sigterm_ends_the_wait_for_a_stopped_peer_at_once(tmp_path):
+def test_sigterm_ends_the_wait_for_a_stopped_peer_after_its_grace(tmp_path):
     procs = _ranks(tmp_path, "STOP", timeout_s=300)  # liveness alone would wait 300 s
     try:
         _wait_for_fault(procs[1], "STOP")
         time.sleep(2)  # rank 0 is now waiting for rank 1's compile
         os.kill(procs[0].pid, signal.SIGTERM)
+        t0 = time.monotonic()
         out, err = procs[0].communicate(timeout=60)
+        print(f"rank 0 ended {time.monotonic() - t0:.1f}s after SIGTERM")
     finally:
         _end(procs)
     assert procs[0].returncode == 75, err[-3000:]

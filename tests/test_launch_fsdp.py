@@ -5,22 +5,15 @@ checkpoint to the same losses and final parameters as an uninterrupted run."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from launch.checks.validate import validate
-from launch.config.schema import ConfigError, FSDPOptions, JobConfig, register_configs, to_job_config
+from launch.config.schema import ConfigError, FSDPOptions
 from launch.observe.banner import describe
 from launch.runtime.parallel import fsdp_config
 from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok
-
-
-def _job(*overrides: str) -> JobConfig:
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+from _jobs import composed as _job
 
 
 # --- config: compose, validate, convert (no process group) ---------------------------

@@ -6,16 +6,11 @@ batch. Each refusal is a ConfigError that says what, why and how to fix it."""
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from launch.checks.validate import validate
-from launch.config.schema import ConfigError, JobConfig, register_configs, to_job_config
+from launch.config.schema import ConfigError
 
-
-def _job(*overrides: str) -> JobConfig:
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+from _jobs import composed as _job
 
 
 # --- `+` keys ----------------------------------------------------------------------------

@@ -35,13 +35,9 @@ def _scalars(folder: Path) -> dict[str, list]:
     return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
 
 
-@pytest.fixture
-def _no_process_group_left(one_thread, clean_dynamo):
-    yield
-    assert not dist.is_initialized()
 
 
-@pytest.mark.usefixtures("_no_process_group_left")
+@pytest.mark.usefixtures("no_process_group_left")
 def test_tensorboard_writes_every_curve_per_step_and_the_run_numbers(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     metrics = run(_job(tmp_path, compile=CompileConfig(backend="eager"), log=LogConfig(tensorboard=True)),
@@ -59,7 +55,7 @@ def test_tensorboard_writes_every_curve_per_step_and_the_run_numbers(tmp_path, c
     assert f"tensorboard: event files in {tmp_path}" in out and f"curves: {png}" in out
 
 
-@pytest.mark.usefixtures("_no_process_group_left")
+@pytest.mark.usefixtures("no_process_group_left")
 def test_without_matplotlib_the_curves_picture_is_skipped_with_a_warning(tmp_path, capsys, monkeypatch):
     pytest.importorskip("tensorboard")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError

@@ -10,7 +10,6 @@ import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from launch.checkpoint.store import save_checkpoint
 from launch.checks.rules_train import check_nonfinite
@@ -18,14 +17,10 @@ from launch.config.schema import CompileConfig, ConfigError, JobConfig, ModelCon
 from launch.runtime.guard import NonFinite
 from launch.runtime.preempt import EXIT_PREEMPTED, Preempted
 from launch.train import run
+from _jobs import TINY
 
-TINY = dict(n_layer=2, n_head=2, n_embd=64)
 
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left(one_thread, clean_dynamo):
-    yield
-    assert not dist.is_initialized(), "run() must tear its process group down"
+pytestmark = pytest.mark.usefixtures("no_process_group_left")
 
 
 def _job(tmp_path, **train) -> JobConfig:

@@ -10,29 +10,13 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from launch.config.schema import (CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig,
-                                  TrainConfig)
+from launch.config.schema import CompileConfig, ConfigError, DDPConfig, ParallelConfig
 from launch.train import run
-
-TINY = dict(n_layer=2, n_head=2, n_embd=64)
-
-
-def _job(tmp_path, **sections) -> JobConfig:
-    train = dict(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt"))
-    train.update(sections.pop("train", {}))
-    return JobConfig(
-        model=ModelConfig(**{**TINY, **sections.pop("model", {})}),
-        train=TrainConfig(**train),
-        **sections,
-    )
+from _jobs import tiny_job as _job
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group_left(one_thread, clean_dynamo):
-    yield
-    assert not dist.is_initialized(), "run() must tear its process group down"
+pytestmark = pytest.mark.usefixtures("no_process_group_left")
 
 
 def test_one_process_ddp_eager_trains_and_writes_metrics(tmp_path, capsys):

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from launch.checks.validate import validate
-from launch.config.schema import ConfigError, register_configs, to_job_config
+from launch.config.schema import ConfigError
 
-
-def _job(*overrides):
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+from _jobs import composed as _job
 
 
 def test_defaults_are_fixed_lengths_max_padding_fp32_no_accumulation():

@@ -10,20 +10,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from launch.checks.validate import validate
-from launch.config.schema import ConfigError, JobConfig, register_configs, to_job_config
+from launch.config.schema import ConfigError, JobConfig
 from launch.data.build import build_data
 from launch.data.tokens import TokenFile, max_id
 
+from _jobs import composed as _job
+
 N = 20_000  # ids; in a uint16 file of np.arange(N), an id is its own position
-
-
-def _job(*overrides: str) -> JobConfig:
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def _write(path, ids, dtype="uint16", sidecar: dict | None = None):

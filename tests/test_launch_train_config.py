@@ -7,18 +7,13 @@ checkpoint identity holds the trajectory keys but not the evaluation ones."""
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from launch.checkpoint.run_identity import run_identity
 from launch.checks.validate import validate
-from launch.config.schema import ConfigError, register_configs, to_job_config
+from launch.config.schema import ConfigError
 from launch.observe.banner import describe
 
-
-def _job(*overrides):
-    register_configs()
-    with initialize_config_module("configs", version_base="1.3"):
-        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+from _jobs import composed as _job
 
 
 def test_defaults_are_off_and_good_values_validate(tmp_path):

@@ -40,10 +40,11 @@ Notes
       its grace period, or a scheduler's.
     - A signal during setup or warm-up is acted on after the first step; a rank
       blocked in a collective runs the handler only when the collective returns.
-      A rank waiting in the store for a peer's compile (the compile barrier, a shared
-      compile) stops at once: the handler also calls ``compiler.liveness.request_stop``,
-      and the rank exits with :data:`EXIT_PREEMPTED` and one line, saving nothing new
-      (``launch.runtime.leave``; Note [Peer liveness]).
+      A rank still waiting in the store for a peer's compile (the compile barrier, a
+      shared compile) 10 s after the signal stops there: the handler also calls
+      ``compiler.liveness.request_stop``, and the rank exits with :data:`EXIT_PREEMPTED`
+      and one line, saving nothing new (``launch.runtime.leave``; Note [Peer liveness]),
+      before torchrun's SIGKILL 30 s after the signal.
 """
 
 from __future__ import annotations

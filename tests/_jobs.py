@@ -1,0 +1,35 @@
+"""The main job's configs for the tests, one definition each: a config composed from
+Hydra overrides as ``python -m launch.train`` composes it, and a tiny job built from the
+dataclasses (the model size every in-process run uses)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launch.config.schema import JobConfig, ModelConfig, TrainConfig, register_configs, to_job_config
+
+__all__ = ["TINY", "TINY_GPT", "TINY_OVERRIDES", "composed", "tiny_job"]
+
+TINY = dict(n_layer=2, n_head=2, n_embd=64)  # the model of the in-process runs of the main job
+# A smaller GPT still (vocabulary 64, 16 positions) for the compile-cache and shared-compile tests,
+# as GPTConfig keywords and as the main job's overrides.
+TINY_GPT = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+TINY_OVERRIDES = [f"model.{k}={v}" for k, v in TINY_GPT.items()]
+
+
+def composed(*overrides: str) -> JobConfig:
+    """The JobConfig ``python -m launch.train OVERRIDES`` runs (composed, converted; not validated)."""
+    from hydra import compose, initialize_config_module
+
+    register_configs()
+    with initialize_config_module("configs", version_base="1.3"):
+        return to_job_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def tiny_job(tmp_path: Path, **sections) -> JobConfig:
+    """A TINY model, 3 steps of batch 4 x 16 tokens, checkpoints under ``tmp_path/ckpt``;
+    ``train=dict(...)`` and ``model=dict(...)`` update those, other sections are passed on."""
+    train = dict(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt"))
+    train.update(sections.pop("train", {}))
+    return JobConfig(model=ModelConfig(**{**TINY, **sections.pop("model", {})}), train=TrainConfig(**train),
+                     **sections)
