@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import ParallelConfig
+from .agent import die_with_agent
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,9 @@ def choose_backend(requested: str, local_rank: int, local_world: int, gpus: int)
 
 
 def setup_distributed(cfg: ParallelConfig, timeout_s: float) -> DistEnv:
-    """Start the process group; every collective then times out after ``timeout_s``."""
+    """Start the process group; every collective then times out after ``timeout_s``. Under
+    torchrun, this worker also ends when its agent dies (Note [Workers die with their agent])."""
+    die_with_agent()
     _RETIRED.clear()  # the last group's object, kept by destroy_process_group (Note [Process-group teardown])
     _export_slurm_env()
     rank, world = _rank_from_env(), int(os.environ.get("WORLD_SIZE", "1"))
