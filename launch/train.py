@@ -35,7 +35,7 @@ from ddp_opt.graph_plan import describe as describe_plan
 from .checkpoint.lock import checkpoint_folder_lock
 from .checkpoint.resume import resume
 from .checkpoint.run_identity import run_identity
-from .checkpoint.store import save_checkpoint
+from .checkpoint.store import latest_checkpoint, save_checkpoint
 from .checks.agree import check_same_config
 from .checks.diagnosis import diagnose
 from .checks.validate import validate
@@ -238,7 +238,7 @@ def loop(job: Job) -> None:
             print0(step_line(step, t.steps, loss, seconds, padded_tokens, lr if job.schedule.varies else None,
                              grad_norm, eval_loss))
         job.observer.after_step(job.tally, step)
-        skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row)
+        skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row, eval_loss)
         saved = None
         if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
             saved = _save(job, step)
@@ -248,21 +248,34 @@ def loop(job: Job) -> None:
             raise Preempted(step, saved)
 
 
-def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int) -> int:
+def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int, eval_loss: float | None) -> int:
     """Note [Finite-loss guard] in ``launch.runtime.guard``: stop on a non-finite loss, or count
-    a skipped update; returns the skipped steps in a row."""
+    a skipped update; the evaluation loss under the same policy; returns the skipped steps in a row."""
     t = job.cfg.train
+    last = job.tally.checkpoints[-1] if job.tally.checkpoints else _resumed_from(job)
     if job.runner.skipped:
         job.tally.skipped.append(step)
         skipped_in_a_row += 1
         print0(f"step {step}: the loss is not finite on some rank, so its update was skipped "
                f"({skipped_in_a_row} in a row; the run stops at train.max_consecutive_skips={t.max_consecutive_skips})")
         if skipped_in_a_row >= t.max_consecutive_skips:
-            raise nonfinite_loss(step, loss, skipped_in_a_row)
-        return skipped_in_a_row
-    if not math.isfinite(loss):
-        raise nonfinite_loss(step, loss)
-    return 0
+            raise nonfinite_loss(step, loss, skipped_in_a_row, last)
+    elif not math.isfinite(loss):
+        raise nonfinite_loss(step, loss, last_checkpoint=last)
+    else:
+        skipped_in_a_row = 0
+    if eval_loss is not None and not math.isfinite(eval_loss):
+        if t.on_nonfinite == OnNonfinite.STOP:
+            raise nonfinite_loss(step, eval_loss, last_checkpoint=last, what="evaluation loss")
+        print0(f"step {step}: the evaluation loss is {eval_loss}, not finite (train.on_nonfinite=skip: training "
+               "goes on; an evaluation has no update to skip)")
+    return skipped_in_a_row
+
+
+def _resumed_from(job: Job) -> str | None:
+    """The checkpoint this run resumed from, if it did."""
+    latest = latest_checkpoint(job.cfg.train.checkpoint_dir) if job.start > 0 else None
+    return latest.path if latest is not None else None
 
 
 def _save(job: Job, step: int) -> str:

@@ -5,6 +5,7 @@ under torchrun are in ``test_launch_reliability_runs.py``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -78,10 +79,48 @@ def test_stop_ends_the_run_at_the_first_nan_and_keeps_the_finite_checkpoints(tmp
     # The issue's case: inf from step 5, checkpoint_every=2, keep_last=2.
     cfg = _job(tmp_path, steps=10, checkpoint_every=2, keep_last=2)
     with pytest.raises(NonFinite, match=r"^the loss at step 5 is nan, not finite, .*lower train\.lr.*"
-                                        r"train\.on_nonfinite=skip.*resume from it with train\.resume=true"):
+                                        r"train\.on_nonfinite=skip.*the last finite checkpoint, \S+step_000004, is "
+                                        r"kept: resume from it with train\.resume=true"):
         run(cfg, step_callbacks=[_inf_weights_from(5)])
     assert _published(tmp_path) == ["step_000002", "step_000004"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_000004"
+
+
+def test_a_nan_at_step_1_promises_no_checkpoint_that_does_not_exist(tmp_path):
+    with pytest.raises(NonFinite, match=r"^the loss at step 1 is nan, .*no checkpoint was saved before it "
+                                        r"\(train\.checkpoint_every sets how often\), so a new run starts from step 0"):
+        run(_job(tmp_path, steps=4, checkpoint_every=2), step_callbacks=[_inf_weights_from(1)])
+
+
+def _nan_evaluation(job, step):
+    """The evaluation loss is NaN (the training loss stays finite)."""
+    if step == 1:
+        real = job.evaluator
+        job.evaluator = type("NanEval", (), {"due": staticmethod(real.due), "__call__": lambda self: float("nan")})()
+
+
+def test_a_nan_only_in_evaluation_follows_on_nonfinite(tmp_path, capsys):
+    with pytest.raises(NonFinite, match=r"^the evaluation loss at step 2 is nan, not finite.*train\.on_nonfinite=stop"):
+        run(_job(tmp_path, steps=4, eval_every=2, eval_batches=1), step_callbacks=[_nan_evaluation])
+    out = tmp_path / "skip"
+    out.mkdir()
+    metrics = run(_job(out, steps=4, eval_every=2, eval_batches=1, on_nonfinite="skip"), output_dir=str(out),
+                  step_callbacks=[_nan_evaluation])
+    assert "step 2: the evaluation loss is nan, not finite (train.on_nonfinite=skip: training goes on" in \
+        capsys.readouterr().out
+    assert [step for step, _ in metrics["losses"]] == [1, 2, 3, 4]  # training went on to the end
+    text = (out / "metrics.json").read_text()
+    saved = json.loads(text)  # strict JSON: no bare NaN
+    assert "NaN" not in text and saved["nonfinite"], saved.get("nonfinite")
+    assert all(saved_value is None for saved_value in _at(saved, saved["nonfinite"]))
+
+
+def _at(data, paths):
+    for path in paths:
+        value = data
+        for key in path.split("."):
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        yield value
 
 
 def test_a_non_finite_model_is_never_published(tmp_path, gloo):

@@ -131,7 +131,8 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
         NonFinite: a parameter or buffer is inf or NaN on some rank; nothing was written.
     """
     if not model_finite(model):
-        raise nonfinite_model(step)
+        latest = latest_checkpoint(root)
+        raise nonfinite_model(step, latest.path if latest is not None else None)
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, name + ".tmp"), os.path.join(root, name)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,7 +171,24 @@ def summary_lines(metrics: dict[str, Any], shapes_seen: dict[tuple[int, ...], in
 
 
 def write_json(path: str, data: Any, what: str) -> None:
-    """Write ``data`` to ``path`` and say so (rank 0's files of the run directory)."""
+    """Write ``data`` to ``path`` as strict JSON and say so (rank 0's files of the run
+    directory). A non-finite number (a NaN loss) is written as null, and a dict gets a
+    ``nonfinite`` list of where (``losses.3.1``): a bare NaN is not JSON."""
+    found: list[str] = []
+    data = _strict(data, "", found)
+    if found and isinstance(data, dict):
+        data["nonfinite"] = found
     with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump(data, f, indent=1, allow_nan=False)
     print0(f"{what}: {path}")
+
+
+def _strict(value: Any, where: str, found: list[str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        found.append(where or "(top)")
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v, f"{where}.{k}" if where else str(k), found) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v, f"{where}.{i}" if where else str(i), found) for i, v in enumerate(value)]
+    return value

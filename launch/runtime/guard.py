@@ -63,24 +63,31 @@ class NonFinite(RuntimeError):
 
 
 _TRY = "lower train.lr, use train.precision=fp32 or check the data"
-_RESUME = "the last finite checkpoint is kept: resume from it with train.resume=true"
+def _resume(last_checkpoint: str | None) -> str:
+    """What to resume from: only a checkpoint that exists is promised."""
+    if last_checkpoint:
+        return f"the last finite checkpoint, {last_checkpoint}, is kept: resume from it with train.resume=true"
+    return ("no checkpoint was saved before it (train.checkpoint_every sets how often), so a new run starts from "
+            "step 0")
 
 
-def nonfinite_loss(step: int, loss: float, skipped_in_a_row: int = 0) -> NonFinite:
-    """The error for a non-finite mean loss at ``step`` (after ``skipped_in_a_row`` skipped steps)."""
+def nonfinite_loss(step: int, loss: float, skipped_in_a_row: int = 0, last_checkpoint: str | None = None,
+                   what: str = "loss") -> NonFinite:
+    """The error for a non-finite mean ``what`` (the loss, or the evaluation loss) at ``step``
+    (after ``skipped_in_a_row`` skipped steps); ``last_checkpoint``: the newest finite one, if any."""
     if skipped_in_a_row:
         return NonFinite(f"the loss was not finite for {skipped_in_a_row} steps in a row, up to step {step} "
                          f"(train.max_consecutive_skips={skipped_in_a_row}): the run has diverged and skipping "
-                         f"does not bring it back. Try to {_TRY}; {_RESUME}.")
-    return NonFinite(f"the loss at step {step} is {loss}, not finite, so the run stopped before it could save a "
+                         f"does not bring it back. Try to {_TRY}; {_resume(last_checkpoint)}.")
+    return NonFinite(f"the {what} at step {step} is {loss}, not finite, so the run stopped before it could save a "
                      f"non-finite model (train.on_nonfinite=stop). Try to {_TRY}, or set train.on_nonfinite=skip "
-                     f"to skip such steps; {_RESUME}.")
+                     f"to skip such steps; {_resume(last_checkpoint)}.")
 
 
-def nonfinite_model(step: int) -> NonFinite:
+def nonfinite_model(step: int, last_checkpoint: str | None = None) -> NonFinite:
     """The error for parameters that are not finite when saving after ``step``."""
     return NonFinite(f"the model's parameters after step {step} are not finite, so checkpoint step {step} was not "
-                     f"saved. Try to {_TRY}; {_RESUME}.")
+                     f"saved. Try to {_TRY}; {_resume(last_checkpoint)}.")
 
 
 def all_finite(value: torch.Tensor) -> bool:
