@@ -152,7 +152,8 @@ def three_checkpoints(tmp_path):
     """A 4-step run with checkpoints after steps 1..4, the last one deleted; its metrics."""
     root = tmp_path / "ckpt"
     metrics = run(_cfg(root, checkpoint_every=1, keep_last=4))
-    assert sorted(os.listdir(root)) == ["latest", *(f"step_{s:06d}" for s in range(1, 5))]
+    # and the folder's lock record (Note [Checkpoint folder lock])
+    assert sorted(os.listdir(root)) == [".distcompile.lock", "latest", *(f"step_{s:06d}" for s in range(1, 5))]
     for name in ("identity.json", "manifest.json"):
         assert (root / "step_000004" / name).is_file()
     import shutil
