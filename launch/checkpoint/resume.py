@@ -137,6 +137,14 @@ def _explicit(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity)
             "train.checkpoint_dir. (May change on resume: train.steps, train.lr, train.weight_decay, logging, "
             "checkpoint cadence, timeouts, compile.*, ddp.*.)"
         )
+    if saved.data is not None and now.data is not None and saved.data != now.data:
+        changed = (f"data.path={now.fields.get('data.path')!r} changed since checkpoint {newest.path} was written "
+                   f"(then {saved.data}, now {now.data})")
+        if not t.allow_data_change:
+            raise CheckpointError(
+                f"train.resume=true but {changed}: the resumed run would train on other tokens than the run it "
+                "continues. Restore the file, or set train.allow_data_change=true to resume on the new one.")
+        notes.append(f"{changed}; resuming on the new file as asked (train.allow_data_change=true)")
     return ResumePlan(tuple(i for i, s in found if s is not None and s.digest == now.digest), False, tuple(notes))
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.schema import ConfigError, JobConfig
+from ..data.tokens import fingerprint
 
 __all__ = [
     "RESUMABLE",
@@ -76,6 +77,7 @@ RESUMABLE = frozenset({
     "diagnose", "diagnose_json",
     "log.", "profile.",  # what is written about the run, not what it computes
     "train.eval_every", "train.eval_batches",  # evaluation reads the model, it does not change it
+    "train.allow_data_change",  # decides on the data fingerprint, kept beside the fields
 })
 
 # Trajectory keys added after checkpoints carried identities: left out of the identity at
@@ -113,6 +115,9 @@ class RunIdentity:
 
     fields: dict[str, Any]
     run_id: str | None = None
+    # The token file's fingerprint (data=tokens), beside the fields: not in the digest, so a
+    # checkpoint written before fingerprints existed keeps its digest.
+    data: str | None = None
 
     @property
     def digest(self) -> str:
@@ -145,12 +150,14 @@ def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> 
     """
     fields = {"world_size": world_size, **{k: v for k, v in flat_config(cfg).items()
                                            if not _resumable(k) and not (k in ADDED_LATER and v == ADDED_LATER[k])}}
-    return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"))
+    data = fingerprint(cfg.data.path) if cfg.data.name == "tokens" and cfg.data.path else None
+    return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"), data)
 
 
 def write_identity(folder: str, identity: RunIdentity) -> None:
     _write_json(os.path.join(folder, IDENTITY_FILE),
-                {"version": _VERSION, "digest": identity.digest, "run_id": identity.run_id, "fields": identity.fields})
+                {"version": _VERSION, "digest": identity.digest, "run_id": identity.run_id, "fields": identity.fields,
+                 "data": identity.data})
 
 
 def read_identity(folder: str) -> RunIdentity | None:
@@ -165,7 +172,7 @@ def read_identity(folder: str) -> RunIdentity | None:
     try:
         with open(path) as f:
             data = json.load(f)
-        identity = RunIdentity(dict(data["fields"]), data.get("run_id"))
+        identity = RunIdentity(dict(data["fields"]), data.get("run_id"), data.get("data"))
         ok = data["digest"] == identity.digest
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None

@@ -272,6 +272,9 @@ class TrainConfig:
     # (launch.step.evaluate, Note [Evaluation]). eval_batches: batches per rank, averaged over ranks.
     eval_every: int = 0
     eval_batches: int = 4
+    # Resume a checkpoint although the token file changed since it was written (its fingerprint
+    # in the checkpoint's identity; Note [Token files] in launch.data.tokens).
+    allow_data_change: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Real data: a flat file of token ids (``data=tokens``), memory-mapped.
+"""Real data: a flat file of token ids (``data=tokens``), read a window at a time.
 
 Note [Token files]
 
@@ -26,6 +26,15 @@ Algorithm
       the interrupted one would have seen.
 
 Notes
+    - Training reads each window with ``os.pread`` from a descriptor opened once, and
+      checks the file's size before each batch: a file rewritten under a running job
+      stops it with one message (:class:`TokenFileChanged`), where reading a shrunk
+      memory map killed the workers with SIGBUS and no word. A file replaced by a
+      rename keeps being read as it was (the descriptor holds the old one).
+    - :func:`fingerprint` (size and a sha256 of :data:`SAMPLE_CHUNKS` sampled blocks,
+      about 4 MiB read whatever the size) goes into each checkpoint's identity; a
+      resume on a changed file is refused unless ``train.allow_data_change=true``.
+      The modification time is left out, so a copy or a restore of the same file resumes.
     - :func:`check_token_data` refuses a bad file before any process group starts
       (missing, empty, a size that is not a whole number of ids of the dtype, too
       short for one window in a rank's train slice or in the validation region,
@@ -39,6 +48,7 @@ Notes
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -49,13 +59,34 @@ import torch
 from ..config.schema import ConfigError, JobConfig
 from .source import stream_seed
 
-__all__ = ["DTYPES", "SCAN_LIMIT", "SAMPLE_CHUNKS", "TokenFile", "read_sidecar", "max_id", "check_token_data"]
+__all__ = ["DTYPES", "SCAN_LIMIT", "SAMPLE_CHUNKS", "TokenFile", "TokenFileChanged", "fingerprint", "read_sidecar",
+           "max_id", "check_token_data"]
 
 DTYPES = ("uint16", "uint32")
 SCAN_LIMIT = 1 << 28  # ids scanned in full (512 MiB of uint16); past it, a sample
 SAMPLE_CHUNKS = 64
 _CHUNK = 1 << 22  # ids per read of the scan
 _EVAL_SALT = 0x5DEECE66D  # keeps the validation draws apart from the training draws of the same step
+_BLOCK = 1 << 16  # bytes per sampled block of the fingerprint
+
+
+class TokenFileChanged(RuntimeError):
+    """The token file changed size under the running job; one line on every rank, exit 1."""
+
+    exit_code = 1
+    every_rank = True
+
+
+def fingerprint(path: str) -> str:
+    """``"<bytes> bytes, sampled sha256 <16 hex>"``: the size and a hash of SAMPLE_CHUNKS
+    evenly spaced 64 KiB blocks (the first and the last included)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(SAMPLE_CHUNKS):
+            f.seek(max(0, (size - _BLOCK) * i // max(SAMPLE_CHUNKS - 1, 1)))
+            h.update(f.read(_BLOCK))
+    return f"{size} bytes, sampled sha256 {h.hexdigest()[:16]}"
 
 
 def read_sidecar(path: str) -> dict[str, Any] | None:
@@ -100,6 +131,8 @@ class TokenFile:
         self.val_tokens = int(self.tokens * val_fraction)
         self.train_tokens = self.tokens - self.val_tokens
         self._ids: np.ndarray | None = None
+        self._fd: int | None = None
+        self._bytes = self.tokens * np.dtype(self.dtype).itemsize
 
     @property
     def ids(self) -> np.ndarray:
@@ -131,11 +164,27 @@ class TokenFile:
             raise ValueError(f"{self.path}: a region of {hi - lo} ids holds no window of seq_len + 1 = {seq_len + 1}")
         g = torch.Generator().manual_seed(seed)
         starts = torch.randint(lo, hi - seq_len, (batch_size,), generator=g).tolist()
-        ids = self.ids
-        rows = torch.from_numpy(np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+        rows = torch.from_numpy(np.stack([self._read(s, seq_len + 1) for s in starts]).astype(np.int64))
         if self.vocab_size is not None and int(rows.max()) >= self.vocab_size:
             raise _past_vocab(self.path, int(rows.max()), None, self.vocab_size, self.meta)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        """``count`` ids from ``start``, read with ``os.pread``; :class:`TokenFileChanged` when the
+        file is not the size it had when the job opened it."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        item = np.dtype(self.dtype).itemsize
+        size = os.fstat(self._fd).st_size
+        data = os.pread(self._fd, count * item, start * item) if size == self._bytes else b""
+        if len(data) != count * item:
+            raise TokenFileChanged(
+                f"data.path={self.path!r} changed under the running job: it had {self._bytes} bytes when the job "
+                f"started and has {size} now. A token file must not be rewritten while a job reads it (write the "
+                "new one elsewhere and rename it into place). Restart the job; a resume on the changed file is "
+                "refused unless train.allow_data_change=true.")
+        return np.frombuffer(data, dtype=self.dtype)
 
 
 def _dtype(path: str, dtype: str | None, meta: dict[str, Any] | None) -> str:

@@ -41,7 +41,7 @@ def leave(e: BaseException, env: DistEnv) -> None:
     code = getattr(e, "exit_code", None)
     stop = next((x for x in _chain(e) if isinstance(x, (PeerLost, WaitInterrupted))), None)
     if isinstance(code, int):
-        if env.is_main:
+        if env.is_main or getattr(e, "every_rank", False):
             print(f"{'preempted' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
     elif isinstance(stop, WaitInterrupted):
         code = EXIT_PREEMPTED
