@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..runtime.guard import model_finite, nonfinite_model
 from .run_identity import RunIdentity, write_identity, write_manifest
+from .space import room_everywhere, write_error
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +130,13 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
 
     Raises:
         NonFinite: a parameter or buffer is inf or NaN on some rank; nothing was written.
+        CheckpointWriteError: too little room, or the write failed; the partial folder is
+            removed (Note [Checkpoint write errors] in ``launch.checkpoint.space``).
     """
+    latest = latest_checkpoint(root)
+    last = latest.path if latest is not None else None
     if not model_finite(model):
-        latest = latest_checkpoint(root)
-        raise nonfinite_model(step, latest.path if latest is not None else None)
+        raise nonfinite_model(step, last)
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, name + ".tmp"), os.path.join(root, name)
@@ -140,16 +144,25 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a job killed while writing
     dist.barrier()
+    room_everywhere(root, step, last, next(model.parameters()).device)  # Note [Checkpoint write errors]
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    dist.barrier()  # every rank's shards are written
-
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dist.barrier()  # every rank's shards are written
+        if rank == 0:
+            _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({**(train_state or {}), "step": step}))
+            if identity is not None:
+                write_identity(tmp, identity)
+            write_manifest(tmp)  # last: the sha256 of every file above
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:  # DCP's is a BaseException, on every rank
+        error = write_error(root, step, last, e, tmp)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            raise
+        raise error from e
     if rank == 0:
-        _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({**(train_state or {}), "step": step}))
-        if identity is not None:
-            write_identity(tmp, identity)
-        write_manifest(tmp)  # last: the sha256 of every file above
         if os.path.isdir(final):  # published earlier by a run that then died before `latest` moved on
             shutil.rmtree(final)
         os.rename(tmp, final)
