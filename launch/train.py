@@ -45,11 +45,11 @@ from .data.build import build_data
 from .data.source import TokenSource, stream_seed
 from .observe.banner import ddp_lines, describe, partition_table
 from .observe.observer import Observer
-from .observe.report import Tally, step_line, summary_lines, write_json
+from .observe.report import Tally, step_line, summary_lines, write_json, write_metrics
 from .runtime.compile_stats import after_first_compile, save_compile_cache
 from .runtime.dist import (DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun,
                            world_size_from_env)
-from .runtime.guard import OnNonfinite, nonfinite_loss
+from .runtime.guard import NonFinite, OnNonfinite, nonfinite_loss
 from .runtime.leave import leave
 from .runtime.parallel import Wrapped, apply_parallel, build_model
 from .runtime.precision import grad_scaler
@@ -128,11 +128,13 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
             with checkpoint_folder_lock(cfg.train, env):  # one job per checkpoint folder
                 metrics = train(cfg, env, step_callbacks, preemption, output_dir)
             if env.is_main and output_dir:
-                write_json(os.path.join(output_dir, "metrics.json"), metrics, "metrics")
+                write_metrics(output_dir, metrics)
             if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):
                 write_json(cfg.diagnose_json or os.path.join(output_dir, "diagnosis.json"), metrics["diagnosis"],
                             "diagnosis")
         except BaseException as e:
+            if env.is_main and output_dir and getattr(e, "metrics", None) is not None:  # a stop all ranks agreed on
+                write_metrics(output_dir, e.metrics, stopped=str(e))
             if exit_on_error:
                 leave(e, env)
             raise
@@ -154,7 +156,11 @@ def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
         job.preemption = preemption
     with Observer(cfg, env, output_dir) as job.observer:
         warm_up(job)
-        loop(job)
+        try:
+            loop(job)
+        except (Preempted, NonFinite) as e:  # every rank stops at the same step: the steps so far are reported
+            e.metrics = job.observer.finish(job.tally, report(job))
+            raise
         save_compile_cache(job.wrapped)  # graphs compiled after the first step (a new shape) are kept too
         return job.observer.finish(job.tally, report(job))
 
@@ -252,7 +258,8 @@ def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int, eval_
     """Note [Finite-loss guard] in ``launch.runtime.guard``: stop on a non-finite loss, or count
     a skipped update; the evaluation loss under the same policy; returns the skipped steps in a row."""
     t = job.cfg.train
-    last = job.tally.checkpoints[-1] if job.tally.checkpoints else _resumed_from(job)
+    resumed = latest_checkpoint(t.checkpoint_dir) if job.start and not job.tally.checkpoints else None
+    last = job.tally.checkpoints[-1] if job.tally.checkpoints else (resumed.path if resumed else None)
     if job.runner.skipped:
         job.tally.skipped.append(step)
         skipped_in_a_row += 1
@@ -271,11 +278,6 @@ def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int, eval_
                "goes on; an evaluation has no update to skip)")
     return skipped_in_a_row
 
-
-def _resumed_from(job: Job) -> str | None:
-    """The checkpoint this run resumed from, if it did."""
-    latest = latest_checkpoint(job.cfg.train.checkpoint_dir) if job.start > 0 else None
-    return latest.path if latest is not None else None
 
 
 def _save(job: Job, step: int) -> str:

@@ -189,6 +189,27 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_bit_equal
     assert resumed["losses"] == reference["losses"][3:]  # exactly, not within a tolerance
 
 
+def test_a_preempted_run_and_its_torchrun_restart_leave_one_metrics_json_with_every_attempt(tmp_path, monkeypatch):
+    import launch.runtime.dist as dist_module
+
+    monkeypatch.setattr(dist_module, "die_with_agent", lambda: False)  # this test process is no torchrun worker
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(Preempted):
+        run(_job(tmp_path, checkpoint_every=100), output_dir=str(out), step_callbacks=[_signal_at(3, signal.SIGTERM)])
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["attempt"] == 0 and first["stopped"].startswith("stopped after step 3 on SIGTERM/SIGINT")
+    assert [s for s, _ in first["losses"]] == [1, 2, 3]
+    torch._dynamo.reset()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the group: it resumes its own
+    run(_job(tmp_path, checkpoint_every=100), output_dir=str(out))
+    final = json.loads((out / "metrics.json").read_text())
+    assert final["attempt"] == 1 and final["stopped"] is None and [s for s, _ in final["losses"]] == [4, 5, 6]
+    assert [(a["attempt"], [s for s, _ in a["losses"]]) for a in final["earlier_attempts"]] == [(0, [1, 2, 3])]
+
+
 def test_a_signal_without_checkpoints_says_nothing_was_saved(tmp_path):
     with pytest.raises(Preempted, match=r"no checkpoint saved \(train\.checkpoint_every=0\)"):
         run(_job(tmp_path), step_callbacks=[_signal_at(2, signal.SIGTERM)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,3 +193,24 @@ def _strict(value: Any, where: str, found: list[str]) -> Any:
     if isinstance(value, (list, tuple)):
         return [_strict(v, f"{where}.{i}" if where else str(i), found) for i, v in enumerate(value)]
     return value
+
+
+def write_metrics(output_dir: str, metrics: dict[str, Any], stopped: str | None = None) -> None:
+    """Rank 0's ``metrics.json``, also for a run stopped on purpose (``stopped``: why: preempted,
+    non-finite), with its ``attempt`` (torchrun's restart count). A ``metrics.json`` already in
+    the run directory from an earlier attempt of the same torchrun run goes into
+    ``earlier_attempts``, so the file covers every attempt's steps."""
+    path = os.path.join(output_dir, "metrics.json")
+    metrics = {**metrics, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), "stopped": stopped}
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        with open(path) as f:
+            before = json.load(f)
+    except (OSError, ValueError):
+        before = None
+    if isinstance(before, dict) and run_id is not None and before.get("run_id") == run_id \
+            and before.get("attempt", 0) < metrics["attempt"]:
+        earlier = before.pop("earlier_attempts", [])
+        metrics["earlier_attempts"] = [*earlier, before]
+    metrics["run_id"] = run_id
+    write_json(path, metrics, "metrics")
