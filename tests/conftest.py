@@ -106,4 +106,5 @@ def launch_cli(tmp_path, capfd, monkeypatch):
     import _torchrun
 
     monkeypatch.chdir(tmp_path)
-    return lambda *overrides: _torchrun.cli_in_process(capfd, [*overrides, f"hydra.run.dir={tmp_path / 'run'}"])
+    # the run directory first: a test's own hydra.run.dir wins, and flags (--config-path) may come last
+    return lambda *overrides: _torchrun.cli_in_process(capfd, [f"hydra.run.dir={tmp_path / 'run'}", *overrides])

@@ -126,3 +126,41 @@ def test_example_kwargs_left_merged_into_a_users_model_are_named():
     with pytest.raises(ConfigError, match=r"building the model .* unexpected keyword argument 'cfg'.*\. model\.kwargs still "
                                           r"holds cfg, .* drop it with '~model\.kwargs\.cfg'\."):
         validate(cfg, world_size=2)
+
+
+# --- the command line before Hydra (Note [Command line before Hydra]) ------------------------------
+
+
+def test_a_group_typo_names_the_close_valid_choice_and_exits_2(launch_cli):
+    proc = launch_cli("modle=gpt_tiny")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error: 'modle=gpt_tiny': 'modle' is neither a config group nor a setting of the job; "
+                             "did you mean 'model'? The groups are compile, data, ddp") == 1, proc.stderr
+    assert "+modle" not in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_run_directory_that_cannot_be_made_is_named(launch_cli, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = launch_cli(f"hydra.run.dir={tmp_path / 'a_file' / 'run'}")
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: hydra.run.dir='{tmp_path / 'a_file' / 'run'}' cannot be created (Not a directory)" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_users_config_that_is_not_yaml_is_one_message_with_the_line(launch_cli, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "bad.yaml").write_text("train:\n  steps: [1\n")
+    proc = launch_cli("--config-dir", str(tmp_path / "mine"), "--config-name", "bad")
+    assert proc.returncode == 2, proc.stderr
+    assert (f"error: the config file {tmp_path / 'mine' / 'bad.yaml'} is not valid YAML at line 3, column 1: "
+            "expected ',' or ']'") in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_config_path_with_a_users_config_reuses_the_jobs_groups(launch_cli, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "myjob.yaml").write_text("defaults:\n  - config\n  - _self_\ntrain:\n  steps: 2\n")
+    proc = launch_cli("compile=eager", "parallel=none", "--config-path", str(tmp_path / "mine"),
+                      "--config-name", "myjob")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: steps 1..2" in proc.stdout

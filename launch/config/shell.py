@@ -11,6 +11,7 @@ import sys
 import traceback
 from typing import Any, Callable, Sequence
 
+from .argv import check_argv
 from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_config_error
 from .schema import ConfigError, register_configs, to_job_config
 
@@ -39,6 +40,9 @@ def run_cli(argv: Sequence[str], run: RunJob, step_callbacks: Sequence[Any] = ()
     it; tests call this to check exit codes without starting a process."""
     import hydra
 
+    argv, problem = check_argv(argv)  # Note [Command line before Hydra]
+    if problem is not None:
+        return report_config_error(problem)
     register_configs()
     codes: list[int] = []  # one exit code per task Hydra ran; none when it could not compose the config
 
