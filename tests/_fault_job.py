@@ -14,7 +14,8 @@ everything else is ``python -m launch.train [overrides]``.
 
 registers the dynamo backend ``fault_aot_eager`` (``aot_eager``, except that RANK does
 ACTION, KILL or STOP, at its first compile: a rank that dies or is stopped in the
-middle of the first compile, as its peers wait for it at the compile barrier)."""
+middle of the first compile, as its peers wait for it at the compile barrier; SLEEP:
+a first compile of 120 s)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,13 @@ def register_compile_fault(spec: str) -> None:
     @register_backend(name="fault_aot_eager")
     def fault_aot_eager(gm, example_inputs):
         if int(os.environ.get("RANK", "0")) == int(fault_rank) and not restarted_by_torchrun():
-            print(f"[rank {fault_rank}] fault {spec}: SIG{action} in the first compile", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), getattr(signal, f"SIG{action}"))
+            if action == "SLEEP":  # a first compile longer than torchrun's shutdown grace
+                print(f"[rank {fault_rank}] fault {spec}: a 120 s compile", file=sys.stderr, flush=True)
+                time.sleep(120)
+            else:
+                print(f"[rank {fault_rank}] fault {spec}: SIG{action} in the first compile", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{action}"))
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 

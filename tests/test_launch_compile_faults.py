@@ -91,3 +91,30 @@ def test_sigterm_ends_the_wait_for_a_stopped_peer_after_its_grace(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("preempted: ")]
     assert len(lines) == 1 and "stopped waiting for" in lines[0] and "SIGTERM (preemption)" in lines[0], err[-3000:]
+
+
+def test_sigterm_during_a_first_compile_longer_than_torchruns_grace_is_said(tmp_path):
+    # torchrun SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s; 3 here) after forwarding a
+    # SIGTERM: a compile still running then ends without a checkpoint, and rank 0 says so when the signal comes.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(FAULT_JOB),
+           "compile:0:SLEEP", "compile.backend=fault_aot_eager", "model.n_layer=2", "model.n_embd=32",
+           "model.n_head=2", "train.batch_size=2", "train.seq_len=16", "train.steps=3", "hydra.run.dir=run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}
+    agent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        _wait_for_line(agent, "a 120 s compile")
+        os.kill(agent.pid, signal.SIGTERM)  # what a scheduler sends
+        _, err = agent.communicate(timeout=60)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert err.count("rank 0: SIGTERM received: the run stops after the current step") == 1, err[-3000:]
+    assert "a step or a compile still running then ends without one" in err
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str) -> None:
+    line, deadline = "", time.monotonic() + 120
+    while needle not in line and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stderr.readline()
+    assert needle in line, f"{needle!r} never printed"

@@ -49,6 +49,7 @@ Notes
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
@@ -91,6 +92,11 @@ class Preemption:
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if not self.requested:
             self.requested = signum
+            if os.environ.get("RANK", "0") == "0":  # said at once: a long step or compile may be SIGKILLed first
+                os.write(2, (f"rank 0: {signal.Signals(signum).name} received: the run stops after the current step, "
+                             "with a checkpoint if train.checkpoint_every is set. torchrun SIGKILLs its workers 30 s "
+                             "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT) after forwarding a SIGTERM, so a step or a compile "
+                             "still running then ends without one.\n").encode())
         # A rank waiting in the store for a peer's compile stops at once (Note [Peer liveness]).
         request_stop(f"{signal.Signals(signum).name} (preemption)")
 
