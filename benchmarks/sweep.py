@@ -62,7 +62,8 @@ def sweep_runners(modes: Sequence[str], caps: Sequence[float | str]) -> list[tup
 def _cost_model(link: SimulatedLink, device):
     """One cost model for every runner that plans with one (``ddp_opt.CostModel``), measured
     on ``device`` (the gradients' and the link probe's: the rank's GPU on CUDA)."""
-    from ddp_opt import CostModel, measure_link, measure_rates
+    from ddp_opt import CostModel
+    from ddp_opt.cost import measure_link, measure_rates
 
     cost = CostModel(measure_link(link.probe, device=device), measure_rates(device))
     print0(f"[sweep] cost model: link {cost.link.alpha_s * 1e3:.3g} ms + {cost.link.bandwidth / 1e6:.4g} MB/s "

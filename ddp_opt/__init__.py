@@ -1,18 +1,25 @@
 """DDP optimizer: plan gradient buckets from a captured graph, split the graph at
-the bucket boundaries DDP really uses, compile each partition."""
+the bucket boundaries DDP really uses, compile each partition.
 
-from .advice import API_SPELLING, DIRECT_SPELLING, Spelling, ddp_advice
-from .alignment import Alignment, alignment_fraction, measure_alignment, runtime_buckets
-from .agreement import PlanMismatchError, check_plan_agreement, plan_summary
+The names below are the public surface (at most 20). The building blocks behind them
+are imported from their modules: ``ddp_opt.autoplan`` (``simulate``, ``solve``,
+``UnitCost``), ``ddp_opt.cost`` (``measure_link``, ``measure_rates``),
+``ddp_opt.graph_plan`` (``plan_auto``), ``ddp_opt.calibrate``, ``ddp_opt.alignment``
+(``alignment_fraction``, ``runtime_buckets``), ``ddp_opt.agreement``
+(``check_plan_agreement``, ``plan_summary``), ``ddp_opt.plan`` (``partition_map``) and
+``ddp_opt.advice`` (the spellings of settings in messages)."""
+
+from .advice import ddp_advice
+from .agreement import PlanMismatchError
+from .alignment import Alignment, measure_alignment
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
+from .autoplan import LinkEstimate, Timeline
+from .calibrate import Calibration
 from .compile_first import compile_for_ddp, compiled_ddp_of
 from .config import DDPCompileConfig
-from .autoplan import LinkEstimate, Timeline, UnitCost, simulate, solve
-from .calibrate import Calibration, calibrate, calibrated_model
-from .cost import CostModel, DeviceRates, measure_link, measure_rates
-from .graph_plan import plan_auto
+from .cost import CostModel, DeviceRates
 from .optimizer import DDPOptimizer
-from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets
+from .plan import Bucket, BucketCaps, format_buckets, plan_buckets
 
 __all__ = [
     # entry points
@@ -27,34 +34,16 @@ __all__ = [
     "BucketCaps",
     "caps_from_ddp",
     "plan_buckets",
-    "partition_map",
     "format_buckets",
     # cost-model plan (bucket_cap_mb="auto")
     "CostModel",
     "DeviceRates",
     "LinkEstimate",
     "Timeline",
-    "UnitCost",
-    "measure_link",
-    "measure_rates",
-    "plan_auto",
-    "simulate",
-    "solve",
     "Calibration",
-    "calibrate",
-    "calibrated_model",
-    # alignment with DDP's runtime buckets
+    # alignment with DDP's runtime buckets, rank agreement, advice
     "Alignment",
-    "alignment_fraction",
     "measure_alignment",
-    "runtime_buckets",
-    # rank agreement
     "PlanMismatchError",
-    "check_plan_agreement",
-    "plan_summary",
-    # advice in the spelling of the entry point
-    "API_SPELLING",
-    "DIRECT_SPELLING",
-    "Spelling",
     "ddp_advice",
 ]

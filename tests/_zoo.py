@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler._torch_internals import graph_break_frame
-from ddp_opt import compile_ddp, measure_alignment, runtime_buckets
+from ddp_opt import compile_ddp, measure_alignment
+from ddp_opt.alignment import runtime_buckets
 
 STEPS = 3
 VOCAB, SEQ, BATCH, IMAGE = 100, 12, 2, 16

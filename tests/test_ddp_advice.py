@@ -2,7 +2,8 @@
 setting as an override, a Python user reads compile_ddp / DDP arguments."""
 
 from compiler.diagnose import GraphInfo, compile_seconds
-from ddp_opt import API_SPELLING, ddp_advice
+from ddp_opt import ddp_advice
+from ddp_opt.advice import API_SPELLING
 from launch.checks.diagnosis import OVERRIDE_SPELLING
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_opt import alignment_fraction, compile_ddp, measure_alignment
+from ddp_opt import compile_ddp, measure_alignment
+from ddp_opt.alignment import alignment_fraction
 from models import GPT, GPTConfig
 from tests._torch_range import needs_realignment
 
@@ -219,7 +220,7 @@ class _Mixed(nn.Module):
 
 @needs_realignment
 def test_parameters_of_two_dtypes_are_bucketed_per_dtype_as_ddp_does(caplog):
-    from ddp_opt import runtime_buckets
+    from ddp_opt.alignment import runtime_buckets
 
     cap = 64 * 64 * 4 / 2**20
     torch.manual_seed(0)

@@ -13,10 +13,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _capture import capture
-from ddp_opt import (
-    BucketCaps, CostModel, DeviceRates, LinkEstimate, UnitCost, compile_ddp, measure_alignment, measure_link,
-    plan_buckets, simulate, solve,
-)
+from ddp_opt import BucketCaps, CostModel, DeviceRates, LinkEstimate, compile_ddp, measure_alignment, plan_buckets
+from ddp_opt.autoplan import UnitCost, simulate, solve
+from ddp_opt.cost import measure_link
 from ddp_opt.cost import fit_link, node_backward_costs
 from ddp_opt.graph_plan import _unit_counts, unit_costs
 from models import GPT, GPTConfig
@@ -210,7 +209,7 @@ def test_the_default_floor_keeps_every_bucket_but_the_last_at_1_mib_where_single
     seen = {}
 
     def inspect(gm, example_inputs):
-        from ddp_opt import plan_auto
+        from ddp_opt.graph_plan import plan_auto
 
         assert CostModel(link, rates).min_bucket_bytes == 1 << 20
         _, floored, timeline = plan_auto(gm, CostModel(link, rates, 0.0))
@@ -234,7 +233,7 @@ def test_a_bad_min_bucket_bytes_says_what_it_expects(bad):
 
 def test_cost_estimate_adds_no_guards_under_dynamic_shapes(clean_dynamo):
     # Symbolic sizes are read as their hints: planning must not specialise the graph (a recompile per length).
-    from ddp_opt import plan_auto
+    from ddp_opt.graph_plan import plan_auto
 
     graphs = []
 

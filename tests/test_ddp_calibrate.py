@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_opt import CostModel, DeviceRates, LinkEstimate, UnitCost, calibrate, compile_ddp, simulate
-from ddp_opt.calibrate import calibrated_model, fit_contention
+from ddp_opt import CostModel, DeviceRates, LinkEstimate, compile_ddp
+from ddp_opt.autoplan import UnitCost, simulate
+from ddp_opt.calibrate import calibrate, calibrated_model, fit_contention
 from ddp_opt.graph_plan import chunk_units, solve_table
 
 MS = 1e-3

@@ -23,7 +23,8 @@ import fsdp_opt
 from compiler import BackendSpec
 from compiler.cache import open_cache
 from compiler.cputime import cpu_seconds
-from ddp_opt import DDPCompileConfig, Spelling, compile_ddp, measure_alignment
+from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
+from ddp_opt.advice import Spelling
 
 from ..config.schema import CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig, ParallelMode
 from .dist import DistEnv
