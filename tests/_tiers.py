@@ -89,3 +89,8 @@ def no_spawn(item: pytest.Item) -> Iterator[None]:
         yield
     if offences:  # the code under test caught the refusal: fail all the same
         pytest.fail(_message(item.nodeid, offences[0]), pytrace=False)
+
+
+def guard(item: pytest.Item) -> contextlib.AbstractContextManager:
+    """:func:`no_spawn` for a test of the fast tier; nothing for one marked slow."""
+    return contextlib.nullcontext() if item.get_closest_marker("slow") else no_spawn(item)

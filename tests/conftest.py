@@ -24,18 +24,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("slow"):
-        return (yield)
-    with _tiers.no_spawn(item):
+def pytest_runtest_setup(item):  # fixtures' setup too: a module fixture may start a reference job
+    with _tiers.guard(item):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    if item.get_closest_marker("slow"):
-        return (yield)
-    with _tiers.no_spawn(item):
+    with _tiers.guard(item):
         return (yield)
 
 
