@@ -58,8 +58,11 @@ import itertools
 import json
 import logging
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+
+from compiler.liveness import dead_after_s
 
 from ._torch_internals import default_store
 from .plan import Bucket
@@ -79,6 +82,12 @@ PLAN_TIMEOUT_S = 120.0  # how long a rank waits for its peers' plans, and for th
 
 class PlanMismatchError(RuntimeError):
     """Ranks planned different buckets for the same graph."""
+
+
+def _bounded(timeout_s: float, store: Any) -> timedelta:
+    """A wait for the peers' plans never outlasts the store's timeout (the launcher's
+    train.timeout_s; Note [Peer liveness] in ``compiler.liveness``): a dead peer ends it then."""
+    return timedelta(seconds=min(timeout_s, dead_after_s(store)))
 
 
 def next_plan_namespace(kind: str = "plan") -> str:
@@ -139,7 +148,7 @@ class _Exchange:
                 log.warning("Ranks planned different DDP buckets (a PlanMismatchError follows); waiting up to "
                             "%.0fs for every rank to compare the plans, so that all fail with the same error",
                             timeout_s)
-                self.store.wait(seen, timedelta(seconds=timeout_s))
+                self.store.wait(seen, _bounded(timeout_s, self.store))
         except RuntimeError as e:  # a peer that never compares, or a store gone: raise anyway
             log.info("Not every rank saw the plan mismatch (%s); raising it here", e)
 
@@ -185,7 +194,7 @@ def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.Proces
     if exchange is None:
         return False
     try:
-        exchange.store.wait(exchange.keys, timedelta(seconds=timeout_s))
+        exchange.store.wait(exchange.keys, _bounded(timeout_s, exchange.store))
     except dist.DistNetworkError as e:
         log.warning(
             "Plan agreement check skipped for %s: the process group's store could not be reached (has the "
@@ -233,7 +242,7 @@ def agree_on_caps(caps: tuple[int, ...], key: str, group: dist.ProcessGroup | No
     mine = json.dumps(list(caps))
     exchange.store.set(exchange.keys[exchange.index], mine)
     try:
-        exchange.store.wait(exchange.keys, timedelta(seconds=timeout_s))
+        exchange.store.wait(exchange.keys, _bounded(timeout_s, exchange.store))
         proposals = [exchange.store.get(k).decode() for k in exchange.keys]
         differs = next((r for r, p in enumerate(proposals) if p != proposals[0]), None)
         vote = "yes" if differs is None else (

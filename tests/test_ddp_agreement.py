@@ -149,3 +149,17 @@ def test_a_rank_that_comes_after_the_others_gave_up_follows_their_decision(two_r
     # must not realign alone (its all-reduces would pair with buckets of another size on rank 0).
     r0, r1 = two_ranks((0, (64, 128), 0.3), (1, (64, 128), 5.0, 1.5))
     assert r0 == r1 and r0[0] is False and "not every rank reached the realignment within 0s" in r0[1]
+
+
+def test_a_wait_for_the_peers_plans_never_outlasts_the_stores_timeout(store):
+    # The launcher's store times out after train.timeout_s: a dead peer ends the wait then, not after 120 s.
+    from datetime import timedelta
+
+    s = store(Store(wait_error=dist.DistStoreError("Socket Timeout")))
+    s.timeout = timedelta(seconds=20)
+    s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
+    assert verify_plans(KEY, timeout_s=120) is False
+    assert [seconds for _, seconds in s.waited] == [20.0]
+    s.timeout = timedelta(seconds=600)
+    verify_plans(KEY + "x", timeout_s=120)
+    assert s.waited[-1][1] == 120.0
