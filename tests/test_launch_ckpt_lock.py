@@ -103,3 +103,51 @@ def test_two_torchrun_jobs_on_one_folder_the_second_exits_2_at_once_and_the_firs
     seeds = {k: v for k, v in fields.items() if k.endswith("seed")}
     assert seeds and 7 not in seeds.values(), seeds  # the first job's seed (the default), not the second's
     print(f"the second job ended {took:.1f}s after it started")
+
+
+@pytest.mark.slow
+def test_two_jobs_of_two_nodes_each_on_one_folder_the_second_exits_2_on_both_nodes(tmp_path):
+    # Two nodes per job (two torchrun agents joined by a c10d rendezvous, one rank each), as on two
+    # machines sharing the checkpoint folder: the lock is rank 0's, its outcome reaches the other node.
+    import _dist
+    from _torchrun import FAULT_JOB
+
+    small = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+             "train.batch_size=4", "train.seq_len=32", "train.steps=6", "train.checkpoint_every=1",
+             f"train.checkpoint_dir={tmp_path / 'ckpt'}"]
+
+    def job(entry, port, run_dir):
+        return [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
+             *entry, *small, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for _ in range(2)]
+
+    import threading
+
+    first = job([str(FAULT_JOB), "1:0:PAUSE"], _dist.free_port(), "first")
+    lines: list[str] = []
+    for p in first:  # either node may hold rank 0: read both without blocking on one
+        threading.Thread(target=lambda p=p: lines.extend(p.stdout), daemon=True).start()
+    second: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("paused at step 1" in ln for ln in list(lines)) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in first), "the first job ended before step 1"
+            time.sleep(0.2)
+        assert any("paused at step 1" in ln for ln in lines), "the first job never reached step 1"
+        second = job(["-m", "launch.train", "train.seed=7"], _dist.free_port(), "second")
+        outs = [p.communicate(timeout=120) for p in second]
+        assert all(p.returncode != 0 for p in second), [o[1][-2000:] for o in outs]
+        assert sum("is in use by another job (host" in err for _, err in outs) >= 1, [o[1][-2000:] for o in outs]
+        for p in first:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in first:
+            p.wait(timeout=90)
+    finally:
+        for p in first + second:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_000001"]
