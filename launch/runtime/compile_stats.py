@@ -35,7 +35,10 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
 
 def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str:
     """One line for the log: who compiled and who loaded, and the CPU it took."""
-    how = ("the ranks shared the compiles (compile.share=true)" if share.share
+    loaded = sum(r.get("loaded", 0) for r in ranks)
+    how = ("the ranks shared the compiles (compile.share=true)" if share.share and loaded
+           else "compile.share=true, but no rank loaded another's compile (a backend with nothing to publish, "
+                "such as aot_eager, or graphs only one rank compiled)" if share.share
            else "every rank compiled every graph (compile.share=false)")
     counts = ", ".join(f"{r.get('compiled', 0)}/{r.get('loaded', 0)}" for r in ranks)
     cpu = sum(r.get("cpu_since_compile_s", 0.0) for r in ranks)
