@@ -170,7 +170,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
         for old in _published(root)[:-keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
     dist.barrier()  # nobody reads `latest` before it is published
-    log.info("checkpoint saved: %s", final)
+    log.debug("checkpoint saved: %s", final)  # the loop prints "checkpoint: PATH" once
     return final
 
 
