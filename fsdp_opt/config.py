@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from compiler import check_blocks_setting, not_compiled
+from compiler import SettingError, check_blocks_setting, not_compiled
 
 __all__ = ["CompileConfig", "FSDPConfig"]
 
@@ -69,25 +69,29 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
-            raise ValueError(
+            raise SettingError(
+                "cache_dir",
                 f"CompileConfig(cache_dir={self.cache_dir!r}) is not a directory: the compile cache writes one file "
                 "per model and config into it (created if missing). Name a directory, e.g. "
                 "cache_dir='/scratch/compile_cache', or cache_dir=None to turn the persistent cache off."
             )
         if not self.share_timeout_s > 0:
-            raise ValueError(
+            raise SettingError(
+                "share_timeout_s",
                 f"CompileConfig(share_timeout_s={self.share_timeout_s!r}): expected a positive number of seconds, the "
                 "longest a rank waits for another rank's compile (Note [Shared compile]). Give the longest compile "
                 "you expect with margin; the default is 7200."
             )
         if self.compiled_autograd:
-            raise ValueError(
+            raise SettingError(
+                "compiled_autograd",
                 f"CompileConfig(compiled_autograd=True) was requested for an FSDP2 model: "
                 f"{COMPILED_AUTOGRAD_WHY}. Leave compiled_autograd=False (the default); the "
                 "per-block compiled forward already gets a compiled backward from AOTAutograd."
             )
         if self.whole_model and self.fullgraph:
-            raise ValueError(
+            raise SettingError(
+                "whole_model",
                 "CompileConfig(whole_model=True, fullgraph=True) was requested for an FSDP2 model: "
                 f"{WHOLE_MODEL_WHY}. Use per-block compile instead (whole_model=False, the default), "
                 "which compiles each repeated block before fully_shard, one graph per block; "
@@ -148,19 +152,22 @@ class FSDPConfig:
         object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "FSDPConfig"))
         rafa = self.reshard_after_forward
         if not isinstance(rafa, bool) and (not isinstance(rafa, int) or rafa < 2):
-            raise ValueError(
+            raise SettingError(
+                "reshard_after_forward",
                 f"FSDPConfig.reshard_after_forward={rafa!r}: expected True, False, or an int world size "
                 "(> 1) to reshard to after forward, such as the number of ranks on one node."
             )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(
+            raise SettingError(
+                "prefetch",
                 f"FSDPConfig.prefetch={self.prefetch!r}: the prefetch depth is how many shard units "
                 "ahead to all-gather, a non-negative int. Use 1 (the default) for one unit ahead, "
                 "or 0 to leave FSDP2's implicit prefetching alone."
             )
         mb = self.shard_unit_mb
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not mb > 0):
-            raise ValueError(
+            raise SettingError(
+                "shard_unit_mb",
                 f"FSDPConfig.shard_unit_mb={mb!r}: the target all-gather size of a shard unit must be a "
                 "positive number of MiB (e.g. 64). Set shard_unit_mb=None to make each block its own unit."
             )

@@ -308,3 +308,20 @@ def test_whole_model_fullgraph_is_refused_with_why_and_what_to_use():
 def test_compiled_autograd_request_is_refused():
     with pytest.raises(ValueError, match=r"compiled_autograd=True.*wrong losses.*drop the sharding.*Leave compiled_autograd=False"):
         CompileConfig(compiled_autograd=True)
+
+
+def test_each_bad_fsdp_setting_is_a_setting_error_naming_its_field():
+    # One error type per rule, as DDPCompileConfig's: a SettingError (a ValueError) whose .setting names it.
+    from compiler import SettingError
+    from fsdp_opt import CompileConfig, FSDPConfig
+
+    cases = [(lambda: CompileConfig(share_timeout_s=0), "share_timeout_s"),
+             (lambda: CompileConfig(compiled_autograd=True), "compiled_autograd"),
+             (lambda: CompileConfig(whole_model=True), "whole_model"),
+             (lambda: FSDPConfig(prefetch=-1), "prefetch"),
+             (lambda: FSDPConfig(shard_unit_mb=0), "shard_unit_mb"),
+             (lambda: FSDPConfig(reshard_after_forward=1), "reshard_after_forward")]
+    for build, field in cases:
+        with pytest.raises(SettingError) as e:
+            build()
+        assert e.value.setting == field
