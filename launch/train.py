@@ -19,6 +19,7 @@ job and the step: the hook point for what a test (or a user's entry module, as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -159,7 +160,8 @@ def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
         try:
             loop(job)
         except (Preempted, NonFinite) as e:  # every rank stops at the same step: the steps so far are reported
-            e.metrics = job.observer.finish(job.tally, report(job))
+            with contextlib.suppress(Exception):  # never in place of the reason the run stopped
+                e.metrics = job.observer.finish(job.tally, report(job))
             raise
         save_compile_cache(job.wrapped)  # graphs compiled after the first step (a new shape) are kept too
         return job.observer.finish(job.tally, report(job))

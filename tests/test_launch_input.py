@@ -164,3 +164,13 @@ def test_config_path_with_a_users_config_reuses_the_jobs_groups(launch_cli, tmp_
                       "--config-name", "myjob")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: steps 1..2" in proc.stdout
+
+
+def test_a_group_of_ones_own_config_folder_is_not_taken_for_a_typo(tmp_path):
+    from launch.config.argv import check_argv
+
+    (tmp_path / "mine" / "mygroup").mkdir(parents=True)
+    _, problem = check_argv(["--config-dir", str(tmp_path / "mine"), "mygroup=a"])
+    assert problem is None
+    _, problem = check_argv(["mygroup=a"])
+    assert problem is not None and "'mygroup' is neither a config group nor a setting of the job" in problem

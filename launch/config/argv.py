@@ -105,6 +105,9 @@ def check_argv(argv: Sequence[str]) -> tuple[list[str], str | None]:
     argv = list(argv)
     flags = _flags(argv)
     groups, keys = _known_names()
+    own = Path(flags.get("dir") or flags.get("path") or GROUPS_DIR)  # a config folder of one's own: its groups too
+    if own.is_dir() and own != GROUPS_DIR:
+        groups = sorted({*groups, *(p.name for p in own.iterdir() if p.is_dir() and not p.name.startswith("."))})
     overrides = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~"))]
     for arg in overrides:
         problem = _unknown_key(arg, groups, keys)
