@@ -7,7 +7,7 @@ order; the warm first step reported is the median. Each run's ``metrics.json`` g
 backward and optimizer step of step 1, compile included) and the median step.
 
 Modes (``--modes``):
-    nosplit        compile_ddp(split=False): one graph, PyTorch's caches.
+    nosplit        compile_ddp(strategy='whole'): one graph, PyTorch's caches.
     ours           split at DDP's buckets, no cache_dir; Inductor's and
                    AOTAutograd's local caches (TORCHINDUCTOR_CACHE_DIR) warm.
     ours_cache     ours with compile.cache_dir and TORCHINDUCTOR_CACHE_DIR unset
@@ -16,8 +16,8 @@ Modes (``--modes``):
                    TORCHINDUCTOR_CACHE_DIR, so only the cache_dir file serves it
                    (a restart on another machine; on CPU, Inductor's C++ kernels
                    are rebuilt from the cached source).
-    whole8         the 8-block model compiled whole (split=False).
-    regional8      the 8-block model, compile.regional=true (block compiled once).
+    whole8         the 8-block model compiled whole (ddp.strategy=whole).
+    regional8      the 8-block model, ddp.strategy=regional (block compiled once).
 
 Step time is not taken from these runs: each is a separate process, and on a
 shared machine the same job's median step varies by tens of percent from one
@@ -94,12 +94,12 @@ class RestartMode:
 
 
 MODES: dict[str, RestartMode] = {
-    "nosplit": RestartMode(("compile.split=false",)),
+    "nosplit": RestartMode(("ddp.strategy=whole",)),
     "ours": RestartMode(),
     "ours_cache": RestartMode(cache_dir=True, inductor="unset"),
     "ours_fresh": RestartMode(cache_dir=True, inductor="fresh"),
-    "whole8": RestartMode(("model.n_layer=8", "compile.split=false")),
-    "regional8": RestartMode(("model.n_layer=8", "compile.regional=true")),
+    "whole8": RestartMode(("model.n_layer=8", "ddp.strategy=whole")),
+    "regional8": RestartMode(("model.n_layer=8", "ddp.strategy=regional")),
 }
 
 

@@ -10,8 +10,8 @@ Background and the shared schedule: Note [Interleaved benchmark core] in
 
 Modes (``benchmarks.modes_ddp``): ``eager`` (DDP, no compile), ``builtin``
 (``torch.compile(ddp)`` with PyTorch's splitter), ``nosplit``
-(``compile_ddp(ddp, split=False)``), ``ours`` (``compile_ddp(ddp)``: split at DDP's
-real buckets) and ``regional`` (``compile_ddp(ddp, regional=True)``: each
+(``compile_ddp(ddp, strategy="whole")``), ``ours`` (``compile_ddp(ddp)``: split at DDP's
+real buckets) and ``regional`` (``compile_ddp(ddp, strategy="regional")``: each
 transformer block compiled in place, one graph reused by every block, DDP's
 buckets made of whole blocks; Note [Regional compile] in ``ddp_opt.regional``).
 Every DDP model gets the simulated-link comm hook (Note [Simulated link]).

@@ -142,11 +142,11 @@ class Builtin(DDPMode):
 
 
 class NoSplit(DDPMode):
-    name, summary = "nosplit", "compile_ddp(ddp, split=False): compiled, no splitting at all"
+    name, summary = "nosplit", "compile_ddp(ddp, strategy='whole'): compiled, no splitting at all"
 
     def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
         super().wrap(r, backend, cap, link, cost_model)
-        r.fn = compile_ddp(r.ddp, backend=backend, split=False)
+        r.fn = compile_ddp(r.ddp, backend=backend, strategy="whole")
 
     def alignment(self, r: DDPRunner) -> float | None:
         return _fraction(r, None)  # the whole graph is one partition
@@ -194,11 +194,11 @@ class Ours(_Planned):
 
 
 class Regional(_Planned):
-    name, summary = "regional", "compile_ddp(ddp, regional=True): each block compiled in place, the rest eager"
+    name, summary = "regional", "compile_ddp(ddp, strategy='regional'): each block compiled in place, the rest eager"
 
     def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
         # A backend object of its own, as for builtin: the blocks never run another runner's compiled code.
-        return compile_ddp(ddp, backend=functools.partial(resolve_backend(backend)), regional=True)
+        return compile_ddp(ddp, backend=functools.partial(resolve_backend(backend)), strategy="regional")
 
     def partitions(self, r: DDPRunner) -> int | None:
         return 1  # one block graph, compiled once, run by every block

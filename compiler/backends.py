@@ -9,7 +9,6 @@ compile starts, with the list of valid choices.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -20,7 +19,7 @@ log = logging.getLogger(__name__)
 
 BackendFn = Callable[[torch.fx.GraphModule, list], Callable[..., Any]]
 
-__all__ = ["BackendFn", "BackendSpec", "SettingError", "resolve_backend", "valid_backend_names", "valid_modes"]
+__all__ = ["BackendFn", "SettingError", "resolve_backend", "valid_backend_names", "valid_modes"]
 
 
 class SettingError(ValueError):
@@ -44,25 +43,6 @@ def valid_backend_names() -> list[str]:
 def valid_modes() -> list[str]:
     """Inductor modes accepted by ``torch.compile(mode=...)``."""
     return _ti.inductor_mode_names()
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """A backend choice as a user states it. ``resolve()`` validates and builds it."""
-
-    backend: str | Callable = "inductor"
-    mode: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    dynamic: bool | None = None
-
-    @property
-    def name(self) -> str:
-        if isinstance(self.backend, str):
-            return self.backend
-        return getattr(self.backend, "__name__", type(self.backend).__name__)
-
-    def resolve(self) -> BackendFn:
-        return resolve_backend(self.backend, mode=self.mode, options=self.options, dynamic=self.dynamic)
 
 
 def resolve_backend(

@@ -36,10 +36,10 @@ class Spelling:
     bucket_cap_list: str = "DistributedDataParallel(model, bucket_cap_mb_list={})"
     auto: str = "compile_ddp(ddp, bucket_cap_mb='auto')"
     keep_aligned: str = "Keep compile_ddp's align_buckets=True"
-    regional: str = "compile_ddp(ddp, regional=True)"
+    regional: str = "compile_ddp(ddp, strategy='regional')"
     cache_dir: str = "compile_ddp(ddp, cache_dir=DIR)"
     compare: str | None = None
-    no_split: str = "compile_ddp(ddp, split=False)"
+    no_split: str = "compile_ddp(ddp, strategy='whole')"
 
 
 API_SPELLING = Spelling()

@@ -4,11 +4,11 @@ its graph is split where DDP's real buckets are."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import inspect
 import logging
 import os
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, 
                                realign_unsupported_warning, registered_hook_name, use_python_reducer)
 from .autoplan import LinkEstimate
 from .compiled import CompiledDDP
-from .config import DDPCompileConfig
+from .config import DDPCompileConfig, keyword_signature
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import BucketCaps
@@ -92,30 +92,8 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
     return CostModel(est, rates)
 
 
-def compile_ddp(
-    ddp_model: DistributedDataParallel,
-    *,
-    backend: str | Callable = "inductor",
-    mode: str | None = None,
-    options: dict[str, Any] | None = None,
-    dynamic: bool | None = None,
-    fullgraph: bool = False,
-    fallback: str = "warn",
-    split: bool = True,
-    check_plans: bool = True,
-    wrap_backend: Callable[[Callable], Callable] | None = None,
-    align_buckets: bool = True,
-    bucket_cap_mb: str | None = None,
-    link: LinkEstimate | CostModel | Callable | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    regional: bool = False,
-    blocks: str | Sequence[str] = "auto",
-    share_compile: bool = True,
-    share_timeout_s: float = 7200.0,
-    strategy: str = "split",
-    config: DDPCompileConfig | None = None,
-    **more: Any,
-) -> CompiledDDP:
+def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig | None = None,
+                **settings: Any) -> CompiledDDP:
     """Compile a DDP model, split at the bucket boundaries DDP really uses.
 
     Args:
@@ -129,10 +107,22 @@ def compile_ddp(
             The wrapped module's ``forward`` is compiled in place; compile
             before making copies of the module (``copy.deepcopy``), since a copy
             would share the compiled forward of the original.
+        strategy: how the model is compiled, one of ``ddp_opt.config.STRATEGIES``:
+            ``"split"`` (the default) splits the forward at the bucket boundaries
+            and DDP's reducer all-reduces each bucket; ``"whole"`` compiles each
+            captured graph whole (no overlap of gradient communication with
+            backward; for comparison); ``"regional"`` compiles each repeated
+            block once (below); ``"traced"`` compiles the forward whole and
+            traces the all-reduces into one compiled backward graph, fused into
+            buckets of DDP's caps or, with ``bucket_cap_mb="auto"``, of the
+            cost-model plan (Note [Traced strategy]). Under ``"traced"`` run the
+            backward as ``compiled.backward(loss)``; it falls back to ``"split"``
+            with a warning where it cannot run (a comm hook already registered,
+            ``find_unused_parameters=True``, a torch without compiled autograd).
+            The keywords ``split=False`` and ``regional=True`` of earlier releases
+            still work, with a FutureWarning; so does ``share_compile``.
         fallback: ``"warn"`` runs a partition that fails to compile eagerly,
             ``"raise"`` re-raises the backend's error.
-        split: False compiles each captured graph whole (no overlap of gradient
-            communication with backward; for comparison).
         check_plans: fail on every rank, with the first differing bucket named,
             when ranks plan different buckets (which would deadlock in backward).
         align_buckets: after the first step, make DDP's runtime buckets equal
@@ -142,7 +132,7 @@ def compile_ddp(
             graph breaks, the partitions of every graph count (Note [Plans
             across graphs]); a warning says why when alignment is not reached.
         wrap_backend: applied to the backend dynamo calls (the splitter, or the
-            plain backend with ``split=False``), e.g. ``Diagnoser().wrap`` to see
+            plain backend with ``strategy="whole"``), e.g. ``Diagnoser().wrap`` to see
             every captured graph and its graph-break reason.
         bucket_cap_mb: None splits at DDP's own caps; ``"auto"`` chooses the
             buckets by the cost model (Note [Cost-model bucket plan]): the link
@@ -163,29 +153,20 @@ def compile_ddp(
             ``save_compile_cache()``). A stale, foreign or corrupt entry is
             ignored with a warning. Loading a cache is loading code: the
             directory must be as trusted as the training code.
-        regional: compile each repeated block once and reuse it for every
-            instance, with DDP's buckets made of whole blocks; the rest of the
-            model runs eagerly (Note [Regional compile]). ``split`` is unused.
-        blocks: with ``regional``, which blocks: ``"auto"`` (the children of a
-            ModuleList, ModuleDict or Sequential of one class, else repeated children
-            of one class; Note [Finding blocks]), such a container's name, or module names.
-        share_compile: the first rank of DDP's group to reach a graph or
-            partition compiles it and the others load its artifacts instead of
-            compiling it again, and a rank leaves a graph's compile only when
-            every rank that compiles it is done, so the first all-reduce after a
-            compile cannot time out because one rank compiled longer (Note
-            [Shared compile]). False: every rank compiles for itself, no barrier.
+        blocks: with ``strategy="regional"`` (each repeated block compiled once and
+            reused for every instance, DDP's buckets made of whole blocks, the
+            rest of the model eager; Note [Regional compile]), which blocks:
+            ``"auto"`` (the children of a ModuleList, ModuleDict or Sequential of
+            one class, else repeated children of one class; Note [Finding
+            blocks]), such a container's name, or module names.
+        share: the first rank of DDP's group to reach a graph or partition
+            compiles it and the others load its artifacts instead of compiling it
+            again, and a rank leaves a graph's compile only when every rank that
+            compiles it is done, so the first all-reduce after a compile cannot
+            time out because one rank compiled longer (Note [Shared compile]).
+            False: every rank compiles for itself, no barrier.
         share_timeout_s: the longest a rank waits for another rank's compile
             before it compiles for itself (with a warning).
-        strategy: ``"split"`` (the default) splits the forward at the bucket
-            boundaries and DDP's reducer all-reduces each bucket; ``"traced"``
-            compiles the forward whole and traces the all-reduces into one
-            compiled backward graph, fused into buckets of DDP's caps or, with
-            ``bucket_cap_mb="auto"``, of the cost-model plan (Note [Traced
-            strategy]). Under ``"traced"`` run the backward as
-            ``compiled.backward(loss)``; it falls back to ``"split"`` with a
-            warning where it cannot run (a comm hook already registered,
-            ``find_unused_parameters=True``, a torch without compiled autograd).
         config: all of the above as one :class:`DDPCompileConfig` (validated when
             built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.
@@ -197,21 +178,17 @@ def compile_ddp(
         SettingError (a ValueError): a setting that cannot work, before anything
             is measured or compiled.
     """
-    given = {name: value for name, value in locals().items() if name in SETTING_KEYWORDS}
-    keywords = DDPCompileConfig(**given, torch_compile_kwargs=more)
-    if config is not None and keywords.changed_from_default():
+    if config is not None and settings:
         raise ValueError(
-            "compile_ddp(config=..., <keyword settings>): a DDPCompileConfig carries every setting, so keywords "
-            "given beside it would be silently dropped or silently win. Put them into the config "
+            f"compile_ddp(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every setting, "
+            "so keywords given beside it would be silently dropped or silently win. Put them into the config "
             "(dataclasses.replace(config, backend='aot_eager')) or drop config=."
         )
-    return _compile(ddp_model, config or keywords)
+    return _compile(ddp_model, config or DDPCompileConfig.from_keywords("compile_ddp", settings))
 
 
-# compile_ddp's setting keywords: the fields of DDPCompileConfig, one each (pinned by a test);
-# torch_compile_kwargs is compile_ddp's **more, and spelling belongs to entry points of their own.
-SETTING_KEYWORDS = frozenset(f.name for f in dataclasses.fields(DDPCompileConfig)) - {"torch_compile_kwargs",
-                                                                                        "spelling"}
+compile_ddp.__signature__ = keyword_signature(
+    inspect.Parameter("ddp_model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=DistributedDataParallel))
 
 
 def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, backend_fn: Callable,
@@ -242,18 +219,19 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) with "
             "ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
-    traced = config.strategy == "traced"
-    if traced:
+    strategy = config.strategy
+    if strategy == "traced":
         why = fallback_reason(ddp_model)
         if why is not None:
             warnings.warn(f"compile_ddp(strategy='traced') runs the split strategy instead: {why}. To silence "
                           "this, pass strategy='split'.", stacklevel=3)
-            traced = False
+            strategy = "split"
+    traced = strategy == "traced"
     align = config.align_buckets and not traced  # the traced strategy leaves DDP's reducer out
     if align and not REALIGN_SUPPORTED:
         realign_unsupported_warning()
         align = False
-    hook = registered_hook_name(ddp_model) if (align and config.split) else None
+    hook = registered_hook_name(ddp_model) if (align and strategy != "whole") else None
     if hook is not None:
         raise ValueError(
             f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
@@ -269,10 +247,10 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)))
     more = dict(config.torch_compile_kwargs)
     share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
-                            timeout_s=config.share_timeout_s, name="ddp") if config.share_compile else None
+                            timeout_s=config.share_timeout_s, name="ddp") if config.share else None
     if share is not None:
         backend_fn = share.wrap_compile(backend_fn)
-    if config.regional:
+    if strategy == "regional":
         found = find_ddp_blocks(inner, config.blocks)
         if config.wrap_backend is not None:
             backend_fn = config.wrap_backend(backend_fn)
@@ -289,7 +267,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto")
         use_python_reducer(ddp_model)  # Note [Traced strategy]
         backend_fn = plan.forward_backend(backend_fn)
-    elif config.split:
+    elif strategy == "split":
         optimizer = splitter_for(ddp_model, config, backend_fn, inner, cost_model)
         backend_fn = optimizer.compile_fn
     if config.wrap_backend is not None:  # it gets the splitter (or the plain backend), as documented

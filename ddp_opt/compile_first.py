@@ -45,7 +45,7 @@ from compiler import SettingError, produces_gradients
 from compiler.share import share_for_group
 
 from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
-from .api import SETTING_KEYWORDS, keep_builtin_splitter_out, splitter_for
+from .api import keep_builtin_splitter_out, splitter_for
 from .compiled import CompiledDDP
 from .config import DDPCompileConfig
 
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = ["compile_for_ddp", "compiled_ddp_of"]
 
 # compile_ddp settings that need the DDP module before the first forward.
-_ONLY_COMPILE_DDP = ("bucket_cap_mb", "link", "cache_dir", "regional", "blocks", "strategy")
+_ONLY_COMPILE_DDP = ("bucket_cap_mb", "link", "cache_dir", "blocks")
 
 
 def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None, **settings: Any) -> nn.Module:
@@ -66,8 +66,8 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
         model: the model, not yet wrapped in DDP.
         config: a :class:`DDPCompileConfig`, instead of keyword settings; not both.
         **settings: ``compile_ddp``'s keywords (``backend``, ``mode``, ``options``, ``dynamic``,
-            ``fullgraph``, ``fallback``, ``split``, ``check_plans``, ``align_buckets``,
-            ``share_compile``, ``share_timeout_s``, ``wrap_backend``) and ``torch.compile``'s.
+            ``fullgraph``, ``fallback``, ``strategy`` (``"split"`` or ``"whole"``), ``check_plans``,
+            ``align_buckets``, ``share``, ``share_timeout_s``, ``wrap_backend``) and ``torch.compile``'s.
 
     Returns:
         The compiled module (``torch.compile``'s ``OptimizedModule``): wrap it in DDP and train.
@@ -84,14 +84,15 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
             f"compile_for_ddp(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every "
             "setting, so keywords beside it would be silently dropped. Put them into the config or drop config=.")
     if config is None:
-        known = SETTING_KEYWORDS
-        more = {k: settings.pop(k) for k in list(settings) if k not in known}
-        config = DDPCompileConfig(**settings, torch_compile_kwargs=more)
-    refused = [name for name in _ONLY_COMPILE_DDP if name in config.changed_from_default()]
+        config = DDPCompileConfig.from_keywords("compile_for_ddp", settings)
+    default = DDPCompileConfig()
+    refused = [name for name in _ONLY_COMPILE_DDP if getattr(config, name) != getattr(default, name)]
+    if config.strategy in ("regional", "traced"):
+        refused.insert(0, "strategy")
     if refused:
         raise SettingError(
             refused[0],
-            f"compile_for_ddp({refused[0]}=...): this setting needs the DDP module before the first forward "
+            f"compile_for_ddp({refused[0]}={getattr(config, refused[0])!r}): this setting needs the DDP module before the first forward "
             "(to measure the link, key the cache, or compile blocks or the backward), and a model compiled before "
             "DDP wraps it meets its DDP module only then. Wrap first and call "
             "compile_ddp(DistributedDataParallel(model), ...) to use it, or drop it here.")
@@ -138,7 +139,7 @@ class _DeferredBackend:
     def _attach(self, ddp_model: DistributedDataParallel) -> None:
         config = self.config
         self.ddp_model = ddp_model
-        align = config.align_buckets and config.split
+        align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:
             align = False  # compile_ddp warns about it; realignment's internals are missing on this torch
         hook = registered_hook_name(ddp_model) if align else None
@@ -151,10 +152,10 @@ class _DeferredBackend:
             align = False
         backend = config.resolve_backend()
         share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
-                                timeout_s=config.share_timeout_s, name="ddp") if config.share_compile else None
+                                timeout_s=config.share_timeout_s, name="ddp") if config.share else None
         if share is not None:
             backend = share.wrap_compile(backend)
-        optimizer = splitter_for(ddp_model, config, backend, self.model) if config.split else None
+        optimizer = splitter_for(ddp_model, config, backend, self.model) if config.strategy == "split" else None
         backend = optimizer.compile_fn if optimizer is not None else backend
         if config.wrap_backend is not None:
             backend = config.wrap_backend(backend)

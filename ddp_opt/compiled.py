@@ -45,7 +45,7 @@ class CompiledDDP:
 
     Attributes:
         ddp_model: the wrapped DDP module.
-        ddp_optimizer: the splitter, or None when compiled with ``split=False``.
+        ddp_optimizer: the splitter, or None under the strategies that do not split.
         align_buckets: re-create DDP's reducer once, after the first step, so that
             its buckets equal the partitions (Note [Bucket realignment]).
         aligned_caps: the caps given to the reducer, once realigned.
@@ -59,7 +59,7 @@ class CompiledDDP:
             ``stats`` say what this rank compiled, loaded and waited for), or
             None on one rank.
         traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
-        strategy: the strategy in use, ``"split"`` or ``"traced"`` (``"split"`` also
+        strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
     """
 
@@ -131,7 +131,11 @@ class CompiledDDP:
 
     @property
     def strategy(self) -> str:
-        return "traced" if self.traced is not None else "split"
+        if self.traced is not None:
+            return "traced"
+        if self.block_buckets is not None:
+            return "regional"
+        return "split" if self.ddp_optimizer is not None else "whole"
 
     @property
     def buckets(self) -> list[Bucket]:

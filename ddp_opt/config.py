@@ -1,53 +1,66 @@
 """``DDPCompileConfig``: every setting of ``compile_ddp`` in one frozen dataclass,
 validated when built, so that a bad setting fails before any compile, link
 measurement or process-group collective, and an entry point (the launcher) can
-build it up front and report the error in its own terms (``SettingError.setting``)."""
+build it up front and report the error in its own terms (``SettingError.setting``).
+
+How a graph is compiled (backend, mode, ..., ``share``) is ``compiler.CompileOptions``,
+which this config extends; ``compile_ddp``'s keywords are this dataclass's fields
+(``from_keywords``), so a new field is a new keyword with no other edit.
+"""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, fields
+import difflib
+import inspect
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from compiler import (FALLBACKS, BackendFn, SettingError, cache_settings, check_blocks_setting, not_compiled,
-                      resolve_backend)
+import torch
+
+from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setting, not_compiled
 
 from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
 from .cost import CostModel
-from .traced import STRATEGIES
 
-__all__ = ["DDPCompileConfig"]
+__all__ = ["DDPCompileConfig", "STRATEGIES"]
+
+# The ways compile_ddp compiles a DDP model: one choice (Note [Traced strategy], Note [Regional compile]).
+STRATEGIES = {
+    "split": "the forward split at the bucket boundaries, DDP's reducer all-reduces each bucket (the default)",
+    "whole": "each captured graph compiled whole, no split (no overlap of communication with backward; for "
+             "comparison)",
+    "regional": "each repeated block compiled once and reused, DDP's buckets made of whole blocks, the rest eager",
+    "traced": "the forward compiled whole and the all-reduces traced into one compiled backward graph",
+}
+
+# Keywords of earlier releases, still accepted with a FutureWarning: (name, value) -> what it is now.
+_RENAMED = {("split", False): ("strategy", "whole"), ("split", True): None,
+            ("regional", True): ("strategy", "regional"), ("regional", False): None}
 
 
 @dataclass(frozen=True)
-class DDPCompileConfig:
-    """How ``compile_ddp`` compiles a DDP model; see ``compile_ddp`` for each field.
+class DDPCompileConfig(CompileOptions):
+    """How ``compile_ddp`` compiles a DDP model; see ``compile_ddp`` for each field
+    (the first ones are ``compiler.CompileOptions``'s).
 
     Raises (when built):
         SettingError: a value that cannot work; ``.setting`` names the field.
         TypeError: a value of the wrong kind (``link``, ``wrap_backend``).
     """
 
-    backend: str | Callable = "inductor"
-    mode: str | None = None
-    options: Mapping[str, Any] | None = None
-    dynamic: bool | None = None
-    fullgraph: bool = False
+    OWNER = "compile_ddp"
+
+    strategy: str = "split"
     fallback: str = not_compiled("warn", why="what happens when a compile fails; nothing of it is cached")
-    split: bool = True
     check_plans: bool = not_compiled(True, why="a check across ranks before the compile")
     align_buckets: bool = not_compiled(True, why="DDP's runtime buckets, after the compile")
     bucket_cap_mb: str | None = None
     link: LinkEstimate | CostModel | Callable | None = not_compiled(
         None, why="a measure that differs run to run; the plan it gives is in the graphs, which the artifacts' "
                   "own keys hash")
-    cache_dir: str | os.PathLike | None = not_compiled(None, why="where the cache is kept")
-    regional: bool = False
     blocks: str | Sequence[str] = "auto"
-    share_compile: bool = not_compiled(True, why="which rank compiles, not what")
-    share_timeout_s: float = not_compiled(7200.0, why="how long a rank waits")
-    strategy: str = "split"
     wrap_backend: Callable[[Callable], Callable] | None = not_compiled(
         None, why="an observer of the backend (Diagnoser().wrap); its output is the backend's")
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -55,33 +68,37 @@ class DDPCompileConfig:
     spelling: Spelling = not_compiled(API_SPELLING, why="how messages name settings")
 
     def __post_init__(self) -> None:
-        self.resolve_backend()  # unknown backend, mode or options fail here, naming the valid ones
+        super().__post_init__()
         if self.fallback not in FALLBACKS:
             raise SettingError(
                 "fallback",
                 f"compile_ddp(fallback={self.fallback!r}): expected one of {', '.join(FALLBACKS)}: 'warn' runs a "
                 "partition that fails to compile eagerly (the others stay compiled), 'raise' stops on the error.",
             )
+        if self.strategy not in STRATEGIES:
+            raise SettingError(
+                "strategy",
+                f"compile_ddp(strategy={self.strategy!r}): expected one of "
+                + "; ".join(f"{name!r}: {what}" for name, what in STRATEGIES.items()) + ".",
+            )
         object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "compile_ddp"))
         self._check_plan_choice()
-        self._check_strategy()
-        if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
-            raise SettingError(
-                "cache_dir",
-                f"compile_ddp(cache_dir={self.cache_dir!r}) is not a directory: it must name a directory (created "
-                "if missing) to keep one compile-cache file per model and config in. Pass a directory path, or "
-                "cache_dir=None to turn the persistent cache off.",
-            )
-        if not self.share_timeout_s > 0:
-            raise SettingError(
-                "share_timeout_s",
-                f"compile_ddp(share_timeout_s={self.share_timeout_s!r}): expected a positive number of seconds, the "
-                "longest a rank waits for another rank's compile (Note [Shared compile]). Give the longest "
-                "compile you expect with margin; the default is 7200.",
-            )
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
                             "such as compiler.diagnose.Diagnoser().wrap, or None.")
+
+    @classmethod
+    def from_keywords(cls, entry: str, settings: Mapping[str, Any]) -> DDPCompileConfig:
+        """The config for ``entry(**settings)`` (``compile_ddp``, ``compile_for_ddp``): each
+        field is a keyword; a keyword of an earlier release is mapped with a FutureWarning;
+        any other keyword must be one of ``torch.compile``'s and is passed on to it."""
+        settings = _renamed(entry, dict(settings))
+        known = {f.name for f in fields(cls)} - {"spelling"}
+        more = {k: settings.pop(k) for k in list(settings) if k not in known}
+        _check_torch_compile_keywords(entry, more, known)
+        if more:
+            settings["torch_compile_kwargs"] = {**settings.get("torch_compile_kwargs", {}), **more}
+        return cls(**settings)
 
     def _check_plan_choice(self) -> None:
         if self.bucket_cap_mb not in (None, "auto"):
@@ -96,47 +113,75 @@ class DDPCompileConfig:
                 f"compile_ddp(link={self.link!r}): expected None (measure dist.all_reduce), a probe callable "
                 "(tensor) -> Future, a ddp_opt.LinkEstimate(alpha_s, bandwidth) or a ddp_opt.CostModel."
             )
-        if (self.bucket_cap_mb is not None or self.link is not None) and (not self.split or self.regional):
-            which = "split=False" if not self.split else "regional=True"
+        if self.uses_cost_model and self.strategy in ("whole", "regional"):
             given = "bucket_cap_mb='auto'" if self.bucket_cap_mb == "auto" else "link=..."
             raise SettingError(
                 "bucket_cap_mb" if self.bucket_cap_mb is not None else "link",
-                f"compile_ddp({given}, {which}): the cost model chooses (or predicts) where to split the graph, "
-                f"and {which} does not split it at planned buckets. Drop one of the two.",
+                f"compile_ddp({given}, strategy={self.strategy!r}): the cost model chooses (or predicts) where to "
+                f"split the graph into buckets, and strategy={self.strategy!r} does not split it at planned "
+                "buckets. Drop one of the two, or use strategy='split' or 'traced'.",
             )
-
-    def _check_strategy(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise SettingError(
-                "strategy",
-                f"compile_ddp(strategy={self.strategy!r}): expected one of {', '.join(map(repr, STRATEGIES))}: "
-                "'split' splits the forward graph at the bucket boundaries and lets DDP's reducer all-reduce "
-                "(the default); 'traced' all-reduces inside one compiled backward graph (Note [Traced strategy]).",
-            )
-        if self.strategy == "traced" and (not self.split or self.regional):
-            which = "split=False" if not self.split else "regional=True"
-            raise SettingError(
-                "strategy",
-                f"compile_ddp(strategy='traced', {which}): the traced strategy compiles the whole forward and "
-                f"traces the gradient all-reduces into the backward graph, and {which} chooses another way to "
-                "compile. Drop one of the two (strategy='split' is the default).",
-            )
-
-    def resolve_backend(self) -> BackendFn:
-        """The dynamo backend each partition (or block) is compiled with."""
-        return resolve_backend(self.backend, mode=self.mode, options=dict(self.options) if self.options else None,
-                               dynamic=self.dynamic)
 
     @property
     def uses_cost_model(self) -> bool:
         return self.bucket_cap_mb is not None or self.link is not None
 
-    def changed_from_default(self) -> list[str]:
-        """Names of the fields that differ from their defaults."""
-        default = DDPCompileConfig()
-        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
-    def cache_settings(self) -> dict[str, Any]:
-        """The settings that change what is compiled, as the compile-cache key sees them:
-        every field not declared ``not_compiled`` (Note [Settings in the cache key])."""
-        return cache_settings(self)
+def keyword_signature(*leading: inspect.Parameter) -> inspect.Signature:
+    """The signature of an entry point taking ``leading`` then every setting as a keyword
+    (``help(compile_ddp)`` lists them), ``config=`` and ``**more`` for ``torch.compile``."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    settings = [inspect.Parameter(f.name, keyword, default=f.default if f.default_factory is MISSING
+                                  else f.default_factory(), annotation=f.type)
+                for f in fields(DDPCompileConfig) if f.name not in ("spelling", "torch_compile_kwargs")]
+    return inspect.Signature([*leading, *settings, inspect.Parameter("config", keyword, default=None),
+                              inspect.Parameter("more", inspect.Parameter.VAR_KEYWORD)])
+
+
+def _renamed(entry: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with the keywords of earlier releases (``split``, ``regional``,
+    ``share_compile``) replaced by what they are now, each with a FutureWarning."""
+    regional_given = bool(settings.get("regional"))
+    for name in ("regional", "split"):  # regional first: with both, regional=True decided
+        if name not in settings:
+            continue
+        value = settings.pop(name)
+        now = _RENAMED.get((name, bool(value)))
+        instead = f"strategy={now[1]!r}" if now else "nothing (it is the default; drop it)"
+        warnings.warn(f"{entry}({name}={value!r}) is deprecated: how the model is compiled is one choice now, "
+                      f"strategy=, so pass {instead}.", FutureWarning, stacklevel=4)
+        if now is None:
+            continue
+        given = settings.get("strategy", "split")
+        if name == "split" and given == "regional" and regional_given:
+            continue  # regional=True, split=...: split was unused by regional compile, as before
+        if given not in ("split", now[1]):
+            raise SettingError(
+                "strategy",
+                f"{entry}(strategy={given!r}, {name}={value!r}): {name}={value!r} is the deprecated spelling of "
+                f"strategy={now[1]!r}, so two strategies were asked for. Pass one: strategy={given!r} or "
+                f"strategy={now[1]!r}.")
+        if given == "split":
+            settings["strategy"] = now[1]
+    if "share_compile" in settings:
+        value = settings.pop("share_compile")
+        warnings.warn(f"{entry}(share_compile={value!r}) is deprecated: the setting is named share now, as in "
+                      f"every config of the toolkit, so pass share={value!r}.", FutureWarning, stacklevel=4)
+        if settings.get("share", value) != value:
+            raise SettingError("share", f"{entry}(share={settings['share']!r}, share_compile={value!r}): "
+                                        "share_compile is the deprecated name of share. Pass share alone.")
+        settings["share"] = value
+    return settings
+
+
+def _check_torch_compile_keywords(entry: str, more: Mapping[str, Any], known: set[str]) -> None:
+    """Every keyword that is not a setting must be ``torch.compile``'s own, which is passed on."""
+    passed_on = set(inspect.signature(torch.compile).parameters) - {"model"} - known
+    for name in more:
+        if name in passed_on:
+            continue
+        near = difflib.get_close_matches(name, sorted(known | passed_on), n=1)
+        raise TypeError(
+            f"{entry}() got an unexpected keyword argument {name!r}: it is neither a setting of {entry} "
+            f"(the fields of ddp_opt.DDPCompileConfig) nor one of torch.compile's keywords, which {entry} passes "
+            f"on ({', '.join(sorted(passed_on)) or 'none'})." + (f" Did you mean {near[0]}=?" if near else ""))

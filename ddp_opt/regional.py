@@ -72,8 +72,8 @@ def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> l
     except ValueError as e:
         raise ValueError(
             f"Regional compile needs repeated blocks to compile once and reuse: {e} Pass them as "
-            "compile_ddp(..., regional=True, blocks=...) (launcher: compile.blocks=...), or compile the whole "
-            "model instead (compile_ddp(..., regional=False); launcher: compile.regional=false)."
+            "compile_ddp(..., strategy='regional', blocks=...) (launcher: compile.blocks=...), or compile the whole "
+            "model instead (compile_ddp(..., strategy='split'); launcher: ddp.strategy=split)."
         ) from None
 
 

@@ -106,9 +106,8 @@ from .plan import BucketCaps, group_by_caps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STRATEGIES", "FIRST_BUCKET_CAP", "TracedPlan", "FuseByPlan", "fallback_reason"]
+__all__ = ["FIRST_BUCKET_CAP", "TracedPlan", "FuseByPlan", "fallback_reason"]
 
-STRATEGIES = ("split", "traced")
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the largest first bucket under fixed caps (Note [Traced strategy])
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from compiler import cache_settings, compile_blocks, resolve_backend
+from compiler import cache_settings, compile_blocks
 from compiler.cache import open_cache
 from compiler.share import share_for_group
 
@@ -105,7 +105,7 @@ def apply(
         )
     plan = plan_fsdp(model, config)  # fails on missing blocks before anything changes
     cc = config.compile
-    backend = resolve_backend(cc.backend, mode=cc.mode, options=cc.options, dynamic=cc.dynamic) if cc else None
+    backend = cc.resolve_backend() if cc else None
     mesh = mesh if mesh is not None else default_mesh(_device_type_of(model))
     _check_offload(config.offload_policy)
     if _rank() == 0:

@@ -5,13 +5,12 @@ fails before any process group, sharding or compile starts."""
 from __future__ import annotations
 
 import numbers
-import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from compiler import SettingError, check_blocks_setting, not_compiled
+from compiler import CompileOptions, SettingError, check_blocks_setting, not_compiled
 
 __all__ = ["CompileConfig", "FSDPConfig"]
 
@@ -29,59 +28,29 @@ COMPILED_AUTOGRAD_WHY = (
 
 
 @dataclass(frozen=True)
-class CompileConfig:
-    """How each block is compiled.
+class CompileConfig(CompileOptions):
+    """How each block is compiled: ``compiler.CompileOptions`` (backend, mode, options,
+    dynamic, fullgraph, cache_dir, share, share_timeout_s), and what only FSDP2 adds.
+
+    ``cache_dir``: loaded before the first compile; save it after the first step with
+    ``compiler.cache.save_on_local_rank0(plan.compile_cache)``. ``share``: over the
+    mesh's ranks.
 
     Attributes:
-        backend: a dynamo backend name (``"inductor"``, ``"aot_eager"``, ...) or a
-            callable ``(gm, example_inputs) -> callable``; resolved by
-            ``compiler.resolve_backend``.
-        mode: inductor mode (``"max-autotune-no-cudagraphs"``, ...); inductor only.
-        options: inductor config options; inductor only.
-        dynamic: as for ``torch.compile``.
-        fullgraph: compile each block with ``fullgraph=True`` (the default: a
-            block is one graph, and a graph break inside one is a bug to see).
         whole_model: compile the whole sharded model instead of each block.
             Allowed only with ``fullgraph=False``, and even then the FSDP hooks
             stay eager; per-block compile (the default) is what works.
         compiled_autograd: always refused with FSDP2 (see ``COMPILED_AUTOGRAD_WHY``);
             the field exists so that a request for it fails loudly.
-        cache_dir: a persistent compile cache (Note [Compile cache]), loaded before
-            the first compile; save it after the first step with
-            ``compiler.cache.save_on_local_rank0(plan.compile_cache)``. None: off.
-        share: the first of the mesh's ranks to reach a block's compile does it
-            and the others load its artifacts, and no rank leaves a block's
-            compile before every rank that compiles it is done (Note [Shared
-            compile]); False: every rank compiles every block, with no barrier.
-            ``share_timeout_s``: the longest a rank waits for another rank's compile.
     """
 
-    backend: str | Callable = "inductor"
-    mode: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    dynamic: bool | None = None
-    fullgraph: bool = True
+    OWNER = "CompileConfig"
+
     whole_model: bool = False
     compiled_autograd: bool = False
-    cache_dir: str | None = not_compiled(None, why="where the cache is kept")
-    share: bool = not_compiled(True, why="which rank compiles, not what")
-    share_timeout_s: float = not_compiled(7200.0, why="how long a rank waits")
 
     def __post_init__(self) -> None:
-        if self.cache_dir is not None and (not str(self.cache_dir) or os.path.isfile(self.cache_dir)):
-            raise SettingError(
-                "cache_dir",
-                f"CompileConfig(cache_dir={self.cache_dir!r}) is not a directory: the compile cache writes one file "
-                "per model and config into it (created if missing). Name a directory, e.g. "
-                "cache_dir='/scratch/compile_cache', or cache_dir=None to turn the persistent cache off."
-            )
-        if not self.share_timeout_s > 0:
-            raise SettingError(
-                "share_timeout_s",
-                f"CompileConfig(share_timeout_s={self.share_timeout_s!r}): expected a positive number of seconds, the "
-                "longest a rank waits for another rank's compile (Note [Shared compile]). Give the longest compile "
-                "you expect with margin; the default is 7200."
-            )
+        super().__post_init__()
         if self.compiled_autograd:
             raise SettingError(
                 "compiled_autograd",

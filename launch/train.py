@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from compiler import BackendSpec, Diagnoser
+from compiler import Diagnoser
 from ddp_opt.graph_plan import describe as describe_plan
 
 from .checkpoint.lock import checkpoint_folder_lock
@@ -191,7 +191,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     schedule = Schedule.of(t)
     start = _resume(cfg, env, wrapped, optimizer, schedule)
     c = cfg.compile
-    opt_backend = BackendSpec(c.backend, c.mode, dict(c.options)).resolve() if c.optimizer else None
+    opt_backend = dataclasses.replace(c.compile_options(), dynamic=None).resolve_backend() if c.optimizer else None
     runner = StepRunner(wrapped.forward, wrapped.module,
                         OptimizerStep(optimizer, opt_backend, grad_scaler(t.precision, env.device),
                                       max_grad_norm=t.max_grad_norm, tensor_lr=schedule.varies),

@@ -123,7 +123,7 @@ def _rank(rank: int, port: int, out_dir: str, fault: str) -> None:
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
-    compiled = compile_ddp(model, backend=backend)  # share_compile on (the default), share_timeout_s two hours
+    compiled = compile_ddp(model, backend=backend)  # share on (the default), share_timeout_s two hours
     t0 = time.monotonic()
     try:
         compiled(torch.randn(4, 8)).sum().backward()

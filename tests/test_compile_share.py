@@ -234,7 +234,7 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
         torch.compiler.load_cache_artifacts = lambda payload: (_ for _ in ()).throw(OSError("disk full"))
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="inductor", share_compile=share)
+    compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="inductor", share=share)
     if damage:  # every part of every publication of every rank is damaged on its way into the store
         compiled.share.store = _DamagingStore(compiled.share.store)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -341,7 +341,7 @@ def _slow_rank_step(rank, world_size, ours, delay_s):
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(2)])
     ddp = DDP(model, bucket_cap_mb=1)
     if ours:
-        step = compile_ddp(ddp, backend=slow_aot_eager, share_compile=True)
+        step = compile_ddp(ddp, backend=slow_aot_eager, share=True)
     else:
         torch._dynamo.config.optimize_ddp = True  # PyTorch's own splitter, the same slow backend
         model.forward = torch.compile(model.forward, backend=slow_aot_eager)
@@ -368,9 +368,9 @@ def test_the_share_settings_reach_compile_ddp_and_a_bad_timeout_is_refused():
     from launch.runtime.parallel import ddp_compile_config
     from test_launch_config import _job
 
-    assert ddp_compile_config(_job()).share_compile is True  # on by default
+    assert ddp_compile_config(_job()).share is True  # on by default
     made = ddp_compile_config(_job("compile.share=false", "compile.share_timeout_s=60"))
-    assert (made.share_compile, made.share_timeout_s) == (False, 60.0)
+    assert (made.share, made.share_timeout_s) == (False, 60.0)
     with pytest.raises(SettingError, match=r"share_timeout_s=0\): expected a positive number of seconds") as e:
         DDPCompileConfig(backend="aot_eager", share_timeout_s=0)
     assert e.value.setting == "share_timeout_s"

@@ -1,4 +1,4 @@
-"""Launcher settings of issue 6: compile.cache_dir and compile.regional."""
+"""Launcher settings of issue 6: compile.cache_dir and ddp.strategy=regional (once compile.regional)."""
 
 import pytest
 
@@ -9,10 +9,25 @@ from _jobs import composed as _job
 
 
 def test_cache_dir_and_regional_are_accepted_with_ddp(tmp_path):
-    cfg = _job(f"compile.cache_dir={tmp_path / 'cache'}", "compile.regional=true", "compile.blocks=blocks")
+    cfg = _job(f"compile.cache_dir={tmp_path / 'cache'}", "ddp.strategy=regional", "compile.blocks=blocks")
     validate(cfg, world_size=2)
-    assert (cfg.compile.cache_dir, cfg.compile.regional, cfg.compile.blocks) == (str(tmp_path / "cache"), True, "blocks")
-    assert _job().compile.cache_dir is None and _job().compile.regional is False
+    assert (cfg.compile.cache_dir, cfg.ddp.strategy, cfg.compile.blocks) == (str(tmp_path / "cache"), "regional", "blocks")
+    assert _job().compile.cache_dir is None and _job().ddp.strategy == "split"
+
+
+@pytest.mark.parametrize("old, strategy", [("compile.regional=true", "regional"), ("compile.split=false", "whole"),
+                                           ("compile.split=true", "split"), ("compile.regional=false", "split")])
+def test_the_deprecated_compile_switches_map_to_ddp_strategy_with_a_warning(old, strategy):
+    with pytest.warns(FutureWarning, match=rf"{old} is deprecated: how DDP compiles is one setting now, ddp.strategy"):
+        cfg = _job(old)
+    validate(cfg, world_size=2)
+    assert cfg.ddp.strategy == strategy and cfg.compile.split is None and cfg.compile.regional is None
+
+
+def test_a_deprecated_compile_switch_that_contradicts_ddp_strategy_is_refused():
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"ddp\.strategy=traced with "
+                                                                     r"compile\.split=false: .*Set ddp\.strategy alone"):
+        _job("ddp.strategy=traced", "compile.split=false")
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "none"])
@@ -24,9 +39,12 @@ def test_cache_dir_is_accepted_with_fsdp_and_none(tmp_path, parallel):
     assert fsdp_config(cfg.fsdp, cfg.compile).compile.cache_dir == str(tmp_path / "cache")
 
 
-def test_regional_with_fsdp_is_accepted():
+def test_the_deprecated_regional_with_fsdp_is_accepted():
     # fsdp_opt always compiles per block: regional=true says what already happens.
-    validate(_job("parallel=fsdp", "compile.regional=true"), world_size=2)
+    with pytest.warns(FutureWarning, match=r"compile\.regional=true is deprecated: .*Use nothing \(drop it\)"):
+        cfg = _job("parallel=fsdp", "compile.regional=true")
+    validate(cfg, world_size=2)
+    assert cfg.ddp.strategy == "split"
 
 
 BAD = [
@@ -35,8 +53,12 @@ BAD = [
     (["compile.cache_dir=/tmp/c", "parallel=fsdp", "compile=eager"],
      r"compile\.cache_dir='/tmp/c' with compile\.backend=eager: nothing is compiled.*compile\.backend=inductor"),
     (["compile.cache_dir=/tmp/c", "compile=eager"], r"compile\.cache_dir='/tmp/c' with compile\.backend=eager: nothing is compiled"),
-    (["compile.regional=true", "parallel=none"],
-     r"compile\.regional=true with parallel=none: .*Use parallel=ddp \(also on one rank\) or compile\.regional=false"),
+    (["ddp.strategy=regional", "parallel=none"],
+     r"ddp\.strategy is set but parallel=none: ddp\.\* settings configure DistributedDataParallel"),
+    (["ddp.strategy=whole", "compile=eager"],
+     r"ddp\.strategy=whole with compile\.backend=eager: .*nothing is compiled.*drop ddp\.strategy"),
+    (["ddp.strategy=fused"], r"ddp\.strategy='fused' is not valid: it must be one of split \(.*\); whole \(.*"
+                             r"regional \(.*traced \(.*Use e\.g\. ddp\.strategy=split"),
 ]
 
 
@@ -55,10 +77,10 @@ def test_regional_reaches_compile_ddp_and_a_bad_blocks_name_says_how_to_fix(tmp_
     from launch.runtime.parallel import apply_parallel, build_model
     import torch
 
-    cfg = _job("compile=aot_eager", "compile.regional=true", "compile.blocks=layers")
+    cfg = _job("compile=aot_eager", "ddp.strategy=regional", "compile.blocks=layers")
     with single_rank_group():
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-        with pytest.raises(ValueError, match=r"blocks='layers': \['layers'\] not found in GPT.*compile\.regional=false"):
+        with pytest.raises(ValueError, match=r"blocks='layers': \['layers'\] not found in GPT.*ddp\.strategy=split"):
             apply_parallel(build_model(cfg.model), cfg, env)
 
 
@@ -70,3 +92,30 @@ def test_fsdp_compile_config_refuses_a_cache_dir_that_is_a_file(tmp_path):
     with pytest.raises(ValueError, match=r"CompileConfig\(cache_dir='.*a_file'\) is not a directory: .*cache_dir=None"):
         fsdp_opt.CompileConfig(cache_dir=str(f))
     assert fsdp_opt.CompileConfig(cache_dir=str(tmp_path / "cache")).cache_dir == str(tmp_path / "cache")
+
+
+def test_the_compile_group_maps_one_to_one_onto_compiler_compile_options():
+    import dataclasses
+
+    import fsdp_opt
+    from compiler import CompileOptions
+    from ddp_opt import DDPCompileConfig
+    from launch.config.schema import CompileConfig
+
+    group = {f.name: f for f in dataclasses.fields(CompileConfig)}
+    for f in dataclasses.fields(CompileOptions):
+        assert f.name in group, f"compiler.CompileOptions.{f.name} has no compile.{f.name} in the launcher's schema"
+    # Same defaults: the schema's defaults build the library's defaults.
+    assert CompileConfig().compile_options() == CompileOptions()
+    # The DDP and FSDP configs embed the same fields (their subclasses), so each is defined once.
+    assert issubclass(DDPCompileConfig, CompileOptions) and issubclass(fsdp_opt.CompileConfig, CompileOptions)
+    # Every shared setting reaches both libraries by name, with no list kept by hand.
+    from launch.runtime.parallel import ddp_compile_config, fsdp_config
+
+    cfg = _job("compile.fullgraph=true", "compile.share=false", "compile.share_timeout_s=60",
+               "compile.dynamic=false", "+compile.options.shape_padding=true")
+    want = CompileOptions(fullgraph=True, share=False, share_timeout_s=60.0, dynamic=False,
+                          options={"shape_padding": True})
+    assert cfg.compile.compile_options() == want
+    assert ddp_compile_config(cfg).compile_options() == want
+    assert fsdp_config(cfg.fsdp, cfg.compile).compile.compile_options() == want

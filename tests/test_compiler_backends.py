@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compiler import BackendSpec, resolve_backend, valid_backend_names, valid_modes
+from compiler import CompileOptions, resolve_backend, valid_backend_names, valid_modes
 
 
 def test_known_names_resolve_to_callables():
@@ -54,7 +54,7 @@ def test_non_callable_non_string_is_a_type_error():
 
 
 def test_backend_spec_resolves_and_compiles():
-    fn = BackendSpec("aot_eager").resolve()
+    fn = CompileOptions("aot_eager").resolve_backend()
     model = torch.nn.Linear(3, 2)
     compiled = torch.compile(model, backend=fn)
     x = torch.randn(4, 3)

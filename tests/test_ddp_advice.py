@@ -30,7 +30,7 @@ def test_compile_time_that_dominates_points_at_regional_compile_and_the_cache():
                       spelling=OVERRIDE_SPELLING)
     (line,) = [a for a in slow if a.startswith("compile took")]
     assert line.startswith("compile took 60.0s, 300x a step")
-    assert "compile.regional=true" in line and "compile.cache_dir=DIR" in line
+    assert "ddp.strategy=regional" in line and "compile.cache_dir=DIR" in line
     quick = ddp_advice(compile_s=compile_seconds([GraphInfo(0, 10, 5, compile_s=5.0)]), step_s=0.2,
                        spelling=OVERRIDE_SPELLING)
     assert not any(a.startswith("compile took") for a in quick)
@@ -39,10 +39,10 @@ def test_compile_time_that_dominates_points_at_regional_compile_and_the_cache():
 def test_python_api_users_read_compile_ddp_and_ddp_arguments_not_launcher_overrides():
     advice = ddp_advice(alignment=0.5, partition_mib=[1.0, 2.0], exposed_comm_ms=60.0, compute_ms=200.0,
                         bucket_cap_mb=4.0, compile_s=60.0, step_s=0.2)
-    assert advice and all("ddp.bucket_cap_mb" not in a and "compile.regional" not in a for a in advice)
+    assert advice and all("ddp.bucket_cap_mb" not in a and "ddp.strategy" not in a for a in advice)
     text = "\n".join(advice)
     assert "DistributedDataParallel(model, bucket_cap_mb=2)" in text
     assert "compile_ddp(ddp, bucket_cap_mb='auto')" in text
     assert "DistributedDataParallel(model, bucket_cap_mb_list=[1, 2])" in text
-    assert "compile_ddp(ddp, regional=True)" in text and "compile_ddp(ddp, cache_dir=DIR)" in text
+    assert "compile_ddp(ddp, strategy='regional')" in text and "compile_ddp(ddp, cache_dir=DIR)" in text
     assert API_SPELLING.compare is None and "benchmarks" not in text

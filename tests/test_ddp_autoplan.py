@@ -255,12 +255,13 @@ def test_compile_ddp_rejects_bad_auto_arguments(gloo):
     with pytest.raises(ValueError, match=r"bucket_cap_mb=4\): expected None .* or 'auto' .* "
                                          r"DistributedDataParallel\(model, bucket_cap_mb=4\)"):
         compile_ddp(ddp, backend="eager", bucket_cap_mb=4)
-    with pytest.raises(ValueError, match=r"compile_ddp\(link=..., split=False\): the cost model chooses \(or predicts\)"):
-        compile_ddp(ddp, backend="eager", link=LinkEstimate(1e-3, 1e8), split=False)
-    with pytest.raises(ValueError, match="bucket_cap_mb='auto', split=False\\): the cost model chooses"):
-        compile_ddp(ddp, backend="eager", bucket_cap_mb="auto", split=False)
-    with pytest.raises(ValueError, match="regional=True\\): the cost model chooses .*Drop one"):
-        compile_ddp(ddp, backend="eager", bucket_cap_mb="auto", regional=True)
+    with pytest.raises(ValueError, match=r"compile_ddp\(link=..., strategy='whole'\): the cost model chooses \(or "
+                                         r"predicts\)"):
+        compile_ddp(ddp, backend="eager", link=LinkEstimate(1e-3, 1e8), strategy="whole")
+    with pytest.raises(ValueError, match="bucket_cap_mb='auto', strategy='whole'\\): the cost model chooses"):
+        compile_ddp(ddp, backend="eager", bucket_cap_mb="auto", strategy="whole")
+    with pytest.raises(ValueError, match="strategy='regional'\\): the cost model chooses .*Drop one"):
+        compile_ddp(ddp, backend="eager", bucket_cap_mb="auto", strategy="regional")
 
 
 def test_a_cost_model_without_auto_predicts_the_plan_at_ddp_caps(gloo, clean_dynamo):
@@ -395,8 +396,8 @@ def test_launcher_accepts_auto_and_numbers_and_rejects_other_words():
     with pytest.raises(ConfigError, match=r"ddp\.bucket_cap_mb='fast' is not valid: it must be a positive size in MiB "
                                           r"or 'auto' .* ddp\.bucket_cap_mb=auto, or null"):
         _job("ddp.bucket_cap_mb=fast")
-    with pytest.raises(ConfigError, match=r"ddp\.bucket_cap_mb=auto with compile\.split=false: auto chooses where"):
-        validate(_job("ddp.bucket_cap_mb=auto", "compile.backend=aot_eager", "compile.split=false"))
+    with pytest.raises(ConfigError, match=r"ddp\.bucket_cap_mb=auto with ddp\.strategy=whole: auto chooses where"):
+        validate(_job("ddp.bucket_cap_mb=auto", "compile.backend=aot_eager", "ddp.strategy=whole"))
     with pytest.raises(ConfigError, match=r"ddp\.bucket_cap_mb=auto and ddp\.bucket_cap_mb_list are both set"):
         validate(_job("ddp.bucket_cap_mb=auto", "ddp.bucket_cap_mb_list=[1,4]"))
 

@@ -110,7 +110,7 @@ def test_flag_is_restored_when_forward_raises():
 def test_split_false_compiles_one_graph():
     ddp, _ = _pair(Tower, bucket_cap_mb=LAYER_MB)
     graphs = []
-    compiled = compile_ddp(ddp, backend=lambda gm, ex: graphs.append(gm) or gm.forward, split=False)
+    compiled = compile_ddp(ddp, backend=lambda gm, ex: graphs.append(gm) or gm.forward, strategy="whole")
     compiled(torch.randn(2, 64))
     assert len(graphs) == 1 and compiled.buckets == [] and compiled.ddp_optimizer is None
 

@@ -18,11 +18,11 @@ def _model():
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-@pytest.mark.parametrize("setting", [dict(bucket_cap_mb="auto"), dict(cache_dir="/tmp/x"), dict(regional=True),
-                                     dict(strategy="traced")])
+@pytest.mark.parametrize("setting", [dict(bucket_cap_mb="auto"), dict(cache_dir="/tmp/x"),
+                                     dict(strategy="regional"), dict(strategy="traced")])
 def test_settings_that_need_the_ddp_module_up_front_are_refused_with_the_way_out(setting):
-    name = next(iter(setting))
-    with pytest.raises(SettingError, match=rf"compile_for_ddp\({name}=...\): this setting needs the DDP module "
+    name, value = next(iter(setting.items()))
+    with pytest.raises(SettingError, match=rf"compile_for_ddp\({name}='{value}'\): this setting needs the DDP module "
                                            r"before the first forward .* compile_ddp\(DistributedDataParallel"):
         compile_for_ddp(_model(), backend="aot_eager", **setting)
 

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_opt.api
+import ddp_opt.config
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, LinkEstimate, compile_ddp
 
@@ -21,8 +22,11 @@ pytestmark = pytest.mark.usefixtures("gloo_module", "clean_dynamo")
     (dict(backend="aot_eager", mode="max-autotune"), "mode", r"are inductor settings, but backend='aot_eager'"),
     (dict(fallback="ignore"), "fallback", r"fallback='ignore'\): expected one of warn, raise"),
     (dict(bucket_cap_mb=4), "bucket_cap_mb", r"A fixed cap belongs on DDP: DistributedDataParallel\(model, bucket_cap_mb=4\)"),
-    (dict(bucket_cap_mb="auto", split=False), "bucket_cap_mb", r"bucket_cap_mb='auto', split=False.*Drop one"),
-    (dict(link=LinkEstimate(1e-3, 1e8), regional=True), "link", r"link=\.\.\., regional=True"),
+    (dict(bucket_cap_mb="auto", strategy="whole"), "bucket_cap_mb", r"bucket_cap_mb='auto', strategy='whole'.*Drop one"),
+    (dict(link=LinkEstimate(1e-3, 1e8), strategy="regional"), "link", r"link=\.\.\., strategy='regional'"),
+    (dict(strategy="fused"), "strategy", r"strategy='fused'\): expected one of 'split': .*'whole': .*'regional': "
+                                         r".*'traced': "),
+    (dict(share_timeout_s=0), "share_timeout_s", r"compile_ddp\(share_timeout_s=0\): expected a positive number"),
     (dict(blocks=[]), "blocks", r"compile_ddp.blocks=\[\]: expected 'auto', the name of one ModuleList"),
     (dict(cache_dir=""), "cache_dir", r"is not a directory.*cache_dir=None to turn"),
 ])
@@ -57,7 +61,7 @@ def test_a_config_passed_whole_compiles_like_the_keywords():
 
 
 def test_config_and_keywords_together_are_refused():
-    with pytest.raises(ValueError, match=r"config=\.\.\., <keyword settings>.*dataclasses.replace"):
+    with pytest.raises(ValueError, match=r"config=\.\.\., backend=\.\.\.\): .*dataclasses.replace"):
         compile_ddp(DDP(nn.Linear(4, 4)), config=DDPCompileConfig(), backend="eager")
 
 
@@ -76,26 +80,93 @@ def test_a_torch_without_realignments_internals_turns_it_off_naming_them(monkeyp
 # --- one definition per setting: the keyword list and the cache key come from the fields ------
 
 
-def test_compile_ddp_has_one_keyword_per_config_field():
+def test_compile_ddp_lists_one_keyword_per_config_field():
+    import dataclasses
     import inspect
 
-    params = inspect.signature(compile_ddp).parameters
+    params = inspect.signature(compile_ddp).parameters  # what help(compile_ddp) shows
     keywords = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"config"}
-    assert keywords == ddp_opt.api.SETTING_KEYWORDS, (
-        "compile_ddp's keywords and DDPCompileConfig's fields differ: add the keyword (or the field) for "
-        f"{sorted(keywords ^ ddp_opt.api.SETTING_KEYWORDS)}")
+    assert keywords == {f.name for f in dataclasses.fields(DDPCompileConfig)} - {"spelling", "torch_compile_kwargs"}
+    assert params["strategy"].default == "split" and params["share"].default is True
+
+
+def test_the_compile_settings_are_compiler_options_with_ddps_own_added():
+    import dataclasses
+
+    from compiler import CompileOptions
+
+    shared = [f.name for f in dataclasses.fields(CompileOptions)]
+    assert [f.name for f in dataclasses.fields(DDPCompileConfig)][:len(shared)] == shared
+    config = DDPCompileConfig(backend="aot_eager", fullgraph=True, share=False, strategy="whole")
+    assert config.compile_options() == CompileOptions(backend="aot_eager", fullgraph=True, share=False)
+
+
+def test_a_new_field_is_a_keyword_without_any_other_edit():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class WithANewSetting(DDPCompileConfig):
+        new_knob: int = 3
+
+    assert WithANewSetting.from_keywords("compile_ddp", {"new_knob": 5, "backend": "eager"}).new_knob == 5
 
 
 @pytest.mark.parametrize("name, value", [
     (n, v) for n, v in [("mode", "max-autotune"), ("fullgraph", True), ("split", False), ("dynamic", True),
                         ("fallback", "raise"), ("check_plans", False), ("align_buckets", False),
-                        ("share_compile", False), ("share_timeout_s", 5.0), ("regional", True),
-                        ("strategy", "traced"), ("bucket_cap_mb", "auto")]
+                        ("share", False), ("share_compile", False), ("share_timeout_s", 5.0), ("regional", True),
+                        ("strategy", "traced"), ("bucket_cap_mb", "auto"), ("disable", True)]
 ])
 def test_every_keyword_given_beside_a_config_is_refused(name, value):
-    # Derived from the fields: no keyword can be silently dropped next to config=.
-    with pytest.raises(ValueError, match=r"config=\.\.\., <keyword settings>"):
+    # No keyword can be silently dropped next to config=.
+    with pytest.raises(ValueError, match=rf"config=\.\.\., {name}=\.\.\.\): a DDPCompileConfig carries every"):
         compile_ddp(DDP(nn.Linear(4, 4)), config=DDPCompileConfig(backend="aot_eager"), **{name: value})
+
+
+def test_an_unknown_keyword_is_refused_with_the_closest_setting():
+    ddp = DDP(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"compile_ddp\(\) got an unexpected keyword argument 'stratgy': it is "
+                                        r"neither a setting of compile_ddp .* nor one of torch.compile's keywords, "
+                                        r"which compile_ddp passes on \(disable.*\)\. Did you mean strategy=\?"):
+        compile_ddp(ddp, backend="eager", stratgy="traced")
+    assert "forward" not in ddp.module.__dict__
+
+
+# --- the keywords of earlier releases: one strategy choice, one name for share ---------------
+
+
+@pytest.mark.parametrize("old, now", [
+    (dict(split=False), dict(strategy="whole")),
+    (dict(split=True), dict(strategy="split")),
+    (dict(regional=True), dict(strategy="regional")),
+    (dict(regional=False), dict(strategy="split")),
+    (dict(regional=True, split=False), dict(strategy="regional")),  # split was unused by regional, as before
+    (dict(split=False, strategy="whole"), dict(strategy="whole")),
+    (dict(share_compile=False), dict(share=False)),
+])
+def test_a_deprecated_keyword_maps_to_its_setting_with_a_warning(old, now):
+    with pytest.warns(FutureWarning, match=r"compile_ddp\((split|regional|share_compile)=\w+\) is deprecated: .*pass"):
+        config = DDPCompileConfig.from_keywords("compile_ddp", dict(old, backend="eager"))
+    assert config == DDPCompileConfig(backend="eager", **now)
+
+
+def test_a_deprecated_keyword_that_contradicts_the_strategy_is_refused():
+    with pytest.warns(FutureWarning), pytest.raises(SettingError, match=r"compile_ddp\(strategy='traced', "
+                                                                     r"split=False\): .*two strategies"):
+        compile_ddp(DDP(nn.Linear(4, 4)), backend="aot_eager", strategy="traced", split=False)
+    with pytest.warns(FutureWarning), pytest.raises(SettingError, match=r"share_compile is the deprecated name"):
+        DDPCompileConfig.from_keywords("compile_ddp", dict(share=True, share_compile=False))
+
+
+def test_the_deprecated_split_false_still_compiles_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    x = torch.randn(4, 64)
+    want = model(x)
+    with pytest.warns(FutureWarning, match=r"split=False\) is deprecated.*strategy='whole'"):
+        compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="aot_eager", split=False)
+    torch.testing.assert_close(compiled(x), want)
+    assert compiled.strategy == "whole" and compiled.buckets == []
 
 
 def test_a_new_setting_is_in_the_cache_key_without_any_other_edit():
@@ -111,7 +182,7 @@ def test_a_new_setting_is_in_the_cache_key_without_any_other_edit():
     key = WithANewSetting(backend="aot_eager").cache_settings()
     assert key["new_knob"] == 3 and key["backend"] == "aot_eager" and key["strategy"] == "split"
     # What the fields declare not_compiled stays out, each with its reason beside it.
-    assert not {"cache_dir", "share_compile", "share_timeout_s", "check_plans", "align_buckets", "spelling"} & set(key)
+    assert not {"cache_dir", "share", "share_timeout_s", "check_plans", "align_buckets", "spelling"} & set(key)
 
     @dataclass(frozen=True)
     class FSDPWithANewSetting(FSDPConfig):

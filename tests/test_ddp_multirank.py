@@ -200,7 +200,7 @@ def _late_mismatch_rank(rank, world_size):
     if rank == 1:
         store.wait(["test/rank0_compiling"])
     try:
-        compile_ddp(ddp, backend=backend, share_compile=False)(torch.randn(2, 64))  # every partition here
+        compile_ddp(ddp, backend=backend, share=False)(torch.randn(2, 64))  # every partition here
     except Exception as e:  # noqa: BLE001
         return len(calls), type(e).__name__, "PlanMismatchError" in str(e)
     return len(calls), "no error", False

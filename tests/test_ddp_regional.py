@@ -38,12 +38,12 @@ def test_a_model_without_repeated_blocks_fails_with_how_to_fix():
     with single_rank_group():
         ddp = DDP(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
         with pytest.raises(ValueError) as info:
-            compile_ddp(ddp, backend="aot_eager", regional=True)
+            compile_ddp(ddp, backend="aot_eager", strategy="regional")
     msg = str(info.value)
     assert msg.startswith("Regional compile needs repeated blocks to compile once and reuse: blocks='auto' found "
                           "no repeated blocks in Sequential")
-    assert "Pass them as compile_ddp(..., regional=True, blocks=...) (launcher: compile.blocks=...)" in msg
-    assert "compile.regional=false" in msg
+    assert "Pass them as compile_ddp(..., strategy='regional', blocks=...) (launcher: compile.blocks=...)" in msg
+    assert "ddp.strategy=split" in msg
 
 
 def test_eight_blocks_compile_one_graph_match_eager_and_realign_to_blocks(clean_dynamo):
@@ -60,7 +60,7 @@ def test_eight_blocks_compile_one_graph_match_eager_and_realign_to_blocks(clean_
         model = GPT(CFG8)
         ref = DDP(copy.deepcopy(model), bucket_cap_mb=2 * _block_bytes(model) / 2**20)
         ddp = DDP(model, bucket_cap_mb=2 * _block_bytes(model) / 2**20)
-        compiled = compile_ddp(ddp, backend="aot_eager", regional=True, wrap_backend=count)
+        compiled = compile_ddp(ddp, backend="aot_eager", strategy="regional", wrap_backend=count)
         for step in range(4):
             x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
             loss, ref_loss = compiled(x, x)[1], ref(x, x)[1]
@@ -80,7 +80,7 @@ def _two_rank_parity(rank, world_size):
     model = GPT(CFG8)
     ref = DDP(copy.deepcopy(model), bucket_cap_mb=0.05)
     ddp = DDP(model, bucket_cap_mb=0.05)
-    compiled = compile_ddp(ddp, backend="aot_eager", regional=True)
+    compiled = compile_ddp(ddp, backend="aot_eager", strategy="regional")
     opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     losses = []
     for step in range(3):

@@ -239,7 +239,7 @@ def test_break_reason_names_ddpoptimizer_and_compile_ddps_way_out():
     _, reasons = _explained(make)
     assert len(reasons) == 4
     assert all(r.startswith("DDPOptimizer intentional graph-break") for r in reasons)
-    assert "compile_ddp(ddp, split=False)" in reasons[0] and "Note [Bucket planning]" in reasons[0]
+    assert "compile_ddp(ddp, strategy='whole')" in reasons[0] and "Note [Bucket planning]" in reasons[0]
 
 
 def test_break_reason_of_a_directly_used_ddpoptimizer_advises_the_plain_backend():
@@ -259,4 +259,4 @@ def test_the_launcher_passes_its_own_spelling():
     from launch.runtime.parallel import OVERRIDE_SPELLING
     from ddp_opt.optimizer import split_reason
 
-    assert "compile.split=false" in split_reason(OVERRIDE_SPELLING)
+    assert "ddp.strategy=whole" in split_reason(OVERRIDE_SPELLING)

@@ -301,8 +301,8 @@ def test_compile_spec_is_normalized():
 def test_whole_model_fullgraph_is_refused_with_why_and_what_to_use():
     with pytest.raises(ValueError, match=r"whole_model=True, fullgraph=True.*dynamo.*Attempted to call function "
                                          r"marked as skipped.*per-block compile.*compile=None"):
-        CompileConfig(backend="aot_eager", whole_model=True)
-    CompileConfig(backend="aot_eager", whole_model=True, fullgraph=False)  # allowed, with a warning at apply
+        CompileConfig(backend="aot_eager", whole_model=True, fullgraph=True)
+    CompileConfig(backend="aot_eager", whole_model=True)  # fullgraph=False, the default: allowed, warned at apply
 
 
 def test_compiled_autograd_request_is_refused():
@@ -317,7 +317,7 @@ def test_each_bad_fsdp_setting_is_a_setting_error_naming_its_field():
 
     cases = [(lambda: CompileConfig(share_timeout_s=0), "share_timeout_s"),
              (lambda: CompileConfig(compiled_autograd=True), "compiled_autograd"),
-             (lambda: CompileConfig(whole_model=True), "whole_model"),
+             (lambda: CompileConfig(whole_model=True, fullgraph=True), "whole_model"),
              (lambda: FSDPConfig(prefetch=-1), "prefetch"),
              (lambda: FSDPConfig(shard_unit_mb=0), "shard_unit_mb"),
              (lambda: FSDPConfig(reshard_after_forward=1), "reshard_after_forward")]

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ddp_opt.config import STRATEGIES
+
 from ..config.schema import (
     CompileConfig,
     ConfigError,
@@ -151,17 +153,11 @@ def check_parallel(p: ParallelConfig) -> None:
 
 def check_compile_time(c: CompileConfig, p: ParallelConfig) -> None:
     """compile.cache_dir needs a compile (any parallel mode; whether it is a directory is
-    ddp_opt.DDPCompileConfig's check); compile.regional needs DDP."""
+    compiler.CompileOptions's check)."""
     if c.cache_dir is not None and c.backend == "eager":
         raise ConfigError(
             f"compile.cache_dir={c.cache_dir!r} with compile.backend=eager: nothing is compiled, so there is "
             "nothing to cache. Drop compile.cache_dir or pick a compile backend (compile.backend=inductor)."
-        )
-    if c.regional and p.name == ParallelMode.NONE:
-        raise ConfigError(
-            "compile.regional=true with parallel=none: regional compile is implemented with DDP, whose buckets "
-            "it aligns to the blocks (and parallel=fsdp always compiles per block). Use parallel=ddp "
-            "(also on one rank) or compile.regional=false."
         )
 
 
@@ -185,6 +181,8 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
     using = [n for n in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list") if getattr(d, n) is not None]
     if d.static_graph:
         using.append("static_graph")
+    if d.strategy != "split":
+        using.append("strategy")
     if p.name != ParallelMode.DDP and using:
         raise ConfigError(
             f"ddp.{using[0]} is set but parallel={p.name}: ddp.* settings configure DistributedDataParallel's "
@@ -215,29 +213,27 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
 
 
 def check_auto_caps(d: DDPConfig, c: CompileConfig) -> None:
-    """ddp.bucket_cap_mb=auto plans where compile_ddp splits the graph, so it needs a compile
-    (with compile.split=false or compile.regional=true, DDPCompileConfig refuses it); so does
-    ddp.strategy=traced."""
+    """ddp.bucket_cap_mb=auto plans where compile_ddp splits the graph, and every ddp.strategy
+    but the default chooses how it compiles, so both need a compile (with ddp.strategy=whole
+    or regional, DDPCompileConfig refuses auto)."""
     if d.bucket_cap_mb == "auto" and c.backend == "eager":
         raise auto_caps_error("compile.backend=eager")
-    if d.strategy == "traced" and c.backend == "eager":
+    if d.strategy != "split" and c.backend == "eager":
         raise strategy_error(d.strategy, c)
 
 
 def strategy_error(strategy: str, c: CompileConfig) -> ConfigError:
-    """``ddp.strategy`` refused: an unknown name, or traced with a setting that compiles otherwise."""
-    if strategy not in ("split", "traced"):
+    """``ddp.strategy`` refused: an unknown name, or a strategy with nothing compiled."""
+    if strategy not in STRATEGIES:
         return ConfigError(
-            f"ddp.strategy={strategy!r} is not valid: it must be split (the forward split at the bucket boundaries, "
-            "DDP's reducer all-reduces each bucket; the default) or traced (the all-reduces traced into one "
-            "compiled backward graph). Use ddp.strategy=split or ddp.strategy=traced."
+            f"ddp.strategy={strategy!r} is not valid: it must be one of "
+            + "; ".join(f"{name} ({what})" for name, what in STRATEGIES.items())
+            + ". Use e.g. ddp.strategy=split."
         )
-    off = ("compile.backend=eager" if c.backend == "eager" else "compile.split=false" if not c.split
-           else "compile.regional=true")
     return ConfigError(
-        f"ddp.strategy=traced with {off}: the traced strategy compiles the whole forward and traces the gradient "
-        f"all-reduces into the compiled backward, and {off} compiles otherwise (or not at all). Drop one of the "
-        "two: ddp.strategy=split is the default."
+        f"ddp.strategy={strategy} with compile.backend=eager: the strategy says how compile_ddp compiles the model, "
+        "and with compile.backend=eager nothing is compiled. Pick a compile backend (compile.backend=inductor or "
+        "aot_eager), or drop ddp.strategy (split is the default)."
     )
 
 
@@ -246,7 +242,7 @@ def auto_caps_error(off: str) -> ConfigError:
     return ConfigError(
         f"ddp.bucket_cap_mb=auto with {off}: auto chooses where compile_ddp splits the compiled graph into "
         "buckets, and with this setting nothing is split at planned buckets. Use a compile backend with "
-        "compile.split=true and compile.regional=false, or a fixed ddp.bucket_cap_mb."
+        "ddp.strategy=split or traced, or a fixed ddp.bucket_cap_mb."
     )
 
 

@@ -94,7 +94,7 @@ def _compile_error(e: SettingError, c: CompileConfig, strategy: str) -> ConfigEr
     if e.setting == "strategy":
         return rules.strategy_error(strategy, c)
     if e.setting == "bucket_cap_mb":  # the launcher passes only 'auto' to compile_ddp
-        return rules.auto_caps_error("compile.split=false" if not c.split else "compile.regional=true")
+        return rules.auto_caps_error(f"ddp.strategy={strategy}")
     return ConfigError(f"the compile.* settings cannot work together: {e}")
 
 

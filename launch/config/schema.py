@@ -10,11 +10,14 @@ than a type live in ``launch.checks.validate``.
 
 from __future__ import annotations
 
-from dataclasses import MISSING as MISSING_FACTORY, dataclass, field
+import warnings
+from dataclasses import MISSING as MISSING_FACTORY, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+
+from compiler import CompileOptions
 
 __all__ = [
     "ConfigError",
@@ -124,34 +127,36 @@ class ParallelConfig:
 
 @dataclass
 class CompileConfig:
-    """``compile`` group. ``backend=eager`` means no ``torch.compile`` at all."""
+    """``compile`` group. ``backend=eager`` means no ``torch.compile`` at all.
+
+    The fields from ``backend`` to ``share_timeout_s`` are ``compiler.CompileOptions``'s,
+    one to one (same names and defaults; ``compile_options()`` maps them by name), so
+    each is documented there once."""
 
     backend: str = "inductor"
     mode: Optional[str] = None
     options: Dict[str, Any] = field(default_factory=dict)
     dynamic: Optional[bool] = None
     fullgraph: bool = False
-    # DDP only: split the graph at DDP's bucket boundaries (False: compile it whole).
-    split: bool = True
-    # A partition that fails to compile: "warn" runs it eagerly, "raise" stops.
+    # A persistent compile cache directory, any parallel mode (Note [Compile cache]); null: off.
+    cache_dir: Optional[str] = None
+    share: bool = True
+    share_timeout_s: float = 7200.0
+    # DDP only: a partition that fails to compile: "warn" runs it eagerly, "raise" stops.
     fallback: str = "warn"
     # Compile optimizer.step too (launch.step.optim, Note [Compiled optimizer step]).
     optimizer: bool = False
-    # A persistent compile cache directory, any parallel mode (Note [Compile cache]), loaded before the
-    # first step and written after it; null: only torch's local caches. Loading a cache is
-    # loading code: use a directory as trusted as this code.
-    cache_dir: Optional[str] = None
-    # DDP only: compile each repeated block once, buckets of whole blocks, the rest eager
-    # (Note [Regional compile]). parallel=fsdp always compiles per block.
-    regional: bool = False
-    # With regional: "auto" (a ModuleList/ModuleDict/Sequential of one block class) or the container's name.
+    # DDP with ddp.strategy=regional: "auto" (a ModuleList/ModuleDict/Sequential of one block class) or
+    # the container's name.
     blocks: str = "auto"
-    # The first rank to reach a graph compiles it, the others load its artifacts, and no rank
-    # leaves a graph's compile before every rank that compiles it is done (no collective
-    # timeout from compile skew; Note [Shared compile]). false: every rank compiles everything.
-    share: bool = True
-    # The longest a rank waits for another rank's compile before compiling it itself.
-    share_timeout_s: float = 7200.0
+    # Deprecated spellings of ddp.strategy (split=false: ddp.strategy=whole; regional=true:
+    # ddp.strategy=regional), mapped with a warning when the config is read.
+    split: Optional[bool] = None
+    regional: Optional[bool] = None
+
+    def compile_options(self) -> CompileOptions:
+        """The ``compiler.CompileOptions`` these settings hold (every field of it, by name)."""
+        return CompileOptions(**{f.name: getattr(self, f.name) for f in fields(CompileOptions)})
 
 
 @dataclass
@@ -169,8 +174,9 @@ class DDPConfig:
     static_graph: bool = False
     # After step 1, make DDP's runtime buckets equal the compiled partitions (Note [Bucket realignment]).
     align_buckets: bool = True
-    # split: the forward split at the buckets, DDP's reducer all-reduces; traced: the all-reduces
-    # traced into one compiled backward graph (Note [Traced strategy]).
+    # How compile_ddp compiles the model, one of ddp_opt.config.STRATEGIES: split (the forward split at
+    # the buckets, DDP's reducer all-reduces), whole (no split), regional (each repeated block compiled
+    # once, buckets of whole blocks) or traced (the all-reduces in one compiled backward graph).
     strategy: str = "split"
 
     def __post_init__(self) -> None:
@@ -329,7 +335,31 @@ def to_job_config(dcfg: Any) -> JobConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {e.msg}. Set it on the command line, e.g. {e.full_key}=...") from None
     assert isinstance(cfg, JobConfig), type(cfg)
+    _renamed(cfg)
     return cfg
+
+
+def _renamed(cfg: JobConfig) -> None:
+    """The deprecated ``compile.split`` and ``compile.regional`` as the ``ddp.strategy`` they
+    stand for, each with a FutureWarning (``compile.regional=true`` decides when both are set)."""
+    c = cfg.compile
+    for name, value, strategy in (("regional", c.regional, "regional"), ("split", c.split, "whole")):
+        if value is None:
+            continue
+        # parallel=fsdp always compiles per block: compile.regional=true said what already happens.
+        means = (value if name == "regional" else not value) and cfg.parallel.name == ParallelMode.DDP
+        warnings.warn(f"compile.{name}={str(value).lower()} is deprecated: how DDP compiles is one setting now, "
+                      f"ddp.strategy. Use " + (f"ddp.strategy={strategy}" if means else "nothing (drop it)") + ".",
+                      FutureWarning, stacklevel=2)
+        if not means or (name == "split" and c.regional):
+            continue
+        if cfg.ddp.strategy not in ("split", strategy):
+            raise ConfigError(
+                f"ddp.strategy={cfg.ddp.strategy} with compile.{name}={str(value).lower()}: the second is the "
+                f"deprecated spelling of ddp.strategy={strategy}, so two strategies were asked for. Set "
+                "ddp.strategy alone.")
+        cfg.ddp.strategy = strategy
+    c.split = c.regional = None
 
 
 # Free-form sections: their keys are the user's own (constructor arguments, Inductor options).

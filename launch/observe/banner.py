@@ -27,7 +27,6 @@ def describe(cfg: JobConfig) -> str:
     )
     comp = f"{c.backend}" + (f" mode={c.mode}" if c.mode else "") + (f" options={c.options}" if c.options else "")
     comp += f" dynamic={c.dynamic} fullgraph={c.fullgraph}" + (" optimizer" if c.optimizer else "")
-    comp += f" split={c.split}" if cfg.parallel.name == ParallelMode.DDP else ""
     ddp = " ".join(f"{k}={getattr(d, k)}" for k in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list")
                    if getattr(d, k) is not None) or "defaults (25 MiB, first 1 MiB)"
     data = cfg.data.name + (f" target={cfg.data._target_}" if cfg.data._target_ else "")
@@ -39,8 +38,7 @@ def describe(cfg: JobConfig) -> str:
         ("model", model),
         ("parallel", f"{cfg.parallel.name} ({cfg.parallel.dist_backend})"),
         ("compile", comp),
-        *([("ddp", ddp + (" static_graph" if d.static_graph else "") + (f" strategy={d.strategy}"
-                                                                           if d.strategy != "split" else ""))]
+        *([("ddp", ddp + (" static_graph" if d.static_graph else "") + f" strategy={d.strategy}")]
           if cfg.parallel.name == ParallelMode.DDP else []),
         *([("fsdp", _describe_fsdp(cfg.fsdp))] if cfg.parallel.name == ParallelMode.FSDP else []),
         ("data", data),

@@ -20,7 +20,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_opt
-from compiler import BackendSpec
 from compiler.cache import open_cache
 from compiler.cputime import cpu_seconds
 from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
@@ -38,8 +37,8 @@ log = logging.getLogger(__name__)
 OVERRIDE_SPELLING = Spelling(
     bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
     keep_aligned="Keep bucket realignment on (ddp.align_buckets=true)",
-    regional="compile.regional=true", cache_dir="compile.cache_dir=DIR",
-    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}", no_split="compile.split=false",
+    regional="ddp.strategy=regional", cache_dir="compile.cache_dir=DIR",
+    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}", no_split="ddp.strategy=whole",
 )
 
 __all__ = ["CausalLM", "OVERRIDE_SPELLING", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs",
@@ -170,12 +169,10 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
     field); ``launch.checks.validate`` builds it before any process group starts."""
     c = cfg.compile
     return DDPCompileConfig(
-        backend=c.backend, mode=c.mode, options=dict(c.options) or None, dynamic=c.dynamic, fullgraph=c.fullgraph,
-        fallback=c.fallback, split=c.split, cache_dir=c.cache_dir, regional=c.regional, blocks=c.blocks,
+        **vars(c.compile_options()), fallback=c.fallback, blocks=c.blocks,
         bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
-        align_buckets=cfg.ddp.align_buckets, share_compile=c.share, share_timeout_s=c.share_timeout_s,
-        strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP else "split",
-        spelling=OVERRIDE_SPELLING,
+        align_buckets=cfg.ddp.align_buckets, strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP
+        else "split", spelling=OVERRIDE_SPELLING,
     )
 
 
@@ -187,9 +184,7 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     break inside a block falls back instead of failing the job)."""
     compile_cfg = None
     if c.backend != "eager":
-        compile_cfg = fsdp_opt.CompileConfig(backend=c.backend, mode=c.mode, options=dict(c.options),
-                                             dynamic=c.dynamic, fullgraph=c.fullgraph, cache_dir=c.cache_dir,
-                                             share=c.share, share_timeout_s=c.share_timeout_s)
+        compile_cfg = fsdp_opt.CompileConfig(**vars(c.compile_options()))
     mp = None
     if f.mixed_precision == FSDPPrecision.BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -233,12 +228,12 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
         return Wrapped(model, model, compile_cache=plan.compile_cache, share=plan.share)
     if not compile_it:
         return Wrapped(model, model)
+    options = c.compile_options()
     cache = None
     if c.cache_dir is not None:  # loaded before the first compile
-        settings = dict(parallel="none", backend=c.backend, mode=c.mode, options=dict(c.options), dynamic=c.dynamic,
-                        fullgraph=c.fullgraph)
-        cache = open_cache(model, c.cache_dir, settings, world_size=env.world_size)
-    backend = BackendSpec(c.backend, c.mode, dict(c.options), c.dynamic).resolve()
+        cache = open_cache(model, c.cache_dir, dict(options.cache_settings(), parallel="none"),
+                           world_size=env.world_size)
+    backend = options.resolve_backend()
     if wrap_backend is not None:
         backend = wrap_backend(backend)
     return Wrapped(torch.compile(model, backend=backend, dynamic=c.dynamic, fullgraph=c.fullgraph), model,
