@@ -8,13 +8,24 @@ from pathlib import Path
 
 from launch.config.schema import JobConfig, ModelConfig, TrainConfig, register_configs, to_job_config
 
-__all__ = ["TINY", "TINY_GPT", "TINY_OVERRIDES", "composed", "tiny_job"]
+__all__ = ["ONE_BLOCK", "REFERENCE", "REFERENCE_RUN", "REFERENCE_STEPS", "TINY", "TINY_GPT", "TINY_OVERRIDES",
+           "composed", "tiny_job"]
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # the model of the in-process runs of the main job
+# One narrow block, 16 positions: the runs that compile or step often (schedule, eval, step tests).
+ONE_BLOCK = dict(n_layer=1, n_head=2, n_embd=32, block_size=16)
 # A smaller GPT still (vocabulary 64, 16 positions) for the compile-cache and shared-compile tests,
 # as GPTConfig keywords and as the main job's overrides.
 TINY_GPT = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
 TINY_OVERRIDES = [f"model.{k}={v}" for k, v in TINY_GPT.items()]
+
+# The reference run under torchrun (the ``reference_run`` fixture, one per test session): small and
+# quick to compile, split into several buckets by a 0.05 MiB cap, 8 steps with checkpoints after
+# steps 2, 4, 6 and 8, all kept. A test that resumes or restarts it runs REFERENCE_RUN too.
+REFERENCE = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+             "train.batch_size=4", "train.seq_len=32", "ddp.bucket_cap_mb=0.05"]
+REFERENCE_STEPS = 8
+REFERENCE_RUN = [*REFERENCE, f"train.steps={REFERENCE_STEPS}", "train.checkpoint_every=2", "train.keep_last=4"]
 
 
 def composed(*overrides: str) -> JobConfig:

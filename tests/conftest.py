@@ -93,6 +93,19 @@ def torchrun():
     return _torchrun.torchrun
 
 
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, torchrun):
+    """The folder of one uninterrupted 2-rank run of the main job (``_jobs.REFERENCE_RUN``),
+    run once per test session: ``run/metrics.json`` and ``checkpoints/step_00000{2,4,6,8}``.
+    The yardstick of the resume tests; copy what a test changes."""
+    from _jobs import REFERENCE_RUN
+    from _torchrun import ok
+
+    cwd = tmp_path_factory.mktemp("reference_run")
+    ok(torchrun(cwd, *REFERENCE_RUN, "hydra.run.dir=run"))
+    return cwd
+
+
 @pytest.fixture
 def launch_cli(tmp_path, capfd, monkeypatch):
     """``launch_cli(*overrides) -> CliResult(code, out, err)``: what ``python -m launch.train

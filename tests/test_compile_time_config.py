@@ -1,6 +1,7 @@
 """Launcher settings of issue 6: compile.cache_dir and ddp.strategy=regional (once compile.regional)."""
 
 import pytest
+import torch
 
 from launch.config.schema import ConfigError
 from launch.checks.validate import validate
@@ -119,3 +120,21 @@ def test_the_compile_group_maps_one_to_one_onto_compiler_compile_options():
     assert cfg.compile.compile_options() == want
     assert ddp_compile_config(cfg).compile_options() == want
     assert fsdp_config(cfg.fsdp, cfg.compile).compile.compile_options() == want
+
+
+def test_the_fsdp_group_reaches_fsdp_config_by_name():
+    import dataclasses
+
+    import fsdp_opt
+    from launch.config.schema import FSDPOptions
+    from launch.runtime.parallel import fsdp_config
+
+    # Every fsdp.* setting but the launcher's precision choice (which becomes mp_policy) is an
+    # FSDPConfig field of the same name, so a new one needs no mapping of its own.
+    names = {f.name for f in dataclasses.fields(FSDPOptions)} - {"mixed_precision"}
+    assert names <= {f.name for f in dataclasses.fields(fsdp_opt.FSDPConfig)}
+    cfg = _job("parallel=fsdp", "fsdp.shard_unit_mb=4", "fsdp.prefetch=0", "fsdp.reshard_after_forward=false",
+               "fsdp.checkpointing=true", "fsdp.mixed_precision=bf16")
+    made = fsdp_config(cfg.fsdp, cfg.compile)
+    assert (made.shard_unit_mb, made.prefetch, made.reshard_after_forward, made.checkpointing) == (4.0, 0, False, True)
+    assert made.mp_policy.param_dtype == torch.bfloat16

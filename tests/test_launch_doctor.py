@@ -9,15 +9,14 @@ import sys
 
 import pytest
 
-from launch.config.schema import (CompileConfig, ConfigError, DDPConfig, JobConfig, ModelConfig, ParallelConfig,
-                                  TrainConfig)
+from launch.config.schema import CompileConfig, ConfigError, DDPConfig, JobConfig, ParallelConfig
 from launch.doctor import DEFAULT_STEPS, doctor_argv
 from launch.train import run
+from _jobs import tiny_job
 
 
 def _job(tmp_path, **kw) -> JobConfig:
-    kw.setdefault("train", TrainConfig(steps=3, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt")))
-    return JobConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64), **kw)
+    return tiny_job(tmp_path, **kw)
 
 
 def test_doctor_argv_sets_diagnose_a_short_run_and_the_json_path():
@@ -44,7 +43,7 @@ def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, c
 def test_diagnose_reports_poor_alignment_with_a_bucket_cap_suggestion(tmp_path, capsys, one_thread, clean_dynamo):
     # Without realignment DDP's rebuilt buckets straddle partitions.
     cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1, align_buckets=False),
-               diagnose=True, train=TrainConfig(steps=4, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "c")))
+               diagnose=True, train=dict(steps=4, checkpoint_dir=str(tmp_path / "c")))
     metrics = run(cfg, output_dir=str(tmp_path))
     d = metrics["diagnosis"]
     assert d["alignment"] == metrics["alignment"] < 1.0

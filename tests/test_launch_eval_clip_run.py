@@ -12,21 +12,20 @@ import pytest
 import torch
 
 import _custom_parts
-from launch.config.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from launch.config.schema import CompileConfig, DataConfig, JobConfig, ParallelConfig
 from launch.data.source import SyntheticTokens
 from launch.step.optim import OptimizerStep
 from launch.train import run
 from models import GPT, GPTConfig
+from _jobs import ONE_BLOCK, tiny_job
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 
 
 def _job(tmp_path, backend="aot_eager", data=None, parallel="ddp", **train) -> JobConfig:
-    t = dict(steps=4, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt"))
-    t.update(train)
-    return JobConfig(model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-                     parallel=ParallelConfig(name=parallel), compile=CompileConfig(backend=backend),
-                     data=data or DataConfig(), train=TrainConfig(**t))
+    return tiny_job(tmp_path, model=ONE_BLOCK, parallel=ParallelConfig(name=parallel),
+                    compile=CompileConfig(backend=backend),
+                    data=data or DataConfig(), train={"steps": 4, **train})
 
 
 def test_evaluation_changes_no_training_and_compiles_nothing(tmp_path, capsys):

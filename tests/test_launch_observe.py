@@ -11,20 +11,18 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from launch.config.schema import (CompileConfig, ConfigError, JobConfig, LogConfig, ModelConfig, ProfileConfig,
-                                  TrainConfig)
+from launch.config.schema import CompileConfig, ConfigError, JobConfig, LogConfig, ProfileConfig
 from launch.observe.report import Tally, curve_name
 from launch.observe.tensorboard import summary_scalars
 from launch.observe.timeline import read_step
 from launch.train import run
+from _jobs import tiny_job
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _job(tmp_path, steps=4, **kw) -> JobConfig:
-    return JobConfig(model=ModelConfig(n_layer=2, n_head=2, n_embd=64),
-                     train=TrainConfig(steps=steps, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt")),
-                     **kw)
+    return tiny_job(tmp_path, train=dict(steps=steps), **kw)
 
 
 def _scalars(folder: Path) -> dict[str, list]:

@@ -14,20 +14,18 @@ import torch
 
 from launch.checkpoint.store import save_checkpoint
 from launch.checks.rules_train import check_nonfinite
-from launch.config.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
+from launch.config.schema import CompileConfig, ConfigError, JobConfig, TrainConfig
 from launch.runtime.guard import NonFinite
 from launch.runtime.preempt import EXIT_PREEMPTED, Preempted
 from launch.train import run
-from _jobs import TINY
+from _jobs import tiny_job
 
 
 pytestmark = pytest.mark.usefixtures("no_process_group_left")
 
 
 def _job(tmp_path, **train) -> JobConfig:
-    t = dict(steps=6, batch_size=4, seq_len=16, checkpoint_dir=str(tmp_path / "ckpt"))
-    t.update(train)
-    return JobConfig(model=ModelConfig(**TINY), compile=CompileConfig(backend="eager"), train=TrainConfig(**t))
+    return tiny_job(tmp_path, compile=CompileConfig(backend="eager"), train={"steps": 6, **train})
 
 
 def _published(tmp_path) -> list[str]:

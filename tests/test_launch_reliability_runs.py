@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from _jobs import REFERENCE, REFERENCE_STEPS
 from _torchrun import FAULT_JOB, metrics as _metrics, ok as _ok
 from launch.runtime.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
-         "train.batch_size=4", "train.seq_len=32", "train.timeout_s=60"]
-STEPS, STOP_AT = 6, 3
+SMALL = [*REFERENCE, "train.timeout_s=60"]  # the shared reference run's job
+STEPS, STOP_AT = REFERENCE_STEPS, 3
 STOPPED = f"preempted: stopped after step {STOP_AT} on SIGTERM/SIGINT (preemption): saved checkpoints/step_000003"
 
 
@@ -86,11 +86,7 @@ def _assert_stopped_and_saved(job: _Job, cwd: Path) -> None:
     assert _published(cwd) == [f"step_{STOP_AT:06d}"]
 
 
-def test_sigterm_to_the_agent_saves_and_the_resumed_run_is_bit_equal(tmp_path, torchrun):
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    _ok(torchrun(reference, *SMALL, f"train.steps={STEPS}", "hydra.run.dir=run", timeout=120))
-
+def test_sigterm_to_the_agent_saves_and_the_resumed_run_is_bit_equal(tmp_path, torchrun, reference_run):
     common = [f"train.steps={STEPS}", "train.checkpoint_every=100"]
     job = _Job(tmp_path, *common, "hydra.run.dir=first", fault=f"{STOP_AT}:0:PAUSE")
     job.wait_for(f"paused at step {STOP_AT}")
@@ -104,7 +100,7 @@ def test_sigterm_to_the_agent_saves_and_the_resumed_run_is_bit_equal(tmp_path, t
 
     resumed = torchrun(tmp_path, *SMALL, *common, "train.resume=true", "hydra.run.dir=second", timeout=120)
     _ok(resumed)
-    got, want = _metrics(tmp_path / "second"), _metrics(reference / "run")
+    got, want = _metrics(tmp_path / "second"), _metrics(reference_run / "run")
     assert got["start_step"] == STOP_AT
     assert got["losses"] == want["losses"][STOP_AT:]  # exactly equal, not within a tolerance
 

@@ -17,6 +17,7 @@ from launch.step.optim import OptimizerStep, build_optimizer
 from launch.step.schedule import Schedule
 from launch.train import run
 from models import GPT, GPTConfig
+from _jobs import ONE_BLOCK, tiny_job
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 
@@ -98,11 +99,10 @@ def _stop_at(step: int):
 
 
 def _job(tmp_path, steps: int, **train) -> JobConfig:
-    return JobConfig(model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16),
-                     parallel=ParallelConfig(name="ddp"), compile=CompileConfig(backend="aot_eager", optimizer=True),
-                     train=TrainConfig(steps=steps, batch_size=4, seq_len=16, lr=1e-2, lr_schedule="cosine",
-                                       warmup_steps=2, min_lr=1e-3, checkpoint_every=2,
-                                       checkpoint_dir=str(tmp_path / "ckpt"), **train))
+    return tiny_job(tmp_path, model=ONE_BLOCK, parallel=ParallelConfig(name="ddp"),
+                    compile=CompileConfig(backend="aot_eager", optimizer=True),
+                    train=dict(steps=steps, lr=1e-2, lr_schedule="cosine", warmup_steps=2, min_lr=1e-3,
+                               checkpoint_every=2, **train))
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_a_resumed_run_gets_the_same_lr_and_loss_at_every_step(tmp_path, capsys)
 
 
 def test_a_resume_with_another_horizon_says_which_lr_the_next_step_gets(tmp_path, capsys):
-    common = dict(compile=CompileConfig(backend="eager"), model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    common = dict(compile=CompileConfig(backend="eager"), model=ModelConfig(**ONE_BLOCK))
     t = dict(batch_size=4, seq_len=16, lr=1e-2, lr_schedule="linear", checkpoint_every=2,
              checkpoint_dir=str(tmp_path / "ckpt"))
     run(JobConfig(**common, train=TrainConfig(steps=2, **t)))

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.config.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from launch.config.schema import CompileConfig, DataConfig, JobConfig
 from launch.train import run
+from _jobs import ONE_BLOCK, tiny_job
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 
 
 def _job(tmp_path, backend: str, data: DataConfig, **train) -> JobConfig:
-    return JobConfig(model=ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=32),
-                     compile=CompileConfig(backend=backend), data=data,
-                     train=TrainConfig(steps=4, batch_size=4, seq_len=32, checkpoint_dir=str(tmp_path / "ckpt"), **train))
+    return tiny_job(tmp_path, model=dict(ONE_BLOCK, block_size=32), compile=CompileConfig(backend=backend), data=data,
+                    train=dict(steps=4, seq_len=32, **train))
 
 
 def test_warmup_does_not_change_training(tmp_path, capsys):

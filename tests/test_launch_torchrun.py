@@ -9,14 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from _jobs import REFERENCE_RUN, REFERENCE_STEPS
 from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok
 
 pytestmark = pytest.mark.slow
 
-# Small and quick to compile, split into several buckets by a 0.05 MiB cap.
-SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
-         "train.batch_size=4", "train.seq_len=32", "ddp.bucket_cap_mb=0.05"]
-STEPS, EVERY, KILL_AT = 8, 3, 8  # checkpoints after steps 3, 6, 8; a rank dies at the start of step 8
+STEPS, KILL_AT = REFERENCE_STEPS, 8  # checkpoints after steps 2, 4, 6, 8; a rank dies at the start of step 8
 
 
 def _assert_same_training(ref: dict, got: dict, ref_ckpt: Path, got_ckpt: Path, from_step: int) -> None:
@@ -32,14 +30,6 @@ def _assert_same_training(ref: dict, got: dict, ref_ckpt: Path, got_ckpt: Path, 
                                    msg=lambda m, name=name: f"final parameter {name} differs: {m}")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, torchrun):
-    """An uninterrupted run, the yardstick for both resume tests."""
-    cwd = tmp_path_factory.mktemp("reference")
-    _ok(torchrun(cwd, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "hydra.run.dir=run"))
-    return cwd
-
-
 def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path, torchrun):
     # The issue's "done when" command, verbatim.
     proc = torchrun(tmp_path, "compile.backend=aot_eager", "train.steps=5", "ddp.bucket_cap_mb=1",
@@ -47,7 +37,7 @@ def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path, torchru
     _ok(proc)
     out = proc.stdout
     assert "distcompile main job: 2 rank(s), cpu + gloo" in out
-    assert "DDP buckets = graph partitions" in out and "bucket    bytes" in out
+    assert "DDP buckets = graph partitions" in out and "first .. last parameter" in out
     assert "partition 1/" in out and "elapsed" in out  # compile progress, rank 0 only
     assert out.count("partition 1/") == 1
     for step in range(1, 6):
@@ -58,21 +48,21 @@ def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path, torchru
     assert not any(p.name != "run" for p in tmp_path.iterdir() if p.is_dir())  # rank 1 wrote no run dir
 
 
-def test_killed_run_resumes_to_the_same_losses_and_parameters(reference, tmp_path, torchrun):
-    common = [*SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}"]
-    died = torchrun(tmp_path, *common, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
+def test_killed_run_resumes_to_the_same_losses_and_parameters(reference_run, tmp_path, torchrun):
+    reference = reference_run
+    died = torchrun(tmp_path, *REFERENCE_RUN, "hydra.run.dir=first", fault=f"{KILL_AT}:1")
     assert died.returncode != 0, "the injected fault did not kill the job"
     assert not (tmp_path / "checkpoints" / f"step_{STEPS:06d}").exists()
-    _ok(torchrun(tmp_path, *common, "train.resume=true", "hydra.run.dir=second"))
+    _ok(torchrun(tmp_path, *REFERENCE_RUN, "train.resume=true", "hydra.run.dir=second"))
     resumed = _metrics(tmp_path / "second")
     assert resumed["start_step"] == 6
     _assert_same_training(_metrics(reference / "run"), resumed, reference / "checkpoints" / f"step_{STEPS:06d}",
                           tmp_path / "checkpoints" / f"step_{STEPS:06d}", from_step=6)
 
 
-def test_rank_killed_under_max_restarts_resumes_by_itself(reference, tmp_path, torchrun):
-    proc = torchrun(tmp_path, *SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
-                    "hydra.run.dir=run", fault=f"{KILL_AT}:0", restarts=1, timeout=400)
+def test_rank_killed_under_max_restarts_resumes_by_itself(reference_run, tmp_path, torchrun):
+    reference = reference_run
+    proc = torchrun(tmp_path, *REFERENCE_RUN, "hydra.run.dir=run", fault=f"{KILL_AT}:0", restarts=1, timeout=400)
     _ok(proc)
     assert "killing myself at step 8" in proc.stderr
     assert "resumed from checkpoints/step_000006 at step 6" in proc.stdout

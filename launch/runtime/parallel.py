@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -188,10 +188,8 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     mp = None
     if f.mixed_precision == FSDPPrecision.BF16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return fsdp_opt.FSDPConfig(
-        compile=compile_cfg, shard_unit_mb=f.shard_unit_mb, prefetch=f.prefetch,
-        reshard_after_forward=f.reshard_after_forward, checkpointing=f.checkpointing, mp_policy=mp,
-    )
+    same = {g.name for g in fields(fsdp_opt.FSDPConfig)} & {g.name for g in fields(f)}  # by name, no list
+    return fsdp_opt.FSDPConfig(compile=compile_cfg, mp_policy=mp, **{name: getattr(f, name) for name in same})
 
 
 def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> fsdp_opt.FSDPPlan:
