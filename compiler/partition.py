@@ -70,6 +70,7 @@ from . import _torch_internals as _ti
 from ._torch_internals import DYNAMO_CONTROL_FLOW, FakeTensor, FakeTensorMode, aot_cache_enabled
 from . import artifacts
 from .backends import BackendFn
+from .progress import compiling
 from .split import SplitGraph, ensure_tuple_output
 
 log = logging.getLogger(__name__)
@@ -314,7 +315,8 @@ class _FirstCallRunner(fx.Interpreter):
                 stack.callback(_ti.set_fakify_first_call, self.tracing, False)
             aot_before, hits_before = _ti.aot_counts()
             log.debug("compiling partition %d/%d (%s)", mod.record.index + 1, self.total, mod.record.name)
-            mod.compile(list(args))
+            with compiling(f"partition {mod.record.index + 1}/{self.total} ({mod.record.name})"):
+                mod.compile(list(args))
             log.info(
                 "partition %d/%d %s in %.1fs (%.1fs elapsed)",
                 mod.record.index + 1, self.total, mod.record.status, mod.record.compile_s,

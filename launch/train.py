@@ -244,7 +244,7 @@ def loop(job: Job) -> None:
         job.tally.add_curves(step, lr, grad_norm, eval_loss)
         if step % t.log_interval == 0 or step in (job.start + 1, t.steps) or eval_loss is not None:
             print0(step_line(step, t.steps, loss, seconds, padded_tokens, lr if job.schedule.varies else None,
-                             grad_norm, eval_loss))
+                             grad_norm, eval_loss, eta_s=job.tally.eta_s(step, t.steps)))
         job.observer.after_step(job.tally, step)
         skipped_in_a_row = _check_finite(job, step, loss, skipped_in_a_row, eval_loss)
         saved = None
@@ -391,7 +391,7 @@ def _after_first_step(job: Job, seconds: float) -> None:
            + (" (includes compile)" if job.compiled and job.tally.warmup_s is None else ""))
     if job.compiled:  # every rank (a collective): forward and backward are compiled now
         job.tally.compile_stats = after_first_compile(job.wrapped, job.env.world_size)
-    if (table := partition_table(job.wrapped)) is not None:
+    if (table := partition_table(job.wrapped, job.cfg.log.verbose)) is not None:
         print0(table)
 
 

@@ -16,6 +16,7 @@ Note [Command line before Hydra]
   (``Could not load 'config'``). The job's configs are added to the search path
   (``hydra.searchpath=[pkg://configs]``), so a config of one's own can list them in its
   defaults, as Hydra documents for ``--config-dir``.
+- ``-v`` (``--verbose``) is the shorthand of ``log.verbose=true``.
 """
 
 from __future__ import annotations
@@ -99,10 +100,20 @@ def _yaml_problem(flags: dict[str, str]) -> str | None:
     return None
 
 
+def _verbose_flag(argv: list[str]) -> list[str]:
+    """``-v``/``--verbose`` as the override ``log.verbose=true``, placed beside the other
+    overrides (Hydra's parser takes them as one run of arguments)."""
+    if not any(a in ("-v", "--verbose") for a in argv):
+        return argv
+    argv = [a for a in argv if a not in ("-v", "--verbose")]
+    at = max((i + 1 for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), default=len(argv))
+    return [*argv[:at], "log.verbose=true", *argv[at:]]
+
+
 def check_argv(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """``argv`` as Hydra should see it (with the job's configs on the search path after a
     ``--config-path``), and the one message for a mistake found in it, or None."""
-    argv = list(argv)
+    argv = _verbose_flag(list(argv))
     flags = _flags(argv)
     groups, keys = _known_names()
     own = Path(flags.get("dir") or flags.get("path") or GROUPS_DIR)  # a config folder of one's own: its groups too

@@ -291,6 +291,8 @@ class LogConfig:
     # TensorBoard event files (every per-step curve of the run: loss, step time, tokens/s, ...)
     # and, at the end, curves.png (needs matplotlib; skipped with a warning without it).
     tensorboard: bool = False
+    # The bucket table lists every parameter and each partition's compile time (-v on the command line).
+    verbose: bool = False
 
 
 @dataclass

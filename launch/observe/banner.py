@@ -11,6 +11,8 @@ from ddp_opt import format_buckets
 
 from ..config.schema import FSDPOptions, JobConfig, ParallelMode, Padding
 
+MiB = 1 << 20
+
 if TYPE_CHECKING:
     from ddp_opt import Alignment
 
@@ -80,14 +82,39 @@ def ddp_lines(wrapped: Wrapped, alignment: Alignment | None) -> list[str]:
     return lines
 
 
-def partition_table(wrapped: Wrapped) -> str | None:
-    """DDP's buckets and, below, each partition's compile outcome (None without compile_ddp)."""
+def partition_table(wrapped: Wrapped, verbose: bool = False) -> str | None:
+    """DDP's buckets, one line each (``verbose``: one line per parameter, and each partition's
+    compile outcome in a table of its own); None without compile_ddp."""
     buckets = wrapped.buckets()
     if not buckets:
         return None
-    text = f"DDP buckets = graph partitions ({len(buckets)}):\n{format_buckets(buckets)}"
     records = wrapped.partition_records()
+    if verbose:
+        text = f"DDP buckets = graph partitions ({len(buckets)}):\n{format_buckets(buckets)}"
+        if records:
+            rows = [(r.index, r.name, r.status, f"{r.compile_s:.2f}") for r in records]
+            text += "\n" + tabulate(rows, headers=("partition", "name", "status", "compile s"), tablefmt="simple")
+        return text
+    rows = [(i, f"{b.size / MiB:.2f}", f"{b.cap / MiB:.2f}", len(b.params), _first_last(b.params))
+            for i, b in enumerate(buckets)]
+    text = (f"DDP buckets = graph partitions ({len(buckets)}; log.verbose=true lists every parameter):\n"
+            + tabulate(rows, headers=("bucket", "MiB", "cap MiB", "params", "first .. last parameter"),
+                       tablefmt="simple", disable_numparse=True))
     if records:
-        rows = [(r.index, r.name, r.status, f"{r.compile_s:.2f}") for r in records]
-        text += "\n" + tabulate(rows, headers=("partition", "name", "status", "compile s"), tablefmt="simple")
+        text += "\n" + _partitions_line(records)
     return text
+
+
+def _first_last(names: list[str]) -> str:
+    if not names:
+        return "(no parameters)"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _partitions_line(records: list) -> str:
+    """The partitions' compile outcome in one line: how many compiled, in how long, and
+    each one that runs eagerly by name."""
+    compiled = [r for r in records if r.status == "compiled"]
+    eager = [r.name for r in records if r.status == "eager"]
+    return (f"partitions: {len(compiled)}/{len(records)} compiled in {sum(r.compile_s for r in compiled):.1f}s"
+            + (f"; eager (failed to compile): {', '.join(eager)}" if eager else ""))

@@ -1,5 +1,7 @@
 """What the loop shows of itself besides its log lines: TensorBoard (``log.*``,
-``launch.observe.tensorboard``) and the profiler (``profile.*``, ``launch.observe.profile``).
+``launch.observe.tensorboard``), the profiler (``profile.*``, ``launch.observe.profile``)
+and, on rank 0, a line at least every 10 s while the first step compiles
+(``compiler.progress``).
 
 The loop calls :meth:`Observer.before_step` and :meth:`Observer.after_step` around
 each step; :meth:`Observer.finish` adds what was found to the metrics at the end;
@@ -9,8 +11,11 @@ when the loop ended early (a non-finite loss, a preemption).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
+
+from compiler.progress import ProgressTicker, compiling
 
 from ..config.schema import JobConfig
 from ..runtime.dist import DistEnv, print0
@@ -19,7 +24,9 @@ from .report import Tally
 from .tensorboard import RunLog
 from .timeline import write_timeline
 
-__all__ = ["Observer"]
+__all__ = ["COMPILE_PROGRESS_EVERY_S", "Observer"]
+
+COMPILE_PROGRESS_EVERY_S = 10.0  # the longest silence while the first step compiles
 
 
 class Observer:
@@ -36,28 +43,41 @@ class Observer:
         self.log = RunLog(folder) if cfg.log.tensorboard and env.is_main else None
         steps = cfg.profile.steps
         self.profiler = StepProfiler(steps[0], steps[1], folder, env.is_main) if steps else None
+        self.ticker = ProgressTicker(print0, every_s=COMPILE_PROGRESS_EVERY_S) if env.is_main else None
+        self._first = contextlib.ExitStack()  # the first step's compile mark, until it ends
+        self._stepped = False
 
     @classmethod
     def inert(cls) -> Observer:
         """An observer that does nothing (a Job built outside :func:`launch.train.train`)."""
         self = cls.__new__(cls)
-        self.log, self.profiler = None, None
+        self.log, self.profiler, self.ticker = None, None, None
+        self._first, self._stepped = contextlib.ExitStack(), False
         return self
 
     def __enter__(self) -> Observer:
+        if self.ticker is not None:
+            self.ticker.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._first.close()
+        if self.ticker is not None:
+            self.ticker.__exit__(*exc)
         if self.profiler is not None:
             self.profiler.close()
         if self.log is not None:
             self.log.close()
 
     def before_step(self, step: int) -> None:
+        if not self._stepped:  # its graphs compile as it runs (the forward's, then the backward's)
+            self._first.enter_context(compiling(f"step {step}, the first"))
         if self.profiler is not None:
             self.profiler.before_step(step)
 
     def after_step(self, tally: Tally, step: int) -> None:
+        self._stepped = True
+        self._first.close()
         if self.profiler is not None:
             self.profiler.after_step(step)
         if self.log is not None:

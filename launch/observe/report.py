@@ -65,6 +65,14 @@ class Tally:
             self.timed_real_tokens += real_tokens
             self.timed_padded_tokens += padded_tokens
 
+    def eta_s(self, step: int, steps: int) -> float | None:
+        """The time the steps after ``step`` will take at the median timed step so far; None
+        before a step is timed (the first pays for compiles) and under a second left."""
+        if not self.step_ms or step >= steps:
+            return None
+        left = statistics.median(self.step_ms) / 1e3 * (steps - step)
+        return left if left >= 1.0 else None
+
     def curves(self) -> dict[str, list[tuple[int, float]]]:
         """The per-step curves by :func:`curve_name`: every field holding ``(step, number)`` pairs."""
         out = {}
@@ -135,15 +143,26 @@ def _is_point(p: object) -> bool:
 
 
 def step_line(step: int, steps: int, loss: float, seconds: float, padded_tokens: float, lr: float | None = None,
-              grad_norm: float | None = None, eval_loss: float | None = None) -> str:
+              grad_norm: float | None = None, eval_loss: float | None = None, eta_s: float | None = None) -> str:
     """The line rank 0 prints after a step: the lr when it varies (a schedule; a constant lr is
     in the banner), the gradient norm with train.max_grad_norm, the held-out loss after an
-    evaluation."""
+    evaluation, and the time left once steps are timed (``Tally.eta_s``)."""
     return (f"step {step:>5}/{steps}  loss {loss:.4f}  step {seconds * 1e3:8.1f} ms  "
             f"tokens/s {padded_tokens / seconds:10,.0f}"
             + (f"  lr {lr:.3e}" if lr is not None else "")
             + (f"  grad_norm {grad_norm:.4f}" if grad_norm is not None else "")
-            + (f"  eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
+            + (f"  eval_loss {eval_loss:.4f}" if eval_loss is not None else "")
+            + (f"  eta {format_duration(eta_s)}" if eta_s is not None else ""))
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def format_shapes(shapes_seen: dict[tuple[int, ...], int], most: int = 8) -> str:

@@ -33,16 +33,16 @@ def after_first_compile(wrapped: Any, world_size: int) -> dict[str, Any]:
     return first_step_compile(wrapped.share, world_size, wrapped.cpu_at_compile)
 
 
-def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str:
-    """One line for the log: who compiled and who loaded, and the CPU it took."""
-    loaded = sum(r.get("loaded", 0) for r in ranks)
-    how = ("the ranks shared the compiles (compile.share=true)" if share.share and loaded
-           else "compile.share=true, but no rank loaded another's compile (a backend with nothing to publish, "
-                "such as aot_eager, or graphs only one rank compiled)" if share.share
-           else "every rank compiled every graph (compile.share=false)")
+def describe(share: CompileShare, ranks: list[dict[str, Any]]) -> str | None:
+    """One line for the log when a rank loaded another's compile: who compiled and who
+    loaded, and the CPU it took; None when no rank loaded anything (every rank compiled
+    what it ran: ``metrics.json`` still has the counts)."""
+    if not share.share or not sum(r.get("loaded", 0) for r in ranks):
+        return None
     counts = ", ".join(f"{r.get('compiled', 0)}/{r.get('loaded', 0)}" for r in ranks)
     cpu = sum(r.get("cpu_since_compile_s", 0.0) for r in ranks)
-    return f"compile: {how}; compiled/loaded per rank: {counts}; CPU for it, all ranks: {cpu:.1f}s"
+    return (f"compile: the ranks shared the compiles (compile.share=true); compiled/loaded per rank: {counts}; "
+            f"CPU for it, all ranks: {cpu:.1f}s")
 
 
 def first_step_compile(share: CompileShare | None, world_size: int, cpu_at_compile: float) -> dict[str, Any]:
@@ -59,8 +59,8 @@ def first_step_compile(share: CompileShare | None, world_size: int, cpu_at_compi
     if world_size > 1 and dist.is_initialized():
         ranks = [None] * world_size
         dist.all_gather_object(ranks, mine)
-    if share is not None:
-        print0(describe(share, ranks))
+    if share is not None and (line := describe(share, ranks)) is not None:
+        print0(line)
     return {
         "shared": bool(share is not None and share.share),
         "cpu_s_total": round(sum(r["cpu_s"] for r in ranks), 2),
