@@ -61,8 +61,8 @@ def main(cache_dir: str, mode: str, out_dir: str) -> None:
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     loss = wrapped.forward(x, x)[1]
     loss.backward()
-    _after_first_step(SimpleNamespace(wrapped=wrapped, compiled=True, env=env, tally=SimpleNamespace(warmup_s=None)),
-                      0.0)
+    _after_first_step(SimpleNamespace(wrapped=wrapped, compiled=True, env=env, cfg=cfg,
+                                      tally=SimpleNamespace(warmup_s=None)), 0.0)
     inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     if world > 1:
         torch.distributed.barrier()  # rank 0 saved
