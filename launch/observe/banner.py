@@ -99,7 +99,7 @@ def partition_table(wrapped: Wrapped, verbose: bool = False) -> str | None:
             for i, b in enumerate(buckets)]
     text = (f"DDP buckets = graph partitions ({len(buckets)}; log.verbose=true lists every parameter):\n"
             + tabulate(rows, headers=("bucket", "MiB", "cap MiB", "params", "first .. last parameter"),
-                       tablefmt="simple", disable_numparse=True))
+                       tablefmt="simple", disable_numparse=True, colalign=("right",) * 4 + ("left",)))
     if records:
         text += "\n" + _partitions_line(records)
     return text
