@@ -89,6 +89,10 @@ class Report:
     alignment: float | None = None
     exposed_comm_ms: float | None = None
     compute_ms: float | None = None
+    # The lowest and highest of the timing rounds compute_ms is the median of.
+    compute_range_ms: list[float] | None = None
+    # Said beside the timings (how busy the machine was).
+    timing_notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -110,8 +114,11 @@ class Report:
         if self.alignment is not None:
             out += [f"alignment of DDP's runtime buckets with the partitions: {self.alignment:.2f}"]
         if self.exposed_comm_ms is not None and self.compute_ms is not None:
+            spread = (f"; median of rounds from {self.compute_range_ms[0]:.1f} to {self.compute_range_ms[1]:.1f} ms"
+                      if self.compute_range_ms else "")
             out += [f"communication left exposed: {self.exposed_comm_ms:.1f} ms per step "
-                    f"(forward+backward {self.compute_ms:.1f} ms without gradient sync)"]
+                    f"(forward+backward {self.compute_ms:.1f} ms without gradient sync{spread})"]
+            out += [f"note: {n}" for n in self.timing_notes]
         if self.partitions:
             out += ["", "partitions (intended splits at DDP bucket boundaries):", tabulate(
                 [(p.index, p.name, p.status, f"{p.compile_s:.2f}", _short(p.error or "")) for p in self.partitions],
@@ -196,6 +203,7 @@ class Diagnoser:
 
     def report(self, partitions: list[PartitionRecord] | None = None, *, alignment: float | None = None,
                exposed_comm_ms: float | None = None, compute_ms: float | None = None,
+               compute_range_ms: Sequence[float] | None = None, timing_notes: Sequence[str] = (),
                extra_advice: Sequence[str] = ()) -> Report:
         """Everything seen so far, with advice.
 
@@ -205,7 +213,9 @@ class Diagnoser:
                 partition (``ddp_opt.measure_alignment``), if measured.
             exposed_comm_ms: a step with gradient sync minus the same without
                 (DDP's ``no_sync``): communication that backward did not hide.
-            compute_ms: forward+backward without gradient sync.
+            compute_ms: forward+backward without gradient sync (a median of rounds).
+            compute_range_ms: the lowest and highest round of ``compute_ms``.
+            timing_notes: said beside the timings (how busy the machine was).
             extra_advice: advice lines from the caller that name its own settings
                 (``ddp_opt.ddp_advice``), listed first.
         """
@@ -214,7 +224,8 @@ class Diagnoser:
         limit = _ti.recompile_limit()
         advice = list(extra_advice) + advise(self.graphs, self.breaks, recompiles, partitions, limit)
         return Report(self.graphs, self.breaks, recompiles, partitions, advice, limit, alignment,
-                      exposed_comm_ms, compute_ms)
+                      exposed_comm_ms, compute_ms, list(compute_range_ms) if compute_range_ms else None,
+                      list(timing_notes))
 
     def compile_seconds(self, partitions: Sequence[PartitionRecord] = ()) -> float:
         """Compile time seen so far (see :func:`compile_seconds`)."""

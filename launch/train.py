@@ -329,7 +329,7 @@ def report(job: Job) -> dict[str, Any]:
         "bucket_plan_prediction": prediction.as_dict() if prediction is not None else None,
         "config": asdict(cfg),
     }
-    for line in summary_lines(metrics, tally.shapes_seen):
+    for line in summary_lines(metrics, tally):
         print0(line)
     return metrics
 

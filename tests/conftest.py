@@ -55,6 +55,29 @@ def one_thread():
 
 
 @pytest.fixture
+def busy_machine():
+    """Busy neighbour processes (three per core), kept until the 1-minute load average is
+    over the cores (about half a minute from a quiet machine), then stopped after the test."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cores = len(os.sched_getaffinity(0))
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * cores)]
+    try:
+        deadline = time.monotonic() + 180
+        while os.getloadavg()[0] <= cores + 0.5:
+            assert time.monotonic() < deadline, f"the load average stayed at {os.getloadavg()[0]:.1f}"
+            time.sleep(1)
+        yield cores
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
 def no_process_group_left(one_thread, clean_dynamo):
     """For tests that call ``launch.train.run`` in this process: one thread, a clean dynamo,
     and no process group left behind by the run."""

@@ -94,7 +94,7 @@ def test_clean_model_gets_fullgraph_advice_and_json_round_trips():
     assert any("fullgraph=True" in a for a in report.advice)
     data = json.loads(report.to_json())
     assert set(data) == {"graphs", "breaks", "recompiles", "partitions", "advice", "recompile_limit", "alignment",
-                         "exposed_comm_ms", "compute_ms"}
+                         "exposed_comm_ms", "compute_ms", "compute_range_ms", "timing_notes"}
     assert data["alignment"] is None  # nothing measured without DDP
 
 

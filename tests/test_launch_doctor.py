@@ -35,7 +35,10 @@ def test_diagnose_reports_ddp_partitions_as_intended_and_writes_json(tmp_path, c
     assert saved == metrics["diagnosis"]
     assert len(saved["graphs"]) == 1 and saved["breaks"] == [] and saved["recompiles"] == []
     assert saved["exposed_comm_ms"] >= 0.0 and saved["compute_ms"] > 0.0  # measured, values not asserted
-    assert "communication left exposed:" in out
+    # Repeated: the median and the spread of the rounds (PROBE_ROUNDS of each), said beside it.
+    low, high = saved["compute_range_ms"]
+    assert low <= saved["compute_ms"] <= high
+    assert "communication left exposed:" in out and f"median of rounds from {low:.1f} to {high:.1f} ms" in out
     assert len(saved["partitions"]) == len(metrics["buckets"]) > 1
     assert any("fullgraph=True" in a for a in saved["advice"])
 
@@ -70,3 +73,13 @@ def test_python_m_launch_doctor_runs_and_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== compile diagnosis (rank 0) ==" in proc.stdout and "advice:" in proc.stdout
     assert json.loads((tmp_path / "d.json").read_text())["graphs"]
+
+
+@pytest.mark.slow  # busy neighbour processes, and half a minute for the load average to rise
+def test_a_busy_neighbour_is_named_beside_the_doctors_figures(tmp_path, capsys, one_thread, clean_dynamo, busy_machine):
+    cfg = _job(tmp_path, compile=CompileConfig(backend="aot_eager"), ddp=DDPConfig(bucket_cap_mb=0.1), diagnose=True)
+    metrics = run(cfg, output_dir=str(tmp_path))
+    (note,) = metrics["diagnosis"]["timing_notes"]
+    assert note.startswith(f"the machine is oversubscribed (load average ") and "measure when the other work" in note
+    out = capsys.readouterr().out
+    assert f"note: {note}" in out

@@ -15,6 +15,7 @@ import contextlib
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -23,12 +24,15 @@ from compiler import Diagnoser
 from ddp_opt import ddp_advice
 
 from ..config.schema import JobConfig
+from ..observe.load import MachineLoad
 from ..data.source import TokenSource
 from ..runtime.dist import DistEnv, print0
 from ..runtime.parallel import OVERRIDE_SPELLING, Wrapped
 from ..runtime.precision import autocast
 
-__all__ = ["OVERRIDE_SPELLING", "diagnose", "probe_exposed_comm"]
+__all__ = ["OVERRIDE_SPELLING", "PROBE_ROUNDS", "Probe", "diagnose", "probe_exposed_comm"]
+
+PROBE_ROUNDS = 5  # forward+backward with and without gradient sync, in turns: the median and the spread
 
 
 
@@ -40,25 +44,38 @@ def diagnose(diagnoser: Diagnoser, wrapped: Wrapped, data: TokenSource, cfg: Job
     sizes = [b.size / 2**20 for b in reversed(wrapped.buckets()) if b.size]
     # micro-batches: the shape training compiled for (a full local batch would recompile under grad_accum)
     micro_batch = cfg.train.batch_size // env.world_size // cfg.train.grad_accum
-    exposed_ms, compute_ms = probe_exposed_comm(wrapped, data, cfg, env, micro_batch)
+    probe = probe_exposed_comm(wrapped, data, cfg, env, micro_batch)
     records = wrapped.partition_records()
-    advice = ddp_advice(alignment=alignment, partition_mib=sizes or None, exposed_comm_ms=exposed_ms,
-                        compute_ms=compute_ms, compile_s=diagnoser.compile_seconds(records),
+    advice = ddp_advice(alignment=alignment, partition_mib=sizes or None, exposed_comm_ms=probe.exposed_ms,
+                        compute_ms=probe.compute_ms, compile_s=diagnoser.compile_seconds(records),
                         step_s=median_step_ms / 1e3, spelling=OVERRIDE_SPELLING,
                         bucket_cap_mb=None if cfg.ddp.bucket_cap_mb == "auto" else cfg.ddp.bucket_cap_mb)
-    report = diagnoser.report(partitions=records, alignment=alignment, exposed_comm_ms=exposed_ms,
-                              compute_ms=compute_ms, extra_advice=advice)
+    note = MachineLoad.now().note()
+    report = diagnoser.report(partitions=records, alignment=alignment, exposed_comm_ms=probe.exposed_ms,
+                              compute_ms=probe.compute_ms, compute_range_ms=probe.compute_range_ms,
+                              timing_notes=[note] if note else [], extra_advice=advice)
     print0("\n== compile diagnosis (rank 0) ==\n" + report.format())
     return json.loads(report.to_json())
 
 
+@dataclass(frozen=True)
+class Probe:
+    """:func:`probe_exposed_comm`'s figures in ms: the medians, and the lowest and highest
+    round of forward+backward without gradient sync; None without DDP."""
+
+    exposed_ms: float | None = None
+    compute_ms: float | None = None
+    compute_range_ms: tuple[float, float] | None = None
+
+
 def probe_exposed_comm(wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env: DistEnv, micro_bs: int,
-                       rounds: int = 3) -> tuple[float | None, float | None]:
+                       rounds: int = PROBE_ROUNDS) -> Probe:
     """Median forward+backward with and without DDP's gradient sync, in ms, on
-    batches past the end of training; gradients are zeroed and no optimizer step
-    is taken, so the model is unchanged. (None, None) without DDP."""
+    batches past the end of training, over ``rounds`` rounds (taken in turns, so that
+    a busy moment weighs on both); gradients are zeroed and no optimizer step is
+    taken, so the model is unchanged."""
     if wrapped.compiled_ddp is None:
-        return None, None
+        return Probe()
     ddp = wrapped.compiled_ddp.ddp_model
     synced, unsynced = [], []
     for i in range(rounds):
@@ -75,4 +92,4 @@ def probe_exposed_comm(wrapped: Wrapped, data: TokenSource, cfg: JobConfig, env:
             times.append((time.perf_counter() - t0) * 1e3)
             ddp.zero_grad(set_to_none=True)
     sync_ms, nosync_ms = statistics.median(synced), statistics.median(unsynced)
-    return max(sync_ms - nosync_ms, 0.0), nosync_ms
+    return Probe(max(sync_ms - nosync_ms, 0.0), nosync_ms, (min(unsynced), max(unsynced)))

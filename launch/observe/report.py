@@ -16,6 +16,7 @@ from typing import Any
 
 from ..runtime.dist import print0
 from ..runtime.recompiles import CompileCounts
+from .load import MachineLoad, spread_line
 
 __all__ = ["Tally", "curve_name", "summary_lines", "format_shapes", "step_line", "write_json"]
 
@@ -171,8 +172,10 @@ def format_shapes(shapes_seen: dict[tuple[int, ...], int], most: int = 8) -> str
     return text + (f", ... ({len(items)} shapes)" if len(items) > most else "")
 
 
-def summary_lines(metrics: dict[str, Any], shapes_seen: dict[tuple[int, ...], int]) -> list[str]:
-    """The compile, token and final lines rank 0 prints at the end of the run."""
+def summary_lines(metrics: dict[str, Any], tally: Tally, load: MachineLoad | None = None) -> list[str]:
+    """The compile, token and final lines rank 0 prints at the end of the run, and a line
+    when the step times varied widely (with the machine's ``load``, read now by default)."""
+    shapes_seen = tally.shapes_seen
     lines = []
     if metrics["graphs"] is not None:
         after = metrics["recompiles_after_warmup"]
@@ -187,7 +190,8 @@ def summary_lines(metrics: dict[str, Any], shapes_seen: dict[tuple[int, ...], in
         f"median step {metrics['median_step_ms']:.1f} ms, {metrics['real_tokens_per_s'] or 0:,.0f} real tokens/s, "
         f"recompiles {recompiles}, first step {metrics['first_step_s'] or 0:.1f}s, wall {metrics['wall_s']:.1f}s"
     )
-    return lines
+    spread = spread_line(tally.step_ms, "step times (after the first)", load)
+    return lines + ([spread] if spread else [])
 
 
 def write_json(path: str, data: Any, what: str) -> None:
