@@ -107,3 +107,24 @@ def test_a_twenty_step_run_prints_at_most_fifty_plain_lines(launch_cli):
     assert not any("][INFO]" in line or line.startswith("[20") for line in lines), result.stdout
     assert sum(line.startswith("DDP buckets = graph partitions") for line in lines) == 1
     assert sum(line.startswith("step ") for line in lines) == 20
+
+
+# --- the pictures ---------------------------------------------------------------------
+
+
+def test_curves_leave_the_compiling_step_out_of_time_panels_and_constant_curves_out():
+    from launch.observe.tensorboard import curve_panels
+
+    curves = {"loss": [(1, 6.2), (2, 6.1), (3, 6.0)], "step_s": [(1, 19.0), (2, 0.03), (3, 0.031)],
+              "lr": [(1, 3e-3), (2, 3e-3), (3, 3e-3)]}
+    panels, constant = curve_panels(curves)
+    assert constant == {"lr": 3e-3}
+    assert panels == [("loss", curves["loss"]), ("step_s (first step 19, not drawn)", [(2, 0.03), (3, 0.031)])]
+
+
+def test_the_timeline_cuts_all_reduce_bars_where_the_exposed_time_ends():
+    from launch.observe.timeline import split_at
+
+    # The gloo worker's span ran 9 ms past the point where DDP had copied the result back.
+    before, after = split_at([(10.0, 30.0), (32.0, 49.3)], 40.3)
+    assert before == [(10.0, 30.0), (32.0, 40.3)] and after == [(40.3, 49.3)]

@@ -27,7 +27,7 @@ from .report import Tally
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CURVES_PNG", "RunLog", "check_log", "plot_curves", "summary_scalars"]
+__all__ = ["CURVES_PNG", "RunLog", "check_log", "curve_panels", "plot_curves", "summary_scalars"]
 
 CURVES_PNG = "curves.png"
 INSTALL = "pip install -e .[tensorboard]"
@@ -98,10 +98,29 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def curve_panels(curves: dict[str, list[tuple[int, float]]]
+                 ) -> tuple[list[tuple[str, list[tuple[int, float]]]], dict[str, float]]:
+    """What :func:`plot_curves` draws: (title, points) per panel, and the curves that never
+    change, by value. A time or rate curve (``step_s``, ``tokens_per_s``) leaves out its first
+    point, the step that paid for the compiles, and gives its value in the title."""
+    constant = {name: points[0][1] for name, points in curves.items() if points and len({v for _, v in points}) == 1}
+    panels = []
+    for name, points in curves.items():
+        if name in constant or not points:
+            continue
+        if name.endswith("_s") and len(points) > 2:
+            panels.append((f"{name} (first step {points[0][1]:,.4g}, not drawn)", points[1:]))
+        else:
+            panels.append((name, points))
+    return panels, constant
+
+
 def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str) -> str | None:
     """One panel per curve over the steps; returns ``path``, or None (with a warning) without matplotlib.
 
-    Time and rate panels are drawn on a log scale: the first step pays for compiles."""
+    A curve that never changes (the lr without a schedule) gets no panel: its value is in
+    the figure's title. Time and rate panels leave out the run's first step, which paid
+    for the compiles (its value is in the panel's title)."""
     try:
         import matplotlib
 
@@ -111,22 +130,22 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: str) -> str | 
         print0(f"warning: {os.path.basename(path)} skipped: matplotlib does not import ({e}). Install it with "
                "`pip install -e .[bench]`; the event files are written either way.")
         return None
-    names = list(curves)
-    if not names:
+    panels, constant = curve_panels(curves)
+    if not panels:
         return None
-    cols = min(3, len(names))
-    rows = (len(names) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        steps, values = zip(*curves[name])
+    cols = min(3, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows + 0.4), squeeze=False)
+    for ax, (title, points) in zip(axes.flat, panels):
+        steps, values = zip(*points)
         ax.plot(steps, values, marker="." if len(steps) < 50 else None)
-        ax.set_title(name)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if name.endswith("_s") and min(values) > 0 and max(values) > 5 * min(values):
-            ax.set_yscale("log")
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    if constant:
+        fig.suptitle("constant: " + ", ".join(f"{name} {value:.4g}" for name, value in constant.items()), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

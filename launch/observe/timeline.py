@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TIMELINE_PNG", "StepTimeline", "read_step", "write_timeline"]
+__all__ = ["TIMELINE_PNG", "StepTimeline", "read_step", "split_at", "write_timeline"]
 
 TIMELINE_PNG = "timeline.png"
 
@@ -132,6 +132,15 @@ def _comm_names(comm: list[tuple[str, tuple[float, float]]], buckets: list[dict[
     return [f"{kind.replace('_', '-')} #{k}" for k, (kind, _) in enumerate(comm)]
 
 
+def split_at(spans: list[tuple[float, float]], t: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """``spans`` cut at ``t``: the parts before it and the parts after it. An all-reduce's bar
+    is drawn solid up to the end of the communication (Exposed communication) and hatched
+    after it, so the picture's bars and its exposed time agree."""
+    before = [(s, min(e, t)) for s, e in spans if s < t]
+    after = [(max(s, t), e) for s, e in spans if e > t]
+    return before, after
+
+
 def draw(tl: StepTimeline, path: str) -> str | None:
     """Draw ``tl`` into ``path`` (PNG); None without matplotlib."""
     try:
@@ -141,23 +150,43 @@ def draw(tl: StepTimeline, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     colors = {"forward": "#9bb8d9", "backward": "#2f6db5", "comm": "#e08a1e", "optimizer": "#7a7a7a"}
     n = len(tl.rows)
-    fig, ax = plt.subplots(figsize=(10, 0.45 * n + 1.6))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * n + 2.2))
+    over = tl.comm_end_ms  # a collective's span past it is its thread's, not a wait (Exposed communication)
     for i, ((name, spans), kind) in enumerate(zip(tl.rows, tl.kinds)):
-        ax.broken_barh([(s, max(e - s, 1e-3)) for s, e in spans], (n - 1 - i - 0.35, 0.7), color=colors[kind])
+        y = (n - 1 - i - 0.35, 0.7)
+        if kind == "comm" and over is not None:
+            solid, tails = split_at(spans, over)
+            ax.broken_barh([(s, max(e - s, 1e-3)) for s, e in solid], y, color=colors[kind])
+            ax.broken_barh([(s, e - s) for s, e in tails], y, facecolor="none", edgecolor=colors[kind], hatch="///",
+                           linewidth=0.5)
+        else:
+            ax.broken_barh([(s, max(e - s, 1e-3)) for s, e in spans], y, color=colors[kind])
     ax.set_yticks(range(n))
     ax.set_yticklabels([name for name, _ in reversed(tl.rows)])
     ax.set_xlim(0, tl.step_ms)
     ax.set_xlabel(f"ms from the start of step {tl.step} (rank 0)")
+    legend = [Patch(color=colors[k], label=label) for k, label in (
+        ("forward", "forward"), ("backward", "backward compute"), ("comm", "all-reduce"), ("optimizer", "optimizer"))
+        if k in tl.kinds]
     title = f"step {tl.step}: {tl.step_ms:.1f} ms"
     if tl.exposed_comm_ms is not None:
         ax.axvline(tl.backward_end_ms, color="black", linestyle="--", linewidth=1)
         ax.axvspan(tl.backward_end_ms, max(tl.comm_end_ms, tl.backward_end_ms), color="#d62728", alpha=0.18)
-        title += (f"; exposed communication {tl.exposed_comm_ms:.1f} ms (shaded: after the last backward compute, "
-                  "dashed line)")
+        title += f"; exposed communication {tl.exposed_comm_ms:.1f} ms (shaded)"
+        legend += [Line2D([], [], color="black", linestyle="--", label="last backward compute ends"),
+                   Patch(color="#d62728", alpha=0.18, label="exposed: waiting for all-reduces after it, until DDP "
+                                                            "copies the reduced gradients back"),
+                   Patch(facecolor="none", edgecolor=colors["comm"], hatch="///",
+                         label="all-reduce thread's span after its result was in use (no wait)")]
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.45 * n + 0.5)), ncol=2, fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
