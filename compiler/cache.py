@@ -18,6 +18,18 @@ Algorithm
       compiled: the model's structure (module tree, parameter names, shapes,
       dtypes), the compile settings, the world size, the torch and python
       versions, the device type and capability. Ranks of one job share a key.
+    - Where the graphs do not depend on the world size (``open_cache(...,
+      any_world_size=True)``: DDP's split, whole and regional strategies, whose
+      graphs hold no collective), the key says ``world_size: any``, so a restart on
+      fewer or more ranks with the same per-rank batch loads the entry of another
+      world size. The header keeps the world size of the run that wrote it, and
+      the load says so when it differs. A graph whose inputs differ (another
+      per-rank batch) misses Inductor's and AOTAutograd's own keys and compiles;
+      :meth:`CompileCache.save` then says in one line that the loaded entry lacked it.
+      Measured (torch 2.13, CPU): an entry written on 2 ranks serves 4 ranks whole;
+      on 1 rank Inductor's graphs hit but AOTAutograd's key differs (the traced
+      graph's code is the same; the cause was not found), so AOTAutograd traces
+      again and adds its entry.
     - An entry is ``<cache_dir>/<label>-<key[:16]>.pt2cache``: a magic line, a JSON
       header (format version, the key and its parts, payload length and sha256)
       and the payload from ``save_cache_artifacts``.
@@ -73,9 +85,8 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +94,7 @@ import torch
 
 from ._torch_internals import cpp_kernel_keys, inductor_default_cache_dir, merge_artifact_payloads
 from .artifacts import inductor_cache_dir, remove_damaged_kernels
+from .cache_key import FORMAT_VERSION, CacheKey, model_fingerprint, runtime_fingerprint
 from .kernels import KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot, merge_kernels
 
 log = logging.getLogger(__name__)
@@ -90,62 +102,8 @@ log = logging.getLogger(__name__)
 __all__ = ["FORMAT_VERSION", "CacheKey", "CompileCache", "LoadResult", "inductor_dir_is_default", "model_fingerprint",
            "open_cache", "runtime_fingerprint", "save_on_local_rank0"]
 
-FORMAT_VERSION = 2  # 2: the entry carries the C++ kernels
 MAGIC = b"distcompile-cache\n"
 SUFFIX = ".pt2cache"
-
-
-def runtime_fingerprint(device: torch.device | str | None = None) -> dict[str, str]:
-    """The environment an entry is only valid in: format, torch, python, device."""
-    device = torch.device(device if device is not None else "cpu")
-    capability = "cpu"
-    if device.type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(device)
-        capability = f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
-    return {
-        "format": str(FORMAT_VERSION),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": f"{device.type}:{capability}",
-    }
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of the module tree and of every parameter's and buffer's name, shape and dtype."""
-    h = hashlib.sha256()
-    for name, module in model.named_modules():
-        h.update(f"m {name} {type(module).__module__}.{type(module).__qualname__} {module.extra_repr()}\n".encode())
-    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
-        for name, t in items:
-            h.update(f"{kind} {name} {tuple(t.shape)} {t.dtype} {t.requires_grad}\n".encode())
-    return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """What an entry is valid for. ``runtime`` is checked field by field (a
-    mismatch is *stale*); ``digest`` covers ``runtime`` and ``parts`` (a
-    different digest with the same runtime is *foreign*)."""
-
-    label: str
-    parts: dict[str, str]
-    runtime: dict[str, str] = field(default_factory=runtime_fingerprint)
-
-    @property
-    def digest(self) -> str:
-        blob = json.dumps({"parts": self.parts, "runtime": self.runtime}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, settings: dict[str, Any], *, world_size: int = 1,
-                  device: torch.device | str | None = None) -> CacheKey:
-        """The key of ``model`` compiled with ``settings`` (any JSON-able values) on ``world_size`` ranks."""
-        parts = {
-            "model": model_fingerprint(model),
-            "settings": json.dumps(settings, sort_keys=True, default=repr),
-            "world_size": str(world_size),
-        }
-        return cls(label=type(model).__name__, parts=parts, runtime=runtime_fingerprint(device))
 
 
 @dataclass
@@ -168,9 +126,11 @@ class CompileCache:
     The directory must be trusted: loading an entry runs the code in it.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, key: CacheKey) -> None:
+    def __init__(self, cache_dir: str | os.PathLike, key: CacheKey, world_size: int = 1) -> None:
         self.dir = Path(cache_dir)
         self.key = key
+        self.world_size = world_size  # this run's, kept in the header (the key may say "any")
+        self.written_on: int | None = None  # the world size of the run that wrote the loaded entry
         self.path = self.dir / f"{key.label}-{key.digest[:16]}{SUFFIX}"
         self.last_load: LoadResult | None = None
         self.saved = False
@@ -216,6 +176,7 @@ class CompileCache:
         if not isinstance(split, int) or not 0 <= split <= len(payload):
             return "corrupt", f"bad artifacts_bytes {split!r} in the header", None
         self._split = split
+        self.written_on = header.get("world_size")
         return "ok", "", payload
 
     def load(self) -> LoadResult:
@@ -267,6 +228,7 @@ class CompileCache:
             "key": self.key.digest, "label": self.key.label, "parts": self.key.parts, "runtime": self.key.runtime,
             "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(),
             "artifacts_bytes": len(payload) if artifacts_bytes is None else artifacts_bytes,
+            "world_size": self.world_size,
         }
 
     def write(self, artifacts: bytes, kernels: bytes = b"") -> Path:
@@ -315,6 +277,12 @@ class CompileCache:
         if keys <= held_keys and kernel_names(kernels) <= kernel_names(held_kernels):
             log.info("Compile cache: %s already holds every artifact and kernel of this process", self.path)
             return None
+        if self.last_load is not None and self.last_load.loaded and not keys <= held_keys:
+            log.info("Compile cache: this run compiled %d graph artifact(s) that the loaded entry %s lacked (written "
+                     "by a run on %s rank(s), this one on %d): their keys differ from that run's, as another per-rank "
+                     "batch or sequence length makes them differ (and, measured, a one-rank run after a multi-rank "
+                     "one does for AOTAutograd's); they are added to the entry.", len(keys - held_keys),
+                     self.path.name, self.written_on if self.written_on is not None else "?", self.world_size)
         try:
             path = self.write(artifacts, kernels)
         except OSError as e:
@@ -350,9 +318,11 @@ def inductor_dir_is_default() -> bool:
 
 
 def open_cache(model: torch.nn.Module, cache_dir: str | os.PathLike, settings: dict[str, Any], *,
-               world_size: int | None = None) -> CompileCache:
+               world_size: int | None = None, any_world_size: bool = False) -> CompileCache:
     """The compile cache entry of ``model`` compiled with ``settings`` on ``world_size`` ranks
     (the default group's size by default); loaded now, before the first compile.
+    ``any_world_size``: the graphs do not depend on the world size, so the entry is shared by
+    runs of every world size (Note [Compile cache]).
 
     Unless the user chose Inductor's cache directory, Inductor's local caches go to
     ``cache_dir/inductor`` too. This sets ``TORCHINDUCTOR_CACHE_DIR`` for the rest of
@@ -369,8 +339,12 @@ def open_cache(model: torch.nn.Module, cache_dir: str | os.PathLike, settings: d
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     param = next(model.parameters(), None)
     device = param.device if param is not None and param.device.type != "meta" else None
-    cache = CompileCache(cache_dir, CacheKey.for_model(model, settings, world_size=world_size, device=device))
-    cache.load()
+    key = CacheKey.for_model(model, settings, world_size=None if any_world_size else world_size, device=device)
+    cache = CompileCache(cache_dir, key, world_size)
+    result = cache.load()
+    if result.loaded and cache.written_on is not None and cache.written_on != world_size:
+        log.info("Compile cache: loaded %s, written by a run on %d rank(s), into this run on %d (its graphs do not "
+                 "depend on the world size)", cache.path.name, cache.written_on, world_size)
     return cache
 
 

@@ -96,7 +96,7 @@ from .pending import Pending
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileShare", "Pending", "ShareStats", "graph_digest", "share_for_group"]
+__all__ = ["CompileShare", "Pending", "ShareStats", "backward_with_forward", "graph_digest", "share_for_group"]
 
 _instances: dict[str, Iterator[int]] = {}
 CHUNK = 4 << 20  # a publication goes in parts: TCPStore's server refuses values over 8 MiB
@@ -365,6 +365,18 @@ class CompileShare:
     def _warn(self, message: str) -> None:
         self.stats.warnings.append(message)
         log.warning("Shared compile, rank %d: %s.", self.rank, message)
+
+
+def backward_with_forward(backend: Callable) -> Callable:
+    """``backend`` compiling each graph's backward right after its forward, as a shared compile
+    does (``CompileShare._compile``). AOTAutograd's cache key holds that setting, so with it a
+    compile cache written by a shared compile serves a run without one (one rank, or
+    ``share=False``) and the other way round (Note [Compile cache])."""
+    def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        with _ti.compile_backward_with_forward():
+            return backend(gm, example_inputs)
+
+    return compile_fn
 
 
 def share_for_group(ranks: Sequence[int] | None, **kw: Any) -> CompileShare | None:

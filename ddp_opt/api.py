@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CompileCache, compile_blocks, produces_gradients
 from compiler.cache import open_cache
-from compiler.share import share_for_group
+from compiler.share import backward_with_forward, share_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, no_builtin_ddp_splitter,
                                realign_unsupported_warning, registered_hook_name, use_python_reducer)
@@ -45,11 +45,14 @@ def caps_from_ddp(ddp_model: DistributedDataParallel) -> BucketCaps:
     return BucketCaps(found.bucket_bytes_cap, found.first_bucket_cap, found.per_bucket_caps)
 
 
-def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any]) -> CompileCache:
-    """The compile cache entry of this model, config and world size; loaded now
-    (``compiler.cache.open_cache``: Inductor's local cache goes under ``cache_dir``
-    unless the user chose its directory)."""
-    return open_cache(ddp_model.module, cache_dir, settings)
+def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any],
+               traced: bool) -> CompileCache:
+    """The compile cache entry of this model and config; loaded now (``compiler.cache.open_cache``:
+    Inductor's local cache goes under ``cache_dir`` unless the user chose its directory). One
+    entry for every world size, except under the traced strategy: its backward graph holds the
+    all-reduces of DDP's group (Note [Compile cache])."""
+    return open_cache(ddp_model.module, cache_dir, settings,
+                      world_size=dist.get_world_size(ddp_model.process_group), any_world_size=not traced)
 
 
 def keep_builtin_splitter_out(module: torch.nn.Module) -> None:
@@ -244,12 +247,14 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     caps = caps_from_ddp(ddp_model)
     cache = None
     if config.cache_dir is not None:
-        cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)))
+        cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)), traced)
     more = dict(config.torch_compile_kwargs)
     share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
                             timeout_s=config.share_timeout_s, name="ddp") if config.share else None
     if share is not None:
         backend_fn = share.wrap_compile(backend_fn)
+    elif cache is not None and not traced:  # keyed as a shared compile keys it: one entry for every world size
+        backend_fn = backward_with_forward(backend_fn)
     if strategy == "regional":
         found = find_ddp_blocks(inner, config.blocks)
         if config.wrap_backend is not None:

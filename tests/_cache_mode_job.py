@@ -1,6 +1,6 @@
 """One launcher-built training step with ``compile.cache_dir``, for the restart tests of
-parallel=none and parallel=fsdp: ``python tests/_cache_mode_job.py CACHE_DIR MODE`` (under
-``torchrun --nproc-per-node 2`` for fsdp) builds the model with ``launch.runtime.parallel``, runs one
+parallel=none, fsdp and ddp: ``python tests/_cache_mode_job.py CACHE_DIR MODE`` (under
+``torchrun --nproc-per-node N`` for fsdp and ddp) builds the model with ``launch.runtime.parallel``, runs one
 step, calls the launcher's ``_after_first_step`` (which saves the cache on rank 0) and writes
 one JSON file per rank into OUT_DIR (``... CACHE_DIR MODE OUT_DIR``): the load status, whether
 the entry was written, cache counters. Files, not stdout: two ranks' lines can interleave."""
@@ -17,22 +17,23 @@ import torch
 from _jobs import TINY_OVERRIDES as TINY
 
 
-def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str) -> dict:
-    """This job in new processes (2 ranks under torchrun for fsdp) with their own Inductor
-    cache directory: rank 0's JSON line, with the cache counters summed over the ranks
-    (with shared compile each compile happens on one rank, whichever reached it first)."""
+def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str, nproc: int = 2) -> dict:
+    """This job in new processes (``nproc`` ranks under torchrun for fsdp and ddp) with their
+    own Inductor cache directory: rank 0's JSON line, with the cache counters summed over the
+    ranks (with shared compile each compile happens on one rank, whichever reached it first)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OMP_NUM_THREADS": "1"}
     out_dir = inductor_dir.with_name(inductor_dir.name + "_results")
     out_dir.mkdir(parents=True)
     args = [__file__, str(cache_dir), mode, str(out_dir)]
-    if mode == "fsdp":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    ranks = nproc if mode in ("fsdp", "ddp") else 1
+    if mode in ("fsdp", "ddp"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     else:
         cmd = [sys.executable, *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
-    assert len(lines) == (2 if mode == "fsdp" else 1), (lines, out.stdout[-3000:])
+    assert len(lines) == ranks, (lines, out.stdout[-3000:])
     out = next(line for line in lines if line["rank"] == 0)
     for kind in ("aot", "inductor"):
         names = {k for line in lines for k in line[kind]}
@@ -50,13 +51,13 @@ def main(cache_dir: str, mode: str, out_dir: str) -> None:
 
     cfg = composed("compile=inductor", f"compile.cache_dir={cache_dir}", f"parallel={mode}", *TINY)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
+    if "WORLD_SIZE" in os.environ:  # under torchrun, one rank too
         torch.distributed.init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, backend="gloo", device=torch.device("cpu"))
     torch.manual_seed(0)
     wrapped = apply_parallel(build_model(cfg.model), cfg, env)
-    cache = wrapped.compile_cache
+    cache = wrapped.compile_cache if wrapped.compiled_ddp is None else wrapped.compiled_ddp.compile_cache
     before = cache.path.stat().st_mtime_ns if cache.path.exists() else None
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     loss = wrapped.forward(x, x)[1]
@@ -72,7 +73,7 @@ def main(cache_dir: str, mode: str, out_dir: str) -> None:
         "installed": len(cache.installed), "so_files": len(list(inductor.rglob("*.so"))),
         "aot": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"]), "loss": loss.item(),
     }))
-    if world > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 

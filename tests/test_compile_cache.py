@@ -111,6 +111,28 @@ def test_the_key_covers_model_settings_and_world_size():
     assert CacheKey.for_model(GPT(GPTConfig(**{**TINY, "n_layer": 3})), {"backend": "inductor"}).digest != base.digest
 
 
+def test_an_entry_of_graphs_free_of_the_world_size_loads_on_another_world_size(tmp_path, loaded, caplog,
+                                                                               monkeypatch):
+    from compiler.cache import open_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # chosen: left where it is
+    model = GPT(GPTConfig(**TINY))
+    assert CacheKey.for_model(model, {}, world_size=None).parts["world_size"] == "any"
+    written = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=2, any_world_size=True)
+    assert written.last_load.status == "missing"
+    written.write(b"artifacts of 2 ranks")
+    caplog.set_level(logging.INFO, logger="compiler.cache")
+    for world_size in (1, 4):
+        cache = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=world_size, any_world_size=True)
+        assert cache.path == written.path and cache.last_load.status == "loaded" and cache.written_on == 2
+        assert (f"loaded {cache.path.name}, written by a run on 2 rank(s), into this run on {world_size} (its graphs "
+                "do not depend on the world size)") in caplog.text
+    # Keyed by the world size (the traced strategy's graphs hold the group's all-reduces): another entry.
+    keyed = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=4)
+    assert keyed.path != written.path and keyed.last_load.status == "missing"
+    assert loaded == [b"artifacts of 2 ranks"] * 2
+
+
 def test_a_write_that_fails_before_the_rename_leaves_the_old_entry(tmp_path, loaded, monkeypatch):
     cache = CompileCache(tmp_path, _key())
     cache.write(b"old artifacts")
