@@ -151,7 +151,7 @@ def check_parallel(p: ParallelConfig) -> None:
         )
 
 
-def check_compile_time(c: CompileConfig, p: ParallelConfig) -> None:
+def check_compile_time(c: CompileConfig) -> None:
     """compile.cache_dir needs a compile (any parallel mode; whether it is a directory is
     compiler.CompileOptions's check)."""
     if c.cache_dir is not None and c.backend == "eager":
@@ -219,10 +219,10 @@ def check_auto_caps(d: DDPConfig, c: CompileConfig) -> None:
     if d.bucket_cap_mb == "auto" and c.backend == "eager":
         raise auto_caps_error("compile.backend=eager")
     if d.strategy != "split" and c.backend == "eager":
-        raise strategy_error(d.strategy, c)
+        raise strategy_error(d.strategy)
 
 
-def strategy_error(strategy: str, c: CompileConfig) -> ConfigError:
+def strategy_error(strategy: str) -> ConfigError:
     """``ddp.strategy`` refused: an unknown name, or a strategy with nothing compiled."""
     if strategy not in STRATEGIES:
         return ConfigError(

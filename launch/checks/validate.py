@@ -38,7 +38,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """
     rules.check_model(cfg.model, cfg.train)
     rules.check_parallel(cfg.parallel)
-    rules.check_compile_time(cfg.compile, cfg.parallel)
+    rules.check_compile_time(cfg.compile)
     _compile_settings(cfg)
     rules.check_ddp(cfg.ddp, cfg.parallel)
     rules.check_auto_caps(cfg.ddp, cfg.compile)
@@ -92,7 +92,7 @@ def _compile_error(e: SettingError, c: CompileConfig, strategy: str) -> ConfigEr
             "compile.cache_dir=/scratch/compile_cache."
         )
     if e.setting == "strategy":
-        return rules.strategy_error(strategy, c)
+        return rules.strategy_error(strategy)
     if e.setting == "bucket_cap_mb":  # the launcher passes only 'auto' to compile_ddp
         return rules.auto_caps_error(f"ddp.strategy={strategy}")
     return ConfigError(f"the compile.* settings cannot work together: {e}")
