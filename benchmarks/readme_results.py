@@ -1,11 +1,14 @@
-"""Regenerate a README's benchmark section from a ``ddp_compare --json`` file.
+"""Regenerate a docs page's DDP benchmark section from ``ddp_compare --json`` files.
 
 Only the text between the markers ``<!-- bench:ddp:start -->`` and
 ``<!-- bench:ddp:end -->`` is replaced; the rest of the file is left byte for byte.
 
-    python -m benchmarks.readme_results bench_out/full.json README.md --plot bench_out/full.png
-    python -m benchmarks.readme_results bench_out/sweep_slow.json bench_out/sweep_fast.json README.md \
+    python -m benchmarks.readme_results bench_out/full.json docs/benchmarks/ddp-shaped.md --plot results/full.png
+    python -m benchmarks.readme_results bench_out/sweep_slow.json bench_out/sweep_fast.json PAGE.md \
         --plot bench_out/sweep_slow.png --plot bench_out/sweep_fast.png
+
+``--plot`` is linked relative to the page. The committed pages are regenerated together,
+from ``benchmarks/results/``, by ``python -m benchmarks.docs_pages``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from . import report
 from .ablation import ablation_markdown
 from .report import cap_label, fmt, markdown_table, update_section, with_iqr
 
-__all__ = ["START", "END", "results_markdown", "replace_section", "update_file", "main"]
+__all__ = ["START", "END", "results_markdown", "replace_section", "section_body", "update_file", "main"]
 
 START = "<!-- bench:ddp:start -->"
 END = "<!-- bench:ddp:end -->"
@@ -148,9 +151,9 @@ def _per_file(value: str | Sequence[str] | None, n: int) -> list[str | None]:
     return values + [None] * (n - len(values))
 
 
-def update_file(json_path: str | Path | Sequence[str | Path], target: str | Path,
-                plot: str | Sequence[str] | None = None, before: str | Sequence[str] | None = None) -> str:
-    """Rewrite ``target``'s marked section from the rows in ``json_path``; return the new body.
+def section_body(json_path: str | Path | Sequence[str | Path], plot: str | Sequence[str] | None = None,
+                 before: str | Sequence[str] | None = None) -> str:
+    """The marked section's text for the rows in ``json_path``.
 
     Several JSON files (e.g. one sweep per link) give one block each, in order;
     ``plot`` and ``before`` (an earlier sweep's JSON for the ablation) are then lists
@@ -158,17 +161,23 @@ def update_file(json_path: str | Path | Sequence[str | Path], target: str | Path
     """
     paths = [json_path] if isinstance(json_path, (str, Path)) else list(json_path)
     plots, befores = _per_file(plot, len(paths)), _per_file(before, len(paths))
-    body = "\n\n".join(
+    return "\n\n".join(
         results_markdown(json.loads(Path(p).read_text()), plot=pl,
                          before=json.loads(Path(b).read_text()) if b else None)
         for p, pl, b in zip(paths, plots, befores))
-    return update_section(target, body, START, END)
+
+
+def update_file(json_path: str | Path | Sequence[str | Path], target: str | Path,
+                plot: str | Sequence[str] | None = None, before: str | Sequence[str] | None = None) -> str:
+    """Rewrite ``target``'s marked section from the rows in ``json_path`` (see
+    ``section_body``); return the new body."""
+    return update_section(target, section_body(json_path, plot, before), START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="rows written by python -m benchmarks.ddp_compare --json (one block each)")
-    p.add_argument("target", help="Markdown file with the bench:ddp markers (e.g. README.md)")
+    p.add_argument("target", help="Markdown file with the bench:ddp markers (e.g. docs/benchmarks/ddp-shaped.md)")
     p.add_argument("--plot", action="append", default=None,
                    help="image path to link, relative to the target file (once per JSON file, in order)")
     p.add_argument("--before", action="append", default=None,

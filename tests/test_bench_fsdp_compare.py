@@ -1,4 +1,4 @@
-"""The fsdp_compare harness: argument defaults, the README section writer, and one
+"""The fsdp_compare harness: argument defaults, the docs section writer, and one
 tiny end-to-end run on 2 gloo ranks on the CPU (``--device cpu``, also where CUDA is
 available) with aot_eager. Checks the rows, never the timings. The CUDA path:
 test_gpu_bench.py."""
@@ -48,7 +48,7 @@ def test_device_cuda_without_cuda_exits_before_launching(monkeypatch, capsys):
 def test_from_json_needs_readme(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--from-json", "rows.json"])
-    assert "give --readme README.md too" in capsys.readouterr().err
+    assert "give --readme docs/fsdp.md too" in capsys.readouterr().err
 
 
 def test_replace_section_touches_only_the_fsdp_markers():

@@ -1,5 +1,5 @@
 """benchmarks.gpu_check on this CPU machine: the refusal without CUDA, the JUnit reader,
-the merge of a check run in several calls, and the README section rendered from it."""
+the merge of a check run in several calls, and the docs section rendered from it."""
 
 import json
 from pathlib import Path
@@ -80,11 +80,11 @@ def test_render_fills_only_the_gpu_section(tmp_path):
     assert "| builtin | 12.80 | 1.000 | 1514 | 16.9 | 2.9 | 3 | 9.5e-07 |" in text
 
 
-def test_the_readme_gpu_section_is_rendered_from_the_committed_json(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text((REPO / "README.md").read_text())
-    gpu_check.render(REPO / "benchmarks/results/gpu_check.json", readme)
-    assert readme.read_text() == (REPO / "README.md").read_text()
+def test_the_docs_gpu_section_is_rendered_from_the_committed_json(tmp_path):
+    page = tmp_path / "gpu.md"
+    page.write_text((REPO / "docs" / "gpu.md").read_text())
+    gpu_check.render(REPO / "benchmarks/results/gpu_check.json", page)
+    assert page.read_text() == (REPO / "docs" / "gpu.md").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
