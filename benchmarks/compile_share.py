@@ -27,7 +27,7 @@ median with its IQR. ``OMP_NUM_THREADS=1`` per rank, as torchrun sets it.
 
     python -m benchmarks.compile_share                                 # the real run
     python -m benchmarks.compile_share --quick                         # aot_eager smoke run
-    python -m benchmarks.compile_share --render benchmarks/results/compile_share.json README.md
+    python -m benchmarks.compile_share --render benchmarks/results/compile_share.json docs/compile-time.md
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(one_rank needs torch.compiler.config.compile_on_one_rank, torch 2.14+)")
     p.add_argument("--out", default="bench_out/compile_share", help="work directory (emptied per run)")
     p.add_argument("--json", default="benchmarks/results/compile_share.json")
-    p.add_argument("--readme", default=None, help="regenerate this README's shared-compile section")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "README"), help="only regenerate the README section")
+    p.add_argument("--readme", default=None, help="regenerate this docs page's shared-compile section")
+    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only regenerate the page's section")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: aot_eager, 2 ranks, 1 run, one shared Inductor dir, a narrow model")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")

@@ -34,11 +34,11 @@ call and regional compile's fixed cost per block call weighs less
 
     python -m benchmarks.compile_time                      # inductor, 2 ranks (the real run)
     python -m benchmarks.compile_time --quick              # aot_eager smoke run
-    python -m benchmarks.compile_time --render benchmarks/results/compile_time.json README.md
-    python -m benchmarks.compile_time --modes ours_fresh --update --readme README.md
+    python -m benchmarks.compile_time --render benchmarks/results/compile_time.json docs/compile-time.md
+    python -m benchmarks.compile_time --modes ours_fresh --update --readme docs/compile-time.md
                                                            # re-measure one mode, keep the others' rows
 
-The README section between ``<!-- bench:compile:start -->`` and
+The docs page's section between ``<!-- bench:compile:start -->`` and
 ``<!-- bench:compile:end -->`` is regenerated from the JSON (``--readme``/``--render``).
 """
 
@@ -240,7 +240,7 @@ def _step_ratio_rows(s: dict) -> list[list[str]]:
 
 
 def results_markdown(result: dict) -> str:
-    """The README section: one row per mode and phase, the interleaved 8-block step
+    """The docs page's section: one row per mode and phase, the interleaved 8-block step
     times, then the done-when ratios."""
     table = []
     for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
@@ -310,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="bench_out/compile_time", help="work directory (emptied per mode)")
     p.add_argument("--json", default="benchmarks/results/compile_time.json")
-    p.add_argument("--readme", default=None, help="regenerate this README's compile section")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "README"), help="only regenerate the README section")
+    p.add_argument("--readme", default=None, help="regenerate this docs page's compile section")
+    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only regenerate the page's section")
     p.add_argument("--quick", action="store_true", help="smoke run: aot_eager, 1 rank, 3 steps, a narrow model")
     p.add_argument("--warm-runs", type=int, default=None,
                    help="warm restarts per mode, rotating order, median reported (default 3; --quick: 1)")

@@ -113,7 +113,7 @@ def _cells(r: dict) -> list:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The rows as a terminal table (the README's comes from ``benchmarks.readme_results``)."""
+    """The rows as a terminal table (the docs' comes from ``benchmarks.readme_results``)."""
     return terminal_table(HEADERS, [_cells(r) for r in rows])
 
 

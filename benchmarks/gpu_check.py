@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu_check                     # all steps; JSON to benchmarks/results/gpu_check.json
     python -m benchmarks.gpu_check --steps ddp,fsdp    # only the benchmarks
-    python -m benchmarks.gpu_check --render benchmarks/results/gpu_check.json README.md
+    python -m benchmarks.gpu_check --render benchmarks/results/gpu_check.json docs/gpu.md
     python -m benchmarks.gpu_check --merge a.json b.json --json benchmarks/results/gpu_check.json
 
 Steps, each a subprocess with its own time limit, run in order; a failing or timed-out
@@ -22,7 +22,7 @@ JSON is rewritten after every step, so a check cut short keeps what it finished:
 
 One GPU has no link between ranks, so steps 3 and 4 measure compiled step time,
 memory and compile time, not overlap of communication (that needs several GPUs).
-The exit code is 0 when every step passed. ``--render`` writes the README section
+The exit code is 0 when every step passed. ``--render`` writes the docs page's section
 between ``<!-- bench:gpu:start -->`` and ``<!-- bench:gpu:end -->`` from the JSON.
 Every step records the check command and start time that produced it, so a check
 split over several calls (a machine that limits each command's time) is joined with
@@ -170,7 +170,7 @@ def _ok(result: dict) -> bool:
     return all(v.get("status", "ok") == "ok" for k, v in result.items() if isinstance(v, dict) and k != "env")
 
 
-# -- the README section ----------------------------------------------------------------------------
+# -- the docs page's section ----------------------------------------------------------------------------
 
 def _ddp_rows(rows: list[dict]) -> list[list]:
     return [[r["mode"], with_iqr(r["step_ms_median"], r.get("step_ms_q1"), r.get("step_ms_q3"), ".2f"),
@@ -234,8 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bench-timeout", type=float, default=300.0, help="seconds for each benchmark")
     p.add_argument("--update", action="store_true",
                    help="keep the steps of the existing --json that this run does not repeat")
-    p.add_argument("--readme", default=None, help="also rewrite this README's GPU section")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "README"), help="only rewrite the README section")
+    p.add_argument("--readme", default=None, help="also rewrite this docs page's GPU section")
+    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only rewrite the page's section")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="only join these check JSONs (later steps win) into --json; runs nothing")
     a = p.parse_args(argv)

@@ -2,7 +2,7 @@
 the real launcher (``launch.train``) on skewed sequence lengths.
 
     python -m benchmarks.padding_compare --quick                  # aot_eager smoke, ~1-2 min on 2 CPU cores
-    python -m benchmarks.padding_compare --readme README.md       # inductor, the README table
+    python -m benchmarks.padding_compare --readme docs/benchmarks/padding.md   # inductor, the docs table
 
 Note [Padding benchmark]
 
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         if not args.readme:
             raise SystemExit("--render rewrites the bench:padding section of --readme, and none was given: "
-                             "add --readme README.md (and --json JSON for another result than the default).")
+                             "add --readme docs/benchmarks/padding.md (and --json JSON for another result than the default).")
         update_padding_section(json.loads(Path(args.json).read_text()), args.readme)
         print(f"updated {args.readme}")
         return 0

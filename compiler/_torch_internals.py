@@ -21,8 +21,9 @@ from torch import fx
 from torch._dynamo.utils import counters as _counters  # dynamo's global event counters
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - re-exported
 
-# (major, minor) torch releases the contract tests ran on (README's compatibility table, written by
-# tools/torch_matrix); setup.cfg states the same range. Features are gated by feature detection, not by this.
+# (major, minor) torch releases the contract tests ran on (the compatibility table in
+# docs/getting-started.md, written by tools/torch_matrix); setup.cfg states the same range.
+# Features are gated by feature detection, not by this.
 TESTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 
 _warned: set[str] = set()

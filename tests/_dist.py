@@ -50,7 +50,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         destroy_process_group()  # not with the last reference in a DDP reducer: it can hang
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(payload, f)
-    # As the launcher ends (README: "Why the job ends with os._exit"): the result is written, and the
+    # As the launcher ends (docs/reliability.md: "Why the job ends with os._exit"): the result is written, and the
     # interpreter's exit would run C++ destructors of compiled and distributed state. Once in a full
     # suite on torch 2.15 one of them aborted a rank ("terminate called without an active exception").
     sys.stdout.flush(), sys.stderr.flush()

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from models import GPT, GPTConfig
 
 NO_CUDA = ("needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
-           "run `pytest -m gpu` on a GPU machine (README: GPU check)")
+           "run `pytest -m gpu` on a GPU machine (docs/gpu.md: the GPU check)")
 # A hung collective fails its test instead of stalling the whole GPU check.
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA), pytest.mark.timeout(300)]
 

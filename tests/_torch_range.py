@@ -1,4 +1,4 @@
-"""Markers for features a torch release of the supported range may lack (the README's
+"""Markers for features a torch release of the supported range may lack (docs/getting-started.md's
 compatibility table): a test of such a feature is skipped there, naming what is missing."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""benchmarks.compile_share: per-round ratios, the README table, and its argument checks
+"""benchmarks.compile_share: per-round ratios, the docs table, and its argument checks
 (the runs themselves are the benchmark's, not the tests')."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""benchmarks.compile_time: the done-when ratios and the README section it regenerates."""
+"""benchmarks.compile_time: the done-when ratios and the docs section it regenerates."""
 
 import json
 

@@ -1,5 +1,5 @@
 """benchmarks.padding_compare without running it: arguments, the per-strategy
-summary over rounds, and the README section renderer."""
+summary over rounds, and the docs section renderer."""
 
 from __future__ import annotations
 

@@ -113,7 +113,7 @@ def test_custom_model_with_the_wrong_vocabulary_is_refused():
 
 
 def test_readme_custom_model_command_builds_the_users_model():
-    # README "Configs": model=custom model._target_=my_pkg.MyLM '~model.kwargs.cfg' '+model.kwargs={dim: 32}'
+    # docs/main-job.md, "Choices": model=custom model._target_=my_pkg.MyLM '~model.kwargs.cfg' '+model.kwargs={dim: 32}'
     cfg = _job("compile.backend=aot_eager", "model=custom", "model._target_=_custom_parts.TinyLM", "~model.kwargs.cfg",
                "+model.kwargs={dim: 32}")
     assert cfg.model.kwargs == {"dim": 32}

@@ -20,7 +20,7 @@ STEPS = 3
 LR = 1e-3
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LOCAL_BATCH = 4
-# Tolerances (stated in launch/runtime/precision.py and the README):
+# Tolerances (stated in launch/runtime/precision.py and docs/training.md):
 ACCUM_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the same sums in another order
 # aot_eager runs the same aten ops and casts as eager under autocast (0.0 seen); the margin is for
 # backends that fuse (inductor); 8 mantissa bits: bf16 vs fp32 1e-4 seen on this model.

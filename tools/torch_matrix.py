@@ -1,13 +1,13 @@
 """One row of the torch compatibility table: run the contract tests and a chosen subset
 against the torch installed in *this* interpreter, record what ran and which features can
-run, and regenerate the README's table from every row recorded so far.
+run, and regenerate the docs' table (docs/getting-started.md) from every row recorded so far.
 
     python tools/torch_matrix.py                          # contracts + the default subset
     python tools/torch_matrix.py --subset tests/test_ddp_alignment.py
-    python tools/torch_matrix.py --render-only            # the README table from the JSON
+    python tools/torch_matrix.py --render-only            # the docs table from the JSON
 
 Rows live in ``benchmarks/results/torch_matrix.json``, one per torch release (a new run of
-the same release replaces its row). The README's text between ``<!-- torch-matrix:start -->``
+the same release replaces its row). The page's text between ``<!-- torch-matrix:start -->``
 and ``<!-- torch-matrix:end -->`` is rewritten from them; nothing in it is typed by hand.
 Features are read by the same feature detection the libraries gate on.
 """
@@ -92,7 +92,7 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def render(rows: Sequence[dict]) -> str:
-    """The README table: one line per release, newest last."""
+    """The docs table: one line per release, newest last."""
     ordered = sorted(rows, key=lambda r: _release(r["torch"]))
     names = list(ordered[0]["features"]) if ordered else []
 
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--subset", nargs="*", default=SUBSET, help="test paths run beside the contract tests")
     parser.add_argument("--json", default=str(JSON), help="where the rows are kept")
-    parser.add_argument("--readme", default=str(ROOT / "README.md"), help="README whose table is rewritten")
+    parser.add_argument("--readme", default=str(ROOT / "docs" / "getting-started.md"), help="the page whose table is rewritten")
     parser.add_argument("--render-only", action="store_true", help="only rewrite the table from the JSON")
     args = parser.parse_args(argv)
     path = Path(args.json)
