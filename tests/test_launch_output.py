@@ -55,11 +55,13 @@ def test_step_lines_carry_an_eta_once_steps_are_timed():
     for step, seconds in ((2, 0.5), (3, 0.7), (4, 0.6)):
         tally.add_step(step, 6.0, 512, 512, seconds, first=False)
     assert tally.eta_s(4, 100) == pytest.approx(0.6 * 96)  # the median timed step, the steps left
-    assert tally.eta_s(99, 100) is None and tally.eta_s(100, 100) is None  # under a second; the last
+    assert tally.eta_s(99, 100) == pytest.approx(0.6) and tally.eta_s(100, 100) is None  # none after the last
     line = step_line(4, 100, 6.0, 0.6, 512, eta_s=tally.eta_s(4, 100))
     assert line.endswith("  eta 58s")
     assert "eta" not in step_line(1, 100, 6.0, 30.0, 512)
-    assert [format_duration(s) for s in (42, 185, 7620)] == ["42s", "3m05s", "2h07m"]
+    assert step_line(99, 100, 6.0, 0.6, 512, eta_s=tally.eta_s(99, 100)).endswith("  eta 0.6s")
+    assert [format_duration(s) for s in (0.04, 9.94, 9.96, 42, 185, 7620)] == ["0.0s", "9.9s", "10s", "42s", "3m05s",
+                                                                           "2h07m"]
 
 
 def test_console_log_records_read_like_the_jobs_own_lines():

@@ -68,11 +68,10 @@ class Tally:
 
     def eta_s(self, step: int, steps: int) -> float | None:
         """The time the steps after ``step`` will take at the median timed step so far; None
-        before a step is timed (the first pays for compiles) and under a second left."""
+        before a step is timed (the first pays for compiles) and after the last."""
         if not self.step_ms or step >= steps:
             return None
-        left = statistics.median(self.step_ms) / 1e3 * (steps - step)
-        return left if left >= 1.0 else None
+        return statistics.median(self.step_ms) / 1e3 * (steps - step)
 
     def curves(self) -> dict[str, list[tuple[int, float]]]:
         """The per-step curves by :func:`curve_name`: every field holding ``(step, number)`` pairs."""
@@ -157,7 +156,9 @@ def step_line(step: int, steps: int, loss: float, seconds: float, padded_tokens:
 
 
 def format_duration(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h07m``."""
+    """``0.4s``, ``42s``, ``3m05s``, ``2h07m``: tenths under ten seconds."""
+    if seconds < 9.95:
+        return f"{seconds:.1f}s"
     s = int(round(seconds))
     if s < 60:
         return f"{s}s"
