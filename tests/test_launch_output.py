@@ -60,7 +60,7 @@ def test_step_lines_carry_an_eta_once_steps_are_timed():
     assert line.endswith("  eta 58s")
     assert "eta" not in step_line(1, 100, 6.0, 30.0, 512)
     assert step_line(99, 100, 6.0, 0.6, 512, eta_s=tally.eta_s(99, 100)).endswith("  eta 0.6s")
-    assert [format_duration(s) for s in (0.04, 9.94, 9.96, 42, 185, 7620)] == ["0.0s", "9.9s", "10s", "42s", "3m05s",
+    assert [format_duration(s) for s in (0.04, 9.94, 9.96, 42, 185, 7620)] == ["<0.1s", "9.9s", "10s", "42s", "3m05s",
                                                                            "2h07m"]
 
 

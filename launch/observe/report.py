@@ -156,7 +156,9 @@ def step_line(step: int, steps: int, loss: float, seconds: float, padded_tokens:
 
 
 def format_duration(seconds: float) -> str:
-    """``0.4s``, ``42s``, ``3m05s``, ``2h07m``: tenths under ten seconds."""
+    """``<0.1s``, ``0.4s``, ``42s``, ``3m05s``, ``2h07m``: tenths under ten seconds."""
+    if seconds < 0.05:
+        return "<0.1s"
     if seconds < 9.95:
         return f"{seconds:.1f}s"
     s = int(round(seconds))
