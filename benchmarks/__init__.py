@@ -6,7 +6,8 @@ Command lines (``python -m benchmarks.<name>``, documented in docs/benchmarks/):
 ``fsdp_compare`` (FSDP2 eager, per-block compile, grouped shard units),
 ``compile_time`` (cold and warm first steps across restarts), ``padding_compare``
 (padding strategies through the launcher) ``readme_results`` (a DDP docs
-section from the JSON) and ``docs_pages`` (every generated docs table from the committed JSON).
+section from the JSON), ``docs_pages`` (every generated docs table from the committed JSON) and
+``step_gate_peers`` (a recompile on one rank longer than the timeout, under PyTorch's mechanisms and ours).
 
 Inside: ``core`` (the measuring core both interleaved benchmarks share), ``modes_ddp``
 and ``ddp_bench`` / ``sweep`` (DDP), ``fsdp_bench`` (FSDP), ``report`` (tables, docs

@@ -11,10 +11,13 @@ Background
     collective would have failed after the process group's timeout.
 
 Algorithm
-    Every rank that shares compiles keeps a heartbeat: a daemon thread adds one to
-    ``distcompile/alive/<rank>`` in the store every ``beat_s`` for the life of the
-    process (the store's ``add``, which releases the GIL, so a rank busy
-    compiling in Python still beats). A waiter reads the counters of the peers it
+    Every rank that shares compiles or meets the step gate keeps a heartbeat: a daemon
+    thread adds one to ``distcompile/alive/<rank>`` in the store every ``beat_s`` for
+    the life of the process (the store's ``add``, which releases the GIL, so a rank
+    busy compiling in Python still beats), through a client of its own (a store
+    client runs one request at a time, and a blocking wait of the main thread, such
+    as the plan exchange's for a graph only this rank compiles, held the beats back
+    until the peers took the rank for dead). A waiter reads the counters of the peers it
     waits for about once a second and notes, on its own clock, when each last
     moved: no clocks are compared across machines. A peer whose counter has not
     moved for ``dead_after_s`` (the store's own timeout, which the launcher sets
@@ -96,7 +99,10 @@ class Heartbeat:
     _lock = threading.Lock()
 
     def __init__(self, store: Any, rank: int, beat_s: float) -> None:
-        self.store, self.rank, self.beat_s = store, rank, beat_s
+        # Its own connection: a store client runs one request at a time, and a long blocking wait of the
+        # main thread (a plan exchange, a shared compile) must not hold the beats back.
+        self.store, self.rank, self.beat_s = _own_client(store), rank, beat_s
+        self.source = store
         self.owners: list[weakref.ref] = []
         self._thread = threading.Thread(target=self._run, name=f"distcompile-heartbeat-{rank}", daemon=True)
 
@@ -105,7 +111,7 @@ class Heartbeat:
         with cls._lock:
             key = (id(store), rank)
             beat = cls._running.get(key)
-            if beat is None or not beat._thread.is_alive() or beat.store is not store:
+            if beat is None or not beat._thread.is_alive() or beat.source is not store:
                 beat = cls(store, rank, beat_s if beat_s is not None else min(1.0, dead_after_s(store) / 10))
                 beat._beat()  # the first beat before anyone waits for it
                 cls._running[key] = beat
@@ -130,6 +136,15 @@ class Heartbeat:
                 self._beat()
             except Exception:  # noqa: BLE001 - the store is gone (the group was torn down): stop beating
                 return
+
+
+def _own_client(store: Any) -> Any:
+    """A client of ``store`` that the heartbeat thread alone uses (``Store.clone``, documented for
+    using a store from several threads); ``store`` itself where it cannot be cloned."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a store type without clone
+        return store
 
 
 class PeerWatch:

@@ -57,8 +57,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -180,18 +181,29 @@ def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None,
     return True
 
 
-def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.ProcessGroup | None = None) -> bool:
+def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.ProcessGroup | None = None,
+                 elsewhere: Callable[[], bool] | None = None) -> bool:
     """Wait for every rank's plan under ``key`` and compare them.
+
+    Args:
+        elsewhere: True once every peer has passed the step without this graph (they wait at
+            the step gate, Note [Step gate]): the graph is this rank's alone, and the wait ends.
 
     Returns:
         True when all ranks agree; False when the check could not run (no process
-        group, one rank, or a rank that did not publish within ``timeout_s``).
+        group, one rank, a rank that did not publish within ``timeout_s``, or peers
+        that passed the step without the graph).
 
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
     """
     exchange = _Exchange.of(key, group)
     if exchange is None:
+        return False
+    if elsewhere is not None and _peers_passed(exchange, _bounded(timeout_s, exchange.store).total_seconds(),
+                                               elsewhere):
+        log.info("Plan agreement check skipped for %s: every peer passed this step without compiling this graph "
+                 "(a recompile for a shape only this rank saw)", key)
         return False
     try:
         exchange.store.wait(exchange.keys, _bounded(timeout_s, exchange.store))
@@ -210,6 +222,18 @@ def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.Proces
         return False
     exchange.compare(timeout_s)
     return True
+
+
+def _peers_passed(exchange: _Exchange, bound_s: float, elsewhere: Callable[[], bool]) -> bool:
+    """Poll for every plan until ``bound_s``: False once all are published (or the time is up:
+    the blocking wait then says so), True as soon as ``elsewhere()``."""
+    deadline, poll = time.monotonic() + bound_s, 0.001
+    while not exchange.store.check(exchange.keys) and time.monotonic() < deadline:
+        if elsewhere():
+            return True
+        time.sleep(poll)
+        poll = min(poll * 1.5, 0.05)
+    return False
 
 
 def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = PLAN_TIMEOUT_S,

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from compiler import CompileCache, compile_blocks, produces_gradients
 from compiler.cache import open_cache
 from compiler.share import backward_with_forward, share_for_group
+from compiler.step_gate import StepGate, gate_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, no_builtin_ddp_splitter,
                                realign_unsupported_warning, registered_hook_name, use_python_reducer)
@@ -170,6 +171,12 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
             False: every rank compiles for itself, no barrier.
         share_timeout_s: the longest a rank waits for another rank's compile
             before it compiles for itself (with a warning).
+        step_gate: the ranks meet in the store before each synchronised step's
+            first collective (after the forward; under ``"traced"`` inside the
+            backward), so that a rank compiling alone (a shape only it saw, a cold
+            cache) is waited for there, as long as it is alive, and never inside a
+            collective, whose timeout a long compile would trip (Note [Step gate]).
+            About two round trips to the store per step. False: no gate.
         config: all of the above as one :class:`DDPCompileConfig` (validated when
             built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.
@@ -195,14 +202,17 @@ compile_ddp.__signature__ = keyword_signature(
 
 
 def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, backend_fn: Callable,
-                 named: torch.nn.Module, cost_model: CostModel | None = None) -> DDPOptimizer:
-    """The splitter of ``ddp_model``: DDP's caps, group and fallback, parameters named as in ``named``."""
+                 named: torch.nn.Module, cost_model: CostModel | None = None, gate: StepGate | None = None
+                 ) -> DDPOptimizer:
+    """The splitter of ``ddp_model``: DDP's caps, group and fallback, parameters named as in ``named``;
+    with the step gate, the plan check stops waiting for peers that passed the step (Note [Step gate])."""
     caps = caps_from_ddp(ddp_model)
     return DDPOptimizer(
         caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
         bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
         cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
         param_names={id(p): n for n, p in named.named_parameters()}, process_group=ddp_model.process_group,
+        peers_elsewhere=gate.others_waiting if gate is not None else None,
     )
 
 
@@ -249,11 +259,14 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if config.cache_dir is not None:
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)), traced)
     more = dict(config.torch_compile_kwargs)
-    share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
-                            timeout_s=config.share_timeout_s, name="ddp") if config.share else None
+    group = dist.get_process_group_ranks(ddp_model.process_group)
+    share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
+    gate = gate_for_group(group, name="ddp") if config.step_gate else None
     if share is not None:
         backend_fn = share.wrap_compile(backend_fn)
-    elif cache is not None and not traced:  # keyed as a shared compile keys it: one entry for every world size
+    elif (cache is not None or gate is not None) and not traced:
+        # Keyed as a shared compile keys it (one cache entry for every world size), and before the step gate:
+        # a backward compiled at the first backward would compile past it (Note [Step gate]).
         backend_fn = backward_with_forward(backend_fn)
     if strategy == "regional":
         found = find_ddp_blocks(inner, config.blocks)
@@ -264,16 +277,16 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         keep_builtin_splitter_out(ddp_model)
         block_buckets = plan_block_buckets(inner, found, caps)
         return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
-                           share=share)
+                           share=share, gate=gate)
     optimizer = plan = None
     if traced:
         # The backward graph compiles with the plain backend: no shared-compile claim for a graph that
         # only compiled autograd's trace names.
-        plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto")
+        plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto", gate=gate)
         use_python_reducer(ddp_model)  # Note [Traced strategy]
         backend_fn = plan.forward_backend(backend_fn)
     elif strategy == "split":
-        optimizer = splitter_for(ddp_model, config, backend_fn, inner, cost_model)
+        optimizer = splitter_for(ddp_model, config, backend_fn, inner, cost_model, gate)
         backend_fn = optimizer.compile_fn
     if config.wrap_backend is not None:  # it gets the splitter (or the plain backend), as documented
         backend_fn = config.wrap_backend(backend_fn)
@@ -287,4 +300,5 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=config.dynamic,
                                   fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan)
+    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan,
+                       gate=gate)

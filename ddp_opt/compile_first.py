@@ -42,7 +42,8 @@ from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import SettingError, produces_gradients
-from compiler.share import share_for_group
+from compiler.share import backward_with_forward, share_for_group
+from compiler.step_gate import gate_for_group
 
 from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
 from .api import keep_builtin_splitter_out, splitter_for
@@ -151,11 +152,15 @@ class _DeferredBackend:
                 "this.", stacklevel=2)
             align = False
         backend = config.resolve_backend()
-        share = share_for_group(dist.get_process_group_ranks(ddp_model.process_group),
-                                timeout_s=config.share_timeout_s, name="ddp") if config.share else None
+        group = dist.get_process_group_ranks(ddp_model.process_group)
+        share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
+        gate = gate_for_group(group, name="ddp") if config.step_gate else None
         if share is not None:
             backend = share.wrap_compile(backend)
-        optimizer = splitter_for(ddp_model, config, backend, self.model) if config.strategy == "split" else None
+        elif gate is not None:  # the backward compiles before the step gate, as under compile_ddp
+            backend = backward_with_forward(backend)
+        optimizer = (splitter_for(ddp_model, config, backend, self.model, gate=gate) if config.strategy == "split"
+                     else None)
         backend = optimizer.compile_fn if optimizer is not None else backend
         if config.wrap_backend is not None:
             backend = config.wrap_backend(backend)
@@ -164,6 +169,6 @@ class _DeferredBackend:
         self._backend = backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
-        self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share)
+        self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share, gate=gate)
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

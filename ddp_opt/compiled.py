@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from compiler import CompileCache
 from compiler.cache import save_on_local_rank0
 from compiler.share import CompileShare
+from compiler.step_gate import StepGate
 
 from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
 from .alignment import Alignment
@@ -66,8 +67,11 @@ class CompiledDDP:
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
                  align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
-                 traced: TracedPlan | None = None) -> None:
+                 traced: TracedPlan | None = None, gate: StepGate | None = None) -> None:
         self.ddp_model = ddp_model
+        # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
+        # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
+        self.gate = gate
         self.traced = traced
         self._backward_pending = False  # a traced forward ran; its backward has not entered backward_context()
         self._warned_plain_backward = False
@@ -240,8 +244,11 @@ class CompiledDDP:
 
     def after_forward(self) -> None:
         """What runs after each call of the DDP model (a forward hook on it): the realigned
-        buckets' measure."""
+        buckets' measure; the step gate before a synchronised backward (Note [Step gate])."""
         self._check_realigned()
+        if (self.gate is not None and self.traced is None and torch.is_grad_enabled()
+                and self.ddp_model.require_backward_grad_sync):
+            self.gate.meet()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp_model(*args, **kwargs)

@@ -61,6 +61,8 @@ class DDPCompileConfig(CompileOptions):
         None, why="a measure that differs run to run; the plan it gives is in the graphs, which the artifacts' "
                   "own keys hash")
     blocks: str | Sequence[str] = "auto"
+    step_gate: bool = not_compiled(True, why="a wait in the store before each step's first collective; no graph "
+                                             "changes")
     wrap_backend: Callable[[Callable], Callable] | None = not_compiled(
         None, why="an observer of the backend (Diagnoser().wrap); its output is the backend's")
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)

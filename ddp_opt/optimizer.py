@@ -114,6 +114,8 @@ class DDPOptimizer:
             ``auto_plan=False`` the caps above plan and the model only predicts.
         process_group: the group whose ranks must plan alike (DDP's
             ``process_group``); None is the default group.
+        peers_elsewhere: True once every peer passed the step without the graph being
+            compiled (``StepGate.others_waiting``): the plan check stops waiting for them.
         param_names: ``id(parameter) -> name`` for plans, logs and the plan check; by
             default a parameter is named from dynamo's source, which after a graph
             break starts at the resumed frame's local (``3.weight`` for
@@ -156,6 +158,7 @@ class DDPOptimizer:
         param_names: dict[int, str] | None = None,
         process_group: Any = None,
         spelling: Spelling = DIRECT_SPELLING,
+        peers_elsewhere: Callable[[], bool] | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(
@@ -183,6 +186,7 @@ class DDPOptimizer:
         self.prediction: Timeline | None = None
         self.param_names = dict(param_names or {})
         self.process_group = process_group
+        self.peers_elsewhere = peers_elsewhere
         self.spelling = spelling
 
     @property
@@ -253,7 +257,7 @@ class DDPOptimizer:
             self._graphs[slot] = (buckets, [record])
             compiled = self._compile_whole(gm, example_inputs, backend, record)
             if published:
-                verify_plans(plan_key, self.plan_timeout_s, self.process_group)
+                verify_plans(plan_key, self.plan_timeout_s, self.process_group, self.peers_elsewhere)
             self.compiles += 1
             return compiled
 
@@ -269,7 +273,7 @@ class DDPOptimizer:
         )
         self._graphs[slot] = (buckets, records)
         if published:
-            verify_plans(plan_key, self.plan_timeout_s, self.process_group)
+            verify_plans(plan_key, self.plan_timeout_s, self.process_group, self.peers_elsewhere)
         self.compiles += 1
         eager = [r.name for r in records if r.status == "eager"]
         log.info(

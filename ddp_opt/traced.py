@@ -87,6 +87,7 @@ Debugging
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import replace
 from typing import Any, Callable
@@ -96,6 +97,7 @@ from torch import fx
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import BackendFn
+from compiler.step_gate import StepGate
 
 from ._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
@@ -159,7 +161,7 @@ class TracedPlan:
     """
 
     def __init__(self, caps: BucketCaps, backend_fn: BackendFn, cost_model: CostModel | None = None,
-                 auto: bool = False) -> None:
+                 auto: bool = False, gate: StepGate | None = None) -> None:
         self.caps = caps if caps.per_bucket_caps else BucketCaps(
             caps.bucket_bytes_cap, min(caps.cap_for(0), FIRST_BUCKET_CAP))
         self.backend_fn = backend_fn
@@ -168,6 +170,7 @@ class TracedPlan:
         self.prediction: Timeline | None = None
         self.fused: list[list[int]] = []
         self._graph_caps: dict[frozenset, tuple[int, ...]] = {}  # params of a forward graph -> its planned caps
+        self.gate = gate
 
     def forward_backend(self, backend_fn: Callable) -> Callable:
         """The forward's backend: with ``auto``, plan from the graph first, then compile it whole."""
@@ -220,8 +223,23 @@ class TracedPlan:
         if not has_all_reduce(gm):  # a no_sync backward: Inductor's memory order, nothing to overlap
             return self.backend_fn(gm, example_inputs, **kwargs)
         with memory_reorder_off():  # the waits stay where schedule_comm_wait put them (Note [Traced strategy])
-            return self.backend_fn(gm, example_inputs, **kwargs)
+            compiled = self.backend_fn(gm, example_inputs, **kwargs)
+        return compiled if self.gate is None else gated(compiled, self.gate)
 
     def backward(self) -> contextlib.AbstractContextManager:
         """The context ``loss.backward()`` runs in under this strategy."""
         return traced_backward(self.compile_backward, [FuseByPlan(self), "schedule_comm_wait"])
+
+
+def gated(compiled: Callable, gate: StepGate) -> Callable:
+    """``compiled`` (a backward graph holding all-reduces) meeting the step gate before each
+    run: after compiled autograd compiled it, on this rank or not, before its first
+    all-reduce (Note [Step gate]). Called as ``compiled`` is (its attributes, such as a
+    boxed calling convention, are kept)."""
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        gate.meet()
+        return compiled(*args, **kwargs)
+
+    return run

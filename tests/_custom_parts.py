@@ -20,6 +20,15 @@ class WrongDtype(SyntheticTokens):
         return x.int(), y.int()
 
 
+class ShortOnRank1(SyntheticTokens):
+    """The synthetic data, except that rank 1's batch of step 3 is 16 tokens shorter: a
+    shape only that rank sees, so a recompile on it alone (the step gate's test)."""
+
+    def batch(self, step, rank, world_size, batch_size, seq_len):
+        x, y = super().batch(step, rank, world_size, batch_size, seq_len)
+        return (x[:, :-16], y[:, :-16]) if (rank, step) == (1, 3) else (x, y)
+
+
 class PastVocab(SyntheticTokens):
     """Token ids from a tokenizer with a larger vocabulary than the model's."""
 

@@ -15,7 +15,12 @@ everything else is ``python -m launch.train [overrides]``.
 registers the dynamo backend ``fault_aot_eager`` (``aot_eager``, except that RANK does
 ACTION, KILL or STOP, at its first compile: a rank that dies or is stopped in the
 middle of the first compile, as its peers wait for it at the compile barrier; SLEEP:
-a first compile of 120 s)."""
+a first compile of 120 s).
+
+    python tests/_fault_job.py recompile:RANK:SECONDS compile.backend=slow_recompile_aot_eager [overrides]
+
+registers ``slow_recompile_aot_eager``: ``aot_eager``, except that RANK's first compile
+after step 1 (a recompile) sleeps SECONDS first."""
 
 from __future__ import annotations
 
@@ -72,9 +77,33 @@ def register_compile_fault(spec: str) -> None:
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
+def register_slow_recompile(spec: str):
+    """The backend ``slow_recompile_aot_eager`` and the step callback that tells it step 1 is over."""
+    import torch
+    from torch._dynamo import register_backend
+
+    _, rank, seconds = spec.split(":")
+    state = {"past_step_1": False, "slept": False}
+
+    @register_backend(name="slow_recompile_aot_eager")
+    def slow_recompile_aot_eager(gm, example_inputs):
+        if int(os.environ.get("RANK", "0")) == int(rank) and state["past_step_1"] and not state["slept"]:
+            state["slept"] = True
+            print(f"[rank {rank}] fault {spec}: a recompile of {seconds} s", file=sys.stderr, flush=True)
+            time.sleep(float(seconds))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def mark(job: Job, step: int) -> None:
+        state["past_step_1"] = step >= 2
+
+    return mark
+
+
 if __name__ == "__main__":
     spec = sys.argv.pop(1)
-    if spec.startswith("compile:"):
+    if spec.startswith("recompile:"):
+        main(step_callbacks=[register_slow_recompile(spec)])
+    elif spec.startswith("compile:"):
         register_compile_fault(spec)
         main()
     else:

@@ -178,6 +178,9 @@ class DDPConfig:
     # the buckets, DDP's reducer all-reduces), whole (no split), regional (each repeated block compiled
     # once, buckets of whole blocks) or traced (the all-reduces in one compiled backward graph).
     strategy: str = "split"
+    # Ranks meet in the store before each step's first collective, so that a rank compiling alone is
+    # waited for there and not inside a collective with its timeout (Note [Step gate]).
+    step_gate: bool = True
 
     def __post_init__(self) -> None:
         # The one check a type cannot make: `Any` lets every word through.

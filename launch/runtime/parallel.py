@@ -171,8 +171,8 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
     return DDPCompileConfig(
         **vars(c.compile_options()), fallback=c.fallback, blocks=c.blocks,
         bucket_cap_mb="auto" if cfg.ddp.bucket_cap_mb == "auto" else None, wrap_backend=wrap_backend,
-        align_buckets=cfg.ddp.align_buckets, strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP
-        else "split", spelling=OVERRIDE_SPELLING,
+        align_buckets=cfg.ddp.align_buckets, step_gate=cfg.ddp.step_gate,
+        strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP else "split", spelling=OVERRIDE_SPELLING,
     )
 
 
