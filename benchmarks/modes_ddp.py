@@ -173,6 +173,7 @@ class _Planned(DDPMode):
 class Ours(_Planned):
     name, summary = "ours", "compile_ddp(ddp): split at DDP's real buckets"
     plans_auto = True
+    step_gate = True  # compile_ddp's default (Note [Step gate])
 
     def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
         # With cap auto the link is measured through the same simulated link the gradients
@@ -181,7 +182,7 @@ class Ours(_Planned):
         if cap == "auto" or cost_model is not None:
             more = dict(bucket_cap_mb="auto" if cap == "auto" else None,
                         link=cost_model if cost_model is not None else link.probe)
-        return compile_ddp(ddp, backend=backend, **more)
+        return compile_ddp(ddp, backend=backend, step_gate=self.step_gate, **more)
 
     def partitions(self, r: DDPRunner) -> int | None:
         return len(r.fn.buckets) or 1
@@ -191,6 +192,11 @@ class Ours(_Planned):
 
     def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
         return list(caps)
+
+
+class OursNoGate(Ours):
+    name, summary = "ours_nogate", "compile_ddp(ddp, step_gate=False): ours without the step gate, for its cost"
+    step_gate = False
 
 
 class Regional(_Planned):
@@ -262,8 +268,8 @@ class OursTraced(Ours):
         return None
 
 
-DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), Regional(), CompiledAutograd(),
-                                           OursTraced()],
+DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), OursNoGate(), Regional(),
+                                           CompiledAutograd(), OursTraced()],
                                           default=("eager", "builtin", "nosplit", "ours"))
 
 
