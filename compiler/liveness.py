@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 log = logging.getLogger(__name__)
 
 __all__ = ["PeerLost", "WaitInterrupted", "Heartbeat", "PeerWatch", "request_stop", "stop_requested",
-           "clear_stop", "dead_after_s"]
+           "clear_stop", "dead_after_s", "on_default_store"]
 
 KEY = "distcompile/alive"
 DEFAULT_DEAD_AFTER_S = 300.0  # a store without a timeout of its own
@@ -136,6 +136,22 @@ class Heartbeat:
                 self._beat()
             except Exception:  # noqa: BLE001 - the store is gone (the group was torn down): stop beating
                 return
+
+
+def on_default_store(ranks: Sequence[int] | None) -> tuple[Any, int, list[int]] | None:
+    """The default group's store, this rank and ``ranks`` (None: the default group), for a
+    wait among those ranks (the shared compile, the step gate); None without an
+    initialised process group of more than one rank, or when this rank is not in ``ranks``."""
+    import torch.distributed as dist
+
+    from . import _torch_internals as _ti
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
+    if len(ranks) <= 1 or dist.get_rank() not in ranks:
+        return None
+    return _ti.default_store(), dist.get_rank(), ranks
 
 
 def _own_client(store: Any) -> Any:

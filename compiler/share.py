@@ -91,7 +91,7 @@ from .cputime import cpu_seconds
 from .artifacts import inductor_cache_dir
 from .barrier import POLL_S, GraphBarrier, key_label
 from .kernels import collect_kernels, install_kernels, kernel_snapshot
-from .liveness import Heartbeat
+from .liveness import Heartbeat, on_default_store
 from .pending import Pending
 
 log = logging.getLogger(__name__)
@@ -382,11 +382,5 @@ def backward_with_forward(backend: Callable) -> Callable:
 def share_for_group(ranks: Sequence[int] | None, **kw: Any) -> CompileShare | None:
     """A :class:`CompileShare` over ``ranks`` (None: the default group) on the default
     store, or None without an initialised process group of more than one rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
-    if len(ranks) <= 1 or dist.get_rank() not in ranks:
-        return None
-    return CompileShare(_ti.default_store(), dist.get_rank(), ranks, **kw)
+    found = on_default_store(ranks)
+    return CompileShare(*found, **kw) if found is not None else None

@@ -48,8 +48,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from . import _torch_internals as _ti
-from .liveness import Heartbeat, PeerWatch
+from .liveness import Heartbeat, PeerWatch, on_default_store
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +124,5 @@ class StepGate:
 def gate_for_group(ranks: Sequence[int] | None, **kw: Any) -> StepGate | None:
     """A :class:`StepGate` over ``ranks`` (None: the default group) on the default store, or
     None without an initialised process group of more than one rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    ranks = list(ranks) if ranks is not None else list(range(dist.get_world_size()))
-    if len(ranks) <= 1 or dist.get_rank() not in ranks:
-        return None
-    return StepGate(_ti.default_store(), dist.get_rank(), ranks, **kw)
+    found = on_default_store(ranks)
+    return StepGate(*found, **kw) if found is not None else None
