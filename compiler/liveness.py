@@ -93,7 +93,8 @@ def dead_after_s(store: Any) -> float:
 class Heartbeat:
     """One rank's heartbeat in one store, while any of its owners lives (see the Note).
     ``Heartbeat.start(store, rank, owner)`` starts it once per (store, rank) and adds the
-    owner (a :class:`compiler.share.CompileShare`); the thread ends with the last owner."""
+    owner (a :class:`compiler.share.CompileShare` or a :class:`compiler.step_gate.StepGate`); the
+    thread ends with the last owner."""
 
     _running: dict[tuple[int, int], "Heartbeat"] = {}
     _lock = threading.Lock()
@@ -129,8 +130,8 @@ class Heartbeat:
             time.sleep(self.beat_s)
             with self._lock:
                 if all(owner() is None for owner in self.owners):  # nobody waits on this rank through it
-                    if self._running.get((id(self.store), self.rank)) is self:
-                        del self._running[(id(self.store), self.rank)]
+                    if self._running.get((id(self.source), self.rank)) is self:
+                        del self._running[(id(self.source), self.rank)]
                     return
             try:
                 self._beat()

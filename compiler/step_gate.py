@@ -26,8 +26,8 @@ Algorithm
     ``open/<n>`` (and deletes ``open/<n-2>``, which every rank has passed); the others
     poll for that key (every 0.2 ms at first, backing off to every 50 ms; the store's
     blocking ``wait`` logs a warning each time it times out, and a wait must time out
-    to read the peers' heartbeats). About two round trips to the store per step when
-    no rank compiles. The wait has no timeout of its own: it ends when the key is set,
+    to read the peers' heartbeats). A few requests to the store per step when no rank
+    compiles: an add, then a set (and a delete) by the last rank, a few polls by the others. The wait has no timeout of its own: it ends when the key is set,
     when a peer stops beating (:class:`compiler.liveness.PeerLost`: a dead or stopped
     peer fails every rank after the store's timeout, as a collective would have), or
     after a stop request (SIGTERM). A wait longer than ``progress_s`` says so.
@@ -70,8 +70,7 @@ class StepGate:
         progress_s: a wait longer than this is logged, and again every ``progress_s``.
 
     Attributes:
-        steps: how often this rank met the gate; ``waited_s``: the seconds it waited in all,
-            ``longest_s``: its longest wait.
+        steps: how often this rank met the gate; ``longest_s``: its longest wait.
     """
 
     def __init__(self, store: Any, rank: int, ranks: Sequence[int], *, name: str = "ddp",
@@ -82,7 +81,7 @@ class StepGate:
         instance = next(_instances.setdefault(f"{name}/{tag}", itertools.count()))
         self.prefix = prefix or f"distcompile/gate/{name}/{tag}/{instance}"
         self.progress_s = progress_s
-        self.steps, self.waited_s, self.longest_s = 0, 0.0, 0.0
+        self.steps, self.longest_s = 0, 0.0
         Heartbeat.start(store, rank, self)  # a peer waiting here learns that this rank is alive
         self.watch = PeerWatch(store, rank)
 
@@ -115,7 +114,6 @@ class StepGate:
                 log.info("rank %d has waited %.0fs at step %d's gate for a peer still in its step (compiling, or "
                          "evaluating alone); it waits as long as the peer is alive", self.rank, now - start, n)
         waited = time.perf_counter() - start
-        self.waited_s += waited
         self.longest_s = max(self.longest_s, waited)
         if waited >= self.progress_s:
             log.info("rank %d passed step %d's gate after %.0fs", self.rank, n, waited)

@@ -182,7 +182,7 @@ def peers_plans_if_ready(key: str, group: dist.ProcessGroup | None = None,
 
 
 def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.ProcessGroup | None = None,
-                 elsewhere: Callable[[], bool] | None = None) -> bool:
+                 elsewhere: Callable[[], bool] | None = None) -> bool | None:
     """Wait for every rank's plan under ``key`` and compare them.
 
     Args:
@@ -191,8 +191,10 @@ def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.Proces
 
     Returns:
         True when all ranks agree; False when the check could not run (no process
-        group, one rank, a rank that did not publish within ``timeout_s``, or peers
-        that passed the step without the graph).
+        group, one rank, or a rank that did not publish within ``timeout_s``); None
+        when the peers passed the step without the graph: this rank's plan is
+        withdrawn from the store, and its caller must not count the exchange, so that
+        the next one pairs with the peers' next graph.
 
     Raises:
         PlanMismatchError: on every rank, when any two ranks' plans differ.
@@ -200,11 +202,17 @@ def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.Proces
     exchange = _Exchange.of(key, group)
     if exchange is None:
         return False
-    if elsewhere is not None and _peers_passed(exchange, _bounded(timeout_s, exchange.store).total_seconds(),
-                                               elsewhere):
-        log.info("Plan agreement check skipped for %s: every peer passed this step without compiling this graph "
-                 "(a recompile for a shape only this rank saw)", key)
-        return False
+    if elsewhere is not None:
+        found = _poll_plans(exchange, _bounded(timeout_s, exchange.store).total_seconds(), elsewhere)
+        if found == "elsewhere":
+            exchange.store.delete_key(exchange.keys[exchange.index])
+            log.info("Plan agreement check skipped for %s: every peer passed this step without compiling this "
+                     "graph (a recompile for a shape only this rank saw)", key)
+            return None
+        if found == "timeout":
+            log.warning("Plan agreement check skipped for %s: not every rank published its bucket plan within "
+                        "%.0fs (a graph compiled on this rank only?)", key, timeout_s)
+            return False
     try:
         exchange.store.wait(exchange.keys, _bounded(timeout_s, exchange.store))
     except dist.DistNetworkError as e:
@@ -224,16 +232,18 @@ def verify_plans(key: str, timeout_s: float = PLAN_TIMEOUT_S, group: dist.Proces
     return True
 
 
-def _peers_passed(exchange: _Exchange, bound_s: float, elsewhere: Callable[[], bool]) -> bool:
-    """Poll for every plan until ``bound_s``: False once all are published (or the time is up:
-    the blocking wait then says so), True as soon as ``elsewhere()``."""
+def _poll_plans(exchange: _Exchange, bound_s: float, elsewhere: Callable[[], bool]) -> str:
+    """Poll for every plan for at most ``bound_s``: ``"published"``, ``"elsewhere"`` as soon as
+    ``elsewhere()``, or ``"timeout"``."""
     deadline, poll = time.monotonic() + bound_s, 0.001
-    while not exchange.store.check(exchange.keys) and time.monotonic() < deadline:
+    while not exchange.store.check(exchange.keys):
         if elsewhere():
-            return True
+            return "elsewhere"
+        if time.monotonic() >= deadline:
+            return "timeout"
         time.sleep(poll)
         poll = min(poll * 1.5, 0.05)
-    return False
+    return "published"
 
 
 def check_plan_agreement(buckets: list[Bucket], key: str, timeout_s: float = PLAN_TIMEOUT_S,

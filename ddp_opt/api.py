@@ -176,7 +176,7 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
             backward), so that a rank compiling alone (a shape only it saw, a cold
             cache) is waited for there, as long as it is alive, and never inside a
             collective, whose timeout a long compile would trip (Note [Step gate]).
-            About two round trips to the store per step. False: no gate.
+            A few requests to the store per step. False: no gate.
         config: all of the above as one :class:`DDPCompileConfig` (validated when
             built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.

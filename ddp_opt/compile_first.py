@@ -68,7 +68,8 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
         config: a :class:`DDPCompileConfig`, instead of keyword settings; not both.
         **settings: ``compile_ddp``'s keywords (``backend``, ``mode``, ``options``, ``dynamic``,
             ``fullgraph``, ``fallback``, ``strategy`` (``"split"`` or ``"whole"``), ``check_plans``,
-            ``align_buckets``, ``share``, ``share_timeout_s``, ``wrap_backend``) and ``torch.compile``'s.
+            ``align_buckets``, ``share``, ``share_timeout_s``, ``step_gate``, ``wrap_backend``) and
+            ``torch.compile``'s. The step gate (Note [Step gate]) starts at the second synchronised step.
 
     Returns:
         The compiled module (``torch.compile``'s ``OptimizedModule``): wrap it in DDP and train.
@@ -170,5 +171,6 @@ class _DeferredBackend:
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
         self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share, gate=gate)
+        self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

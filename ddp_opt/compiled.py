@@ -59,6 +59,8 @@ class CompiledDDP:
         share: the :class:`compiler.share.CompileShare` of DDP's group (its
             ``stats`` say what this rank compiled, loaded and waited for), or
             None on one rank.
+        gate: the :class:`compiler.step_gate.StepGate` of DDP's group (Note [Step
+            gate]), or None (one rank, or ``step_gate=False``).
         traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
@@ -72,6 +74,8 @@ class CompiledDDP:
         # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
         # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
         self.gate = gate
+        self._gate_skip = 0  # synchronised forwards still to pass ungated (compile_for_ddp: see gate_from_next)
+        self._in_first_call = False
         self.traced = traced
         self._backward_pending = False  # a traced forward ran; its backward has not entered backward_context()
         self._warned_plain_backward = False
@@ -239,6 +243,7 @@ class CompiledDDP:
             self._calls += 1  # counted only while a save is pending
             if self._calls >= 2 and torch.is_grad_enabled():
                 self.save_compile_cache()
+        self._in_first_call = False
         self._maybe_realign()
         self._check_backward_path()
 
@@ -246,9 +251,28 @@ class CompiledDDP:
         """What runs after each call of the DDP model (a forward hook on it): the realigned
         buckets' measure; the step gate before a synchronised backward (Note [Step gate])."""
         self._check_realigned()
-        if (self.gate is not None and self.traced is None and torch.is_grad_enabled()
-                and self.ddp_model.require_backward_grad_sync):
+        if self.gate is None or self.traced is not None or not self._synchronised():
+            return
+        if self._in_first_call:  # the call this object was made in, counted by gate_from_next
+            self._in_first_call = False
+        elif self._gate_skip:
+            self._gate_skip -= 1
+        else:
             self.gate.meet()
+
+    def _synchronised(self) -> bool:
+        """Whether the running forward is one that a synchronised backward follows."""
+        return torch.is_grad_enabled() and self.ddp_model.require_backward_grad_sync
+
+    def gate_from_next(self) -> None:
+        """Called when this object is made inside a forward of the DDP model (``compile_for_ddp``
+        attaches in the first compiled call). That call's forward hook may or may not run (a
+        module without hooks when the call began skips them), and ranks may attach in different
+        calls (an evaluation on rank 0 only comes first): so every rank leaves its first
+        synchronised forward ungated, the attach call or a later one, and all ranks meet from
+        their second on."""
+        self._in_first_call = True
+        self._gate_skip = 0 if self._synchronised() else 1
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp_model(*args, **kwargs)

@@ -174,6 +174,7 @@ class DDPOptimizer:
         self.fallback = fallback
         self.last_plan: list[Bucket] = []
         self.plans: list[list[Bucket]] = []
+        self._exchanges = 1  # plan exchanges so far plus one: the next one's key (Note [Plan agreement])
         # graph slot -> (plan, partition records) of its latest compile; insertion order = first-run order.
         self._graphs: dict[Any, tuple[list[Bucket], list[PartitionRecord]]] = {}
         self.compiles = 0
@@ -246,7 +247,8 @@ class DDPOptimizer:
         )
         # Every rank's plan must be the same; published now, compared once compiled
         # (before any collective can run; see Note [Plan agreement]).
-        plan_key = f"{self._plan_namespace}/{len(self.plans)}"
+        plan_key = f"{self._plan_namespace}/{self._exchanges}"
+        self._exchanges += 1
         published = self.check_plans and publish_plan(buckets, plan_key, self.process_group)
         if published:
             peers_plans_if_ready(plan_key, self.process_group, self.plan_timeout_s)
@@ -257,7 +259,7 @@ class DDPOptimizer:
             self._graphs[slot] = (buckets, [record])
             compiled = self._compile_whole(gm, example_inputs, backend, record)
             if published:
-                verify_plans(plan_key, self.plan_timeout_s, self.process_group, self.peers_elsewhere)
+                self._verify(plan_key)
             self.compiles += 1
             return compiled
 
@@ -273,7 +275,7 @@ class DDPOptimizer:
         )
         self._graphs[slot] = (buckets, records)
         if published:
-            verify_plans(plan_key, self.plan_timeout_s, self.process_group, self.peers_elsewhere)
+            self._verify(plan_key)
         self.compiles += 1
         eager = [r.name for r in records if r.status == "eager"]
         log.info(
@@ -283,6 +285,12 @@ class DDPOptimizer:
             f" ({len(eager)} running eagerly: {', '.join(eager)})" if eager else "",
         )
         return split.gm
+
+    def _verify(self, plan_key: str) -> None:
+        """Compare the ranks' plans; a plan the peers never make (their step passed without
+        this graph) is withdrawn and not counted, so the next exchange pairs with theirs."""
+        if verify_plans(plan_key, self.plan_timeout_s, self.process_group, self.peers_elsewhere) is None:
+            self._exchanges -= 1
 
     def _compile_whole(self, gm, example_inputs, backend, record: PartitionRecord) -> Callable:
         t0 = time.perf_counter()

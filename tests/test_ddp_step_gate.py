@@ -110,3 +110,32 @@ def test_the_job_waits_out_a_recompile_on_one_rank_longer_than_its_timeout(tmp_p
                      fault="recompile:1:0")
     ok(plain)
     assert metrics(tmp_path / "slow" / "run")["losses"] == metrics(tmp_path / "plain" / "run")["losses"]
+
+
+# --- compile_for_ddp (nanoGPT's order): ranks attach in different calls ---------------------------------
+
+def _compile_first_rank(rank, world_size):
+    """nanoGPT's flow with one micro-step per step: compile, wrap in DDP, evaluate on rank 0
+    only (no_grad) before step 1, then train; a shape only rank 1 sees at step ODD_STEP."""
+    from ddp_opt import compile_for_ddp, compiled_ddp_of
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _model()
+
+        def forward(self, x):
+            return self.body(x)
+
+    compiled = compile_for_ddp(Net(), backend="aot_eager")
+    model = DDP(compiled, bucket_cap_mb=0.02)
+    if rank == 0:
+        with torch.no_grad():
+            model(_batch(0, -1))  # rank 0 alone: its compiled forward attaches here
+    losses = _train(rank, model, model, lambda loss: loss.backward())[0]
+    return losses, compiled_ddp_of(compiled).gate.steps
+
+
+def test_under_compile_for_ddp_every_rank_meets_the_gate_as_often_after_an_evaluation_on_rank_0(run_ranks):
+    (_, steps0), (_, steps1) = run_ranks(_compile_first_rank, pg_timeout_s=30, timeout=240)
+    assert steps0 == steps1 == STEPS - 1  # from the second synchronised step on, on both ranks
