@@ -29,22 +29,23 @@ def test_the_traced_mode_reports_the_fused_all_reduces_of_the_synchronised_backw
 
 
 def test_every_ddp_mode_is_registered_and_describes_itself():
-    assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "regional", "compiled_autograd", "ours_traced")
+    assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "ours_nogate", "regional", "compiled_autograd",
+                               "ours_traced")
     for name in DDP_MODES.names:
         assert DDP_MODES[name].name == name and DDP_MODES[name].summary
         assert DDP_MODES.describe([name]) == f"  {name}: {DDP_MODES[name].summary}"
     assert [n for n in DDP_MODES.names if not DDP_MODES[n].compiled] == ["eager"]
-    assert [n for n in DDP_MODES.names if DDP_MODES[n].plans_auto] == ["ours", "ours_traced"]
+    assert [n for n in DDP_MODES.names if DDP_MODES[n].plans_auto] == ["ours", "ours_nogate", "ours_traced"]
     caps = (1.0, 4.0, "auto")
     assert {n: DDP_MODES[n].sweep_caps(caps) for n in DDP_MODES.names} == {
         "eager": [DEFAULT_CAP], "builtin": [1.0, 4.0], "nosplit": [DEFAULT_CAP], "ours": [1.0, 4.0, "auto"],
-        "regional": [], "compiled_autograd": [1.0, 4.0], "ours_traced": [1.0, 4.0, "auto"]}
+        "ours_nogate": [1.0, 4.0, "auto"], "regional": [], "compiled_autograd": [1.0, 4.0], "ours_traced": [1.0, 4.0, "auto"]}
     assert [n for n in DDP_MODES.names if not DDP_MODES[n].takes_hook] == ["compiled_autograd", "ours_traced"]
 
 
 def test_an_unknown_mode_names_the_valid_ones():
-    with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours, regional, compiled_autograd, ours_traced. "
-                                         "Leave --modes out"):
+    with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours, ours_nogate, regional, "
+                                         "compiled_autograd, ours_traced. Leave --modes out"):
         DDP_MODES["fast"]
     with pytest.raises(ValueError, match="valid modes are eager, per_block, grouped"):
         FSDP_MODES.check(())
@@ -63,7 +64,7 @@ def test_config_errors_say_how_to_fix_them():
         FSDPBenchConfig(rounds=0)
     with pytest.raises(ValueError, match="--shard-unit-mb must be > 0.*--prefetch 0 for FSDP2's implicit prefetch"):
         FSDPBenchConfig(shard_unit_mb=0)
-    with pytest.raises(ValueError, match="cap 'auto' is compile_ddp's cost-model plan.*only ours, ours_traced plan"):
+    with pytest.raises(ValueError, match="cap 'auto' is compile_ddp's cost-model plan.*only ours, ours_nogate, ours_traced plan"):
         build_runner("builtin", BenchConfig(), "auto", link=None)  # refused before anything is built
     assert (FSDPBenchConfig().layers, BenchConfig().layers) == (8, 4)  # each family keeps its own model
 
