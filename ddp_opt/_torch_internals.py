@@ -281,7 +281,7 @@ def traced_strategy_missing() -> str | None:
         from torch._inductor.fx_passes import ddp_fusion
     except ImportError as e:
         return f"compiled autograd or Inductor's DDP fusion is missing ({e})"
-    needed = [(DistributedDataParallel, "_register_accum_grad_hook"), (ddp_fusion, "_fuse_ddp_communication"),
+    needed = [(DistributedDataParallel, "_register_accum_grad_hook"), (ddp_fusion, "get_all_comm_blocks"),
               (ddp_fusion, "_fuse_allreduce"), (compiled_autograd, "_enable")]
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
     return f"{', '.join(missing)} not found" if missing else None
@@ -302,6 +302,13 @@ def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
     # DDP._register_accum_grad_hook(): the python reducer's per-parameter all-reduce hooks
     # (skipped while require_backward_grad_sync is False, as under no_sync).
     ddp_model._register_accum_grad_hook()
+
+
+def add_python_reducer_hook(ddp_model: DistributedDataParallel, state: Any, hook: Any) -> None:
+    """The python reducer calls ``hook(state, (param.grad, param))`` per gradient instead of its all-reduce."""
+    # DDP._comm_hooks: (hook, state) pairs; _register_accum_grad_hook's hook calls each with (param.grad, param)
+    # when the list is not empty. register_comm_hook would also put it on the detached C++ reducer.
+    ddp_model._comm_hooks.append((hook, state))
 
 
 @contextlib.contextmanager
@@ -354,23 +361,29 @@ def memory_reorder_off() -> contextlib.AbstractContextManager:
 
 def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any) -> None:
     """Fuse the python reducer's per-gradient all-reduces in ``graph`` into the buckets
-    ``group_fn(sizes) -> list of bucket lengths`` chooses (sizes in bytes, graph order)."""
-    from functools import partial
-
+    ``group_fn(sizes) -> list of bucket lengths`` chooses (sizes in bytes on the wire, graph order)."""
     from torch._inductor.fx_passes import ddp_fusion
+    output = next(node for node in reversed(graph.nodes) if node.op == "output")
 
-    def buckets(graph: fx.Graph, blocks: list) -> Any:
-        # CommBlock.comm_node.meta["tensor_meta"] / .shape: each all-reduce's gradient.
-        sizes = [block.shape.numel() * block.comm_node.meta["tensor_meta"].dtype.itemsize for block in blocks]
-        start = 0
-        for length in group_fn(sizes):
-            yield blocks[start:start + length]
-            start += length
+    def reducer_block(block: Any) -> bool:
+        # ddp_fusion._fuse_ddp_communication's filter (div -> all_reduce -> wait -> copy_ or the output), which
+        # also takes a functional aten.copy: a gradient written back from a narrower dtype is not a no-op copy.
+        arg, users = block.comm_node.args[0], block.wait_nodes[0].users
+        return (isinstance(arg, fx.Node) and arg.target == torch.ops.aten.div.Tensor and len(users) == 1
+                and (output in users or next(iter(users)).target in (torch.ops.aten.copy_.default,
+                                                                      torch.ops.aten.copy.default)))
 
-    # ddp_fusion._fuse_ddp_communication(graph, algorithm_fn, fusion_fn): finds the python reducer's
-    # all-reduce blocks (div -> all_reduce -> wait -> copy_) and fuses each group algorithm_fn yields;
-    # _fuse_allreduce(use_concat=True) is what Inductor's default "fuse_ddp_with_concat_op" uses.
-    ddp_fusion._fuse_ddp_communication(graph, buckets, partial(ddp_fusion._fuse_allreduce, use_concat=True))
+    # ddp_fusion.get_all_comm_blocks(graph, ops, comm_filter): CommBlocks in graph order; CommBlock.comm_node
+    # .meta["tensor_meta"]: the all-reduced tensor's metadata.
+    ops = (torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.all_reduce.default)
+    blocks = ddp_fusion.get_all_comm_blocks(graph, ops, comm_filter=reducer_block)
+    sizes = [block.shape.numel() * block.comm_node.meta["tensor_meta"].dtype.itemsize for block in blocks]
+    node_indices = {node: i for i, node in enumerate(graph.nodes)}
+    start = 0
+    for length in group_fn(sizes):
+        # ddp_fusion._fuse_allreduce(graph, blocks, node_indices, use_concat=True): one concatenated all-reduce.
+        ddp_fusion._fuse_allreduce(graph, blocks[start:start + length], node_indices, use_concat=True)
+        start += length
 
 
 def custom_graph_pass_base() -> type:

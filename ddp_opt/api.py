@@ -23,6 +23,7 @@ from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, 
                                realign_unsupported_warning, registered_hook_name, use_python_reducer)
 from .autoplan import LinkEstimate
 from .compiled import CompiledDDP
+from .compression import ReduceState, hook_conflict, link_probe
 from .config import DDPCompileConfig, keyword_signature
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
@@ -83,6 +84,8 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
     """The cost model ``compile_ddp(bucket_cap_mb=..., link=...)`` plans with; None for DDP's caps.
 
     Measures (all ranks together) what ``config.link`` does not give; see Note [Cost measurement].
+    With ``reduce_dtype`` the link is measured as the gradients travel, narrowed
+    (Note [Reduced-precision all-reduce]).
     """
     link = config.link
     if not config.uses_cost_model:
@@ -91,6 +94,8 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
         return link
     group = ddp_model.process_group
     device = next((p.device for p in ddp_model.module.parameters()), torch.device("cpu"))
+    if link is None and config.reduce_dtype is not None:
+        link = link_probe(config.reduce_dtype, group)
     est = link if isinstance(link, LinkEstimate) else measure_link(link, group=group, device=device)
     rates: DeviceRates = measure_rates(device, group=group)
     return CostModel(est, rates)
@@ -171,6 +176,12 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
             False: every rank compiles for itself, no barrier.
         share_timeout_s: the longest a rank waits for another rank's compile
             before it compiles for itself (with a warning).
+        reduce_dtype: None all-reduces the gradients in their own dtype; ``torch.bfloat16``
+            (or ``"bf16"``; ``torch.float16``, ``"fp16"``) all-reduces them in that dtype,
+            averaged, and widens the result for the optimizer: half the bytes on the wire
+            (Note [Reduced-precision all-reduce]). Under the reducer strategies it is a comm
+            hook of its own, kept across realignment; under ``"traced"`` the cast is in the
+            compiled backward. Not with a comm hook of the user's.
         step_gate: the ranks meet in the store before each synchronised step's
             first collective (after the forward; under ``"traced"`` inside the
             backward), so that a rank compiling alone (a shape only it saw, a cold
@@ -232,6 +243,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) with "
             "ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
+    hook = registered_hook_name(ddp_model)
+    if hook is not None and config.reduce_dtype is not None:
+        raise hook_conflict("compile_ddp", config.reduce_dtype, hook)
     strategy = config.strategy
     if strategy == "traced":
         why = fallback_reason(ddp_model)
@@ -244,8 +258,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if align and not REALIGN_SUPPORTED:
         realign_unsupported_warning()
         align = False
-    hook = registered_hook_name(ddp_model) if (align and strategy != "whole") else None
-    if hook is not None:
+    if hook is not None and align and strategy != "whole":
         raise ValueError(
             f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
             f"equal the graph partitions, and the comm hook {hook!r} already registered on this DDP module would "
@@ -259,6 +272,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if config.cache_dir is not None:
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)), traced)
     more = dict(config.torch_compile_kwargs)
+    reduce = reduce_state(ddp_model, config)
     group = dist.get_process_group_ranks(ddp_model.process_group)
     share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
     gate = gate_for_group(group, name="ddp") if config.step_gate else None
@@ -277,12 +291,13 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         keep_builtin_splitter_out(ddp_model)
         block_buckets = plan_block_buckets(inner, found, caps)
         return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
-                           share=share, gate=gate)
+                           share=share, gate=gate, reduce=reduce)
     optimizer = plan = None
     if traced:
         # The backward graph compiles with the plain backend: no shared-compile claim for a graph that
         # only compiled autograd's trace names.
-        plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto", gate=gate)
+        plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto", gate=gate,
+                          wire_scale=_wire_scale(inner, config.reduce_dtype))
         use_python_reducer(ddp_model)  # Note [Traced strategy]
         backend_fn = plan.forward_backend(backend_fn)
     elif strategy == "split":
@@ -301,4 +316,17 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
                                   fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
     return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan,
-                       gate=gate)
+                       gate=gate, reduce=reduce)
+
+
+def reduce_state(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> ReduceState | None:
+    """What the gradients are all-reduced in and over, with ``reduce_dtype``; else None."""
+    return ReduceState(ddp_model.process_group, config.reduce_dtype) if config.reduce_dtype is not None else None
+
+
+def _wire_scale(module: torch.nn.Module, reduce_dtype: torch.dtype | None) -> float:
+    """Gradient bytes per byte on the wire (the gradients' dtype is the first parameter's)."""
+    param = next(module.parameters(), None)
+    if reduce_dtype is None or param is None:
+        return 1.0
+    return param.element_size() / reduce_dtype.itemsize

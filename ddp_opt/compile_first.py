@@ -46,8 +46,9 @@ from compiler.share import backward_with_forward, share_for_group
 from compiler.step_gate import gate_for_group
 
 from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
-from .api import keep_builtin_splitter_out, splitter_for
+from .api import keep_builtin_splitter_out, reduce_state, splitter_for
 from .compiled import CompiledDDP
+from .compression import hook_conflict
 from .config import DDPCompileConfig
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
         config: a :class:`DDPCompileConfig`, instead of keyword settings; not both.
         **settings: ``compile_ddp``'s keywords (``backend``, ``mode``, ``options``, ``dynamic``,
             ``fullgraph``, ``fallback``, ``strategy`` (``"split"`` or ``"whole"``), ``check_plans``,
-            ``align_buckets``, ``share``, ``share_timeout_s``, ``step_gate``, ``wrap_backend``) and
+            ``align_buckets``, ``share``, ``share_timeout_s``, ``step_gate``, ``reduce_dtype``, ``wrap_backend``) and
             ``torch.compile``'s. The step gate (Note [Step gate]) starts at the second synchronised step.
 
     Returns:
@@ -144,8 +145,10 @@ class _DeferredBackend:
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:
             align = False  # compile_ddp warns about it; realignment's internals are missing on this torch
-        hook = registered_hook_name(ddp_model) if align else None
-        if hook is not None and not python_comm_hooks(ddp_model):  # a built-in hook: not kept where we can see it
+        hook = registered_hook_name(ddp_model)
+        if hook is not None and config.reduce_dtype is not None:
+            raise hook_conflict("compile_for_ddp", config.reduce_dtype, hook)
+        if hook is not None and align and not python_comm_hooks(ddp_model):  # a built-in hook: not kept where we can see it
             warnings.warn(
                 f"compile_for_ddp: the comm hook {hook!r} registered on the DDP module cannot be registered again "
                 "when DDP's reducer is re-created to realign its buckets, so the buckets are left as DDP made "
@@ -170,7 +173,8 @@ class _DeferredBackend:
         self._backend = backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
-        self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share, gate=gate)
+        self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share, gate=gate,
+                                      reduce=reduce_state(ddp_model, config))
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

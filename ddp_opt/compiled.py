@@ -18,10 +18,11 @@ from compiler.cache import save_on_local_rank0
 from compiler.share import CompileShare
 from compiler.step_gate import StepGate
 
-from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
+from ._torch_internals import add_python_reducer_hook, has_rebuilt_buckets, python_comm_hooks, reducer_finalized
 from .alignment import Alignment
 from .autoplan import Timeline
 from .calibrate import Calibration, calibrate, calibrated_model
+from .compression import ReduceState, bucket_hook, gradient_hook
 from .agreement import agree_on_caps, next_plan_namespace
 from .optimizer import DDPOptimizer
 from .plan import Bucket, realign_caps
@@ -62,6 +63,8 @@ class CompiledDDP:
         gate: the :class:`compiler.step_gate.StepGate` of DDP's group (Note [Step
             gate]), or None (one rank, or ``step_gate=False``).
         traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
+        reduce: with ``reduce_dtype``, the group and dtype the gradients are all-reduced in
+            (Note [Reduced-precision all-reduce]); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
     """
@@ -69,7 +72,8 @@ class CompiledDDP:
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
                  align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
-                 traced: TracedPlan | None = None, gate: StepGate | None = None) -> None:
+                 traced: TracedPlan | None = None, gate: StepGate | None = None,
+                 reduce: ReduceState | None = None) -> None:
         self.ddp_model = ddp_model
         # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
         # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
@@ -98,10 +102,22 @@ class CompiledDDP:
         # Either handle works: DDP's own forward runs these, so ddp_model(x) and compiled(x) are the same call.
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
+        self.reduce = reduce
+        if reduce is not None and traced is not None:
+            add_python_reducer_hook(ddp_model, reduce, gradient_hook)
+        elif reduce is not None:
+            self._comm_hooks.append((reduce, bucket_hook))
+            ddp_model.register_comm_hook(reduce, bucket_hook)
         self._ready = True  # from here on, setting one of DDP's public attributes sets it on DDP
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
+        if self.reduce is not None:
+            raise ValueError(
+                f"register_comm_hook({getattr(hook, '__qualname__', hook)!r}): this model was compiled with "
+                f"reduce_dtype={self.reduce.dtype}, which all-reduces the gradients through a comm hook of its own, "
+                "and DDP calls one hook. Compile with reduce_dtype=None to reduce through your hook, or drop the "
+                "hook and keep reduce_dtype.")
         if self.traced is not None:
             raise RuntimeError(
                 "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "

@@ -22,6 +22,7 @@ from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setti
 
 from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
+from .compression import REDUCE_DTYPES, parse_reduce_dtype
 from .cost import CostModel
 
 __all__ = ["DDPCompileConfig", "STRATEGIES"]
@@ -61,6 +62,7 @@ class DDPCompileConfig(CompileOptions):
         None, why="a measure that differs run to run; the plan it gives is in the graphs, which the artifacts' "
                   "own keys hash")
     blocks: str | Sequence[str] = "auto"
+    reduce_dtype: torch.dtype | str | None = None
     step_gate: bool = not_compiled(True, why="a wait in the store before each step's first collective; no graph "
                                              "changes")
     wrap_backend: Callable[[Callable], Callable] | None = not_compiled(
@@ -84,6 +86,7 @@ class DDPCompileConfig(CompileOptions):
                 + "; ".join(f"{name!r}: {what}" for name, what in STRATEGIES.items()) + ".",
             )
         object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "compile_ddp"))
+        object.__setattr__(self, "reduce_dtype", self._checked_reduce_dtype())
         self._check_plan_choice()
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
@@ -123,6 +126,19 @@ class DDPCompileConfig(CompileOptions):
                 f"split the graph into buckets, and strategy={self.strategy!r} does not split it at planned "
                 "buckets. Drop one of the two, or use strategy='split' or 'traced'.",
             )
+
+    def _checked_reduce_dtype(self) -> torch.dtype | None:
+        try:
+            return parse_reduce_dtype(self.reduce_dtype)
+        except ValueError:
+            names = ", ".join(repr(name) for name in REDUCE_DTYPES)
+            raise SettingError(
+                "reduce_dtype",
+                f"compile_ddp(reduce_dtype={self.reduce_dtype!r}): expected torch.bfloat16 or "
+                f"torch.float16 (or one of {names}), the dtype the gradients are all-reduced in, or None to reduce "
+                "them in their own dtype. bf16 halves the bytes on the wire and keeps fp32's range "
+                "(Note [Reduced-precision all-reduce]).",
+            ) from None
 
     @property
     def uses_cost_model(self) -> bool:

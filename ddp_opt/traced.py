@@ -153,15 +153,18 @@ class TracedPlan:
         backend_fn: the backend the backward graph is compiled with.
         cost_model: with ``auto``, what the plan is chosen by.
         auto: plan from the forward graph (``bucket_cap_mb="auto"``).
+        wire_scale: gradient bytes per byte all-reduced: 2.0 for fp32 gradients reduced in bf16
+            (Note [Reduced-precision all-reduce]); the caps count gradient bytes, as DDP's do.
 
     Attributes:
         caps: the caps in use (gradient-ready order).
         prediction: with ``auto``, the predicted timeline of the plan.
-        fused: per compiled backward, the byte sizes of the fused buckets (gradient-ready order).
+        fused: per compiled backward, the byte sizes of the fused all-reduces (gradient-ready order;
+            in the reduce dtype with ``reduce_dtype``).
     """
 
     def __init__(self, caps: BucketCaps, backend_fn: BackendFn, cost_model: CostModel | None = None,
-                 auto: bool = False, gate: StepGate | None = None) -> None:
+                 auto: bool = False, gate: StepGate | None = None, wire_scale: float = 1.0) -> None:
         self.caps = caps if caps.per_bucket_caps else BucketCaps(
             caps.bucket_bytes_cap, min(caps.cap_for(0), FIRST_BUCKET_CAP))
         self.backend_fn = backend_fn
@@ -171,6 +174,7 @@ class TracedPlan:
         self.fused: list[list[int]] = []
         self._graph_caps: dict[frozenset, tuple[int, ...]] = {}  # params of a forward graph -> its planned caps
         self.gate = gate
+        self.wire_scale = wire_scale
 
     def forward_backend(self, backend_fn: Callable) -> Callable:
         """The forward's backend: with ``auto``, plan from the graph first, then compile it whole."""
@@ -204,7 +208,7 @@ class TracedPlan:
 
     def group(self, sizes: list[int]) -> list[int]:
         """Called by :class:`FuseByPlan`: bucket lengths for the traced gradients of ``sizes`` bytes."""
-        lengths = group_by_caps(sizes, self.caps)
+        lengths = group_by_caps([round(size * self.wire_scale) for size in sizes], self.caps)
         if not lengths:
             return lengths  # a graph without the reducer's all-reduces (a forward, a no_sync backward)
         start, fused = 0, []

@@ -316,6 +316,14 @@ def test_the_traced_strategys_pieces(gloo_module):
     ddp(x).sum().backward()
     expected = torch.autograd.grad(model(x).sum(), model[0].weight)[0]
     torch.testing.assert_close(model[0].weight.grad, expected)
+    # add_python_reducer_hook: the hooks then call ours per gradient with (grad, param), in place of theirs.
+    called = []
+    dti.add_python_reducer_hook(ddp, "state", lambda state, grad_and_param: called.append((state, *grad_and_param)))
+    model.zero_grad()
+    ddp(x).sum().backward()
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    assert sorted(id(param) for _, _, param in called) == sorted(id(q) for q in trainable)
+    assert all(state == "state" and grad is param.grad for state, grad, param in called)
     seen = []
     with dti.traced_backward(lambda gm: gm, ["schedule_comm_wait"]):
         seen.append((torch._dynamo.config.optimize_ddp, torch._inductor.config._fuse_ddp_communication,

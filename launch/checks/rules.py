@@ -33,6 +33,7 @@ from ..config.schema import (
     ModelName,
     ParallelConfig,
     ParallelMode,
+    Precision,
     TrainConfig,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "check_model",
     "check_parallel",
     "check_compile_time",
+    "check_reduce_dtype",
     "check_ddp",
     "check_auto_caps",
     "auto_caps_error",
@@ -161,6 +163,13 @@ def check_compile_time(c: CompileConfig) -> None:
         )
 
 
+def check_reduce_dtype(d: DDPConfig) -> None:
+    """``ddp.reduce_dtype`` names a dtype (before ``compile_ddp``'s config is built from it)."""
+    choice("ddp.reduce_dtype", d.reduce_dtype, Precision,
+           ": the dtype the gradients are all-reduced in. Use ddp.reduce_dtype=bf16 (half the bytes on the wire, "
+           "fp32's range) or fp16, or fp32 (the default) to reduce them as they are.")
+
+
 def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
     why = "DDP fills each gradient bucket up to its cap before it all-reduces it, so a cap of zero or less holds nothing"
     fix = "Give a size in MiB, e.g. {}=25, or null for DDP's default (25 MiB, first bucket 1 MiB)."
@@ -178,11 +187,14 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
         for i, cap in enumerate(d.bucket_cap_mb_list):
             positive(f"ddp.bucket_cap_mb_list[{i}]", cap, "a positive size in MiB", why,
                      "Give sizes in MiB, e.g. ddp.bucket_cap_mb_list=[1,25], or null for DDP's default.")
+    check_reduce_dtype(d)
     using = [n for n in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list") if getattr(d, n) is not None]
     if d.static_graph:
         using.append("static_graph")
     if d.strategy != "split":
         using.append("strategy")
+    if d.reduce_dtype != Precision.FP32:
+        using.append("reduce_dtype")
     if p.name != ParallelMode.DDP and using:
         raise ConfigError(
             f"ddp.{using[0]} is set but parallel={p.name}: ddp.* settings configure DistributedDataParallel's "

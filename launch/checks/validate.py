@@ -64,6 +64,7 @@ def _compile_settings(cfg: JobConfig) -> None:
     """Build the ``DDPCompileConfig`` that ``compile_ddp`` will get. It holds every
     ``compile.*`` setting, so it is built whatever the parallel mode: a bad backend or
     fallback is refused the same way everywhere."""
+    rules.check_reduce_dtype(cfg.ddp)
     try:
         ddp_compile_config(cfg)
     except SettingError as e:

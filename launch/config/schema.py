@@ -78,7 +78,8 @@ class FSDPPrecision(str, Enum):
 
 
 class Precision(str, Enum):
-    """``train.precision``: the autocast dtype (Note [Autocast outside the compiled forward])."""
+    """``train.precision``: the autocast dtype (Note [Autocast outside the compiled forward]); and
+    ``ddp.reduce_dtype``: the dtype the gradients are all-reduced in."""
     FP32, BF16, FP16 = "fp32", "bf16", "fp16"
 
 
@@ -161,9 +162,8 @@ class CompileConfig:
 
 @dataclass
 class DDPConfig:
-    """``ddp`` group; all caps in MiB. Unset caps mean DDP's defaults (25 MiB,
-    first bucket 1 MiB). ``bucket_cap_mb=auto`` chooses the buckets from a cost
-    model of the link and the model (Note [Cost-model bucket plan])."""
+    """``ddp`` group; all caps in MiB. Unset caps mean DDP's defaults (25 MiB, first bucket 1 MiB).
+    ``bucket_cap_mb=auto``: buckets from a cost model of the link and model (Note [Cost-model bucket plan])."""
 
     # A size in MiB, or "auto" (a typed Union of float and str is not supported by OmegaConf 2.3).
     bucket_cap_mb: Optional[Any] = None
@@ -174,13 +174,14 @@ class DDPConfig:
     static_graph: bool = False
     # After step 1, make DDP's runtime buckets equal the compiled partitions (Note [Bucket realignment]).
     align_buckets: bool = True
-    # How compile_ddp compiles the model, one of ddp_opt.config.STRATEGIES: split (the forward split at
-    # the buckets, DDP's reducer all-reduces), whole (no split), regional (each repeated block compiled
-    # once, buckets of whole blocks) or traced (the all-reduces in one compiled backward graph).
+    # How compile_ddp compiles the model, one of ddp_opt.config.STRATEGIES (split, whole, regional, traced).
     strategy: str = "split"
     # Ranks meet in the store before each step's first collective, so that a rank compiling alone is
     # waited for there and not inside a collective with its timeout (Note [Step gate]).
     step_gate: bool = True
+    # A Precision: the gradients all-reduced in bf16 (half the bytes on the wire) or fp16, averaged, then
+    # widened for the optimizer (Note [Reduced-precision all-reduce]); fp32: as they are.
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         # The one check a type cannot make: `Any` lets every word through.

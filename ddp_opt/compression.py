@@ -1,0 +1,124 @@
+"""Gradients all-reduced in a narrower dtype (``compile_ddp(reduce_dtype=torch.bfloat16)``),
+under every strategy.
+
+Note [Reduced-precision all-reduce]
+
+Background
+    Where the link dominates, a step crowds against ``fwd + max(bwd, comm) + opt`` with
+    ``comm`` the gradient bytes on the wire; the limit moves only when fewer bytes cross.
+    DDP ships ``bf16_compress_hook`` for its reducer, but refuses it by name on gloo
+    (it asks for NCCL 2.10+), though gloo all-reduces bf16 tensors; PyTorch's python
+    reducer, which the traced strategy uses, calls a hook per gradient with
+    ``(grad, param)``, and no bucket hook fits it.
+
+Algorithm
+    The arithmetic is DDP's ``_compress_hook``, in both places, so each element of a
+    gradient is reduced the same way wherever its bucket ends:
+    ``sum over ranks of (bf16(g_rank) / world_size)`` in the reduce dtype, then widened
+    to the gradient's dtype for the optimizer.
+    - Reducer strategies (split, whole, regional): :func:`bucket_hook` is DDP's comm
+      hook, registered by ``compile_ddp`` and registered again when the reducer is
+      re-created to realign the buckets (Note [Bucket realignment]).
+    - Traced: :func:`gradient_hook` is the python reducer's hook per gradient. Compiled
+      autograd traces the cast, the division and the all-reduce into the backward graph,
+      and the fusion pass (Note [Traced strategy]) concatenates the narrowed gradients
+      of each bucket into one all-reduce, so the bucket travels in the reduce dtype and
+      Inductor fuses the casts with the gradients' producers. The bucket caps count the
+      narrowed bytes, as the traced plan's sizes are the all-reduces' own.
+    - The link probe of the cost model (``bucket_cap_mb="auto"``) all-reduces in the
+      reduce dtype: the fitted bandwidth is gradient bytes per second on the path the
+      gradients take (:func:`link_probe`).
+
+Numerics
+    - bf16 keeps fp32's exponent range, so no gradient overflows or underflows where fp32
+      would not; each rank's gradient loses its mantissa below 8 bits (relative error at
+      most 2^-9), the division by the world size is exact for a power of two, and the
+      sum is rounded to bf16 once per reduction step of the backend. Every reduced
+      gradient is exactly a bf16 value widened to fp32; the optimizer, its state and the
+      parameters stay fp32.
+    - fp16 has 11 bits of mantissa but overflows above 65504 and flushes below 6e-8:
+      dividing before the sum (as here) keeps the sum in range, and a loss scale is the
+      user's to manage, as with DDP's ``fp16_compress_hook``.
+"""
+
+# No ``from __future__ import annotations``: DDP's register_comm_hook compares the bucket hook's
+# annotations with the real types.
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["REDUCE_DTYPES", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
+           "parse_reduce_dtype"]
+
+# The dtypes gradients may be all-reduced in, by the names a config may give them.
+REDUCE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16, "fp32": None, "float32": None}
+
+
+def parse_reduce_dtype(value: Any) -> torch.dtype | None:
+    """``value`` (a torch dtype, one of ``REDUCE_DTYPES``' names, or None) as the narrower
+    dtype to reduce in, or None for the gradients' own (fp32); ValueError otherwise."""
+    if value is None or value == torch.float32:
+        return None
+    if value in (torch.bfloat16, torch.float16):
+        return value
+    if isinstance(value, str) and value.lower() in REDUCE_DTYPES:
+        return REDUCE_DTYPES[value.lower()]
+    raise ValueError(f"reduce_dtype={value!r}")
+
+
+def hook_conflict(entry: str, dtype: torch.dtype, hook: str) -> ValueError:
+    """The refusal of ``reduce_dtype`` on a DDP module that already has the comm hook ``hook``."""
+    return ValueError(
+        f"{entry}(reduce_dtype={dtype}) all-reduces the gradients through a comm hook of its own, and the comm "
+        f"hook {hook!r} is already registered on this DDP module; DDP calls one hook. Drop reduce_dtype to keep "
+        "your hook, or register no hook and keep reduce_dtype.")
+
+
+@dataclass(frozen=True)
+class ReduceState:
+    """What a hook needs: the group to reduce over and the dtype on the wire."""
+
+    group: dist.ProcessGroup
+    dtype: torch.dtype
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+def bucket_hook(state: ReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's comm hook (the reducer strategies): the bucket all-reduced in ``state.dtype``
+    and averaged, then written back into the bucket in its own dtype."""
+    wire = bucket.buffer().to(state.dtype).div_(state.world_size)
+    fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+
+    def widen(fut: torch.futures.Future) -> torch.Tensor:
+        out = bucket.buffer()
+        out.copy_(fut.value()[0])
+        return out
+
+    return fut.then(widen)
+
+
+def gradient_hook(state: ReduceState, grad_and_param: tuple[torch.Tensor, torch.nn.Parameter]) -> None:
+    """The python reducer's hook per gradient (the traced strategy): the gradient all-reduced
+    in ``state.dtype`` with a functional collective, averaged, and copied back in place (the
+    pattern the DDP fusion pass buckets: div -> all_reduce -> wait -> copy_)."""
+    import torch.distributed._functional_collectives as fcol
+
+    grad, _ = grad_and_param
+    wire = grad.to(state.dtype) / state.world_size
+    grad.copy_(fcol.all_reduce(wire, "sum", state.group))
+
+
+def link_probe(dtype: torch.dtype, group: dist.ProcessGroup) -> Callable[[torch.Tensor], Any]:
+    """The cost model's link probe for gradients reduced in ``dtype``: ``tensor`` (the
+    gradient bytes) all-reduced as the hooks send it."""
+
+    def probe(tensor: torch.Tensor) -> Any:
+        return dist.all_reduce(tensor.to(dtype), group=group, async_op=True)
+
+    return probe
