@@ -129,9 +129,9 @@ def test_the_fsdp_group_reaches_fsdp_config_by_name():
     from launch.config.schema import FSDPOptions
     from launch.runtime.parallel import fsdp_config
 
-    # Every fsdp.* setting but the launcher's precision choice (which becomes mp_policy) is an
+    # Every fsdp.* setting but the launcher's precision choices (which become mp_policy) is an
     # FSDPConfig field of the same name, so a new one needs no mapping of its own.
-    names = {f.name for f in dataclasses.fields(FSDPOptions)} - {"mixed_precision"}
+    names = {f.name for f in dataclasses.fields(FSDPOptions)} - {"mixed_precision", "reduce_dtype"}
     assert names <= {f.name for f in dataclasses.fields(fsdp_opt.FSDPConfig)}
     cfg = _job("parallel=fsdp", "fsdp.shard_unit_mb=4", "fsdp.prefetch=0", "fsdp.reshard_after_forward=false",
                "fsdp.checkpointing=true", "fsdp.mixed_precision=bf16")

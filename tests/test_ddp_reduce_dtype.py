@@ -208,6 +208,10 @@ def test_the_main_jobs_ddp_reduces_in_bf16(gloo, clean_dynamo, backend):
     (["ddp.reduce_dtype=int8"], r"ddp\.reduce_dtype='int8' is not one of fp32, bf16, fp16: the dtype the gradients "
                                 r"are all-reduced in\. Use ddp\.reduce_dtype=bf16"),
     (["parallel=fsdp", "ddp.reduce_dtype=bf16"], r"ddp\.reduce_dtype is set but parallel=fsdp"),
+    (["parallel=fsdp", "fsdp.reduce_dtype=fp8"], r"fsdp\.reduce_dtype='fp8' is not one of fp32, bf16, fp16: the "
+                                                 r"dtype the gradients are reduce-scattered in\. Use "
+                                                 r"fsdp\.reduce_dtype=bf16"),
+    (["fsdp.reduce_dtype=bf16"], r"fsdp\.reduce_dtype='bf16' is set but parallel=ddp"),
 ])
 def test_a_reduce_dtype_the_job_cannot_use_is_refused_before_a_process_group(overrides, needle):
     from _jobs import composed
@@ -216,3 +220,39 @@ def test_a_reduce_dtype_the_job_cannot_use_is_refused_before_a_process_group(ove
 
     with pytest.raises(ConfigError, match=needle):
         validate(composed(*overrides), world_size=2)
+
+
+# --- FSDP2: fsdp.reduce_dtype is MixedPrecisionPolicy(reduce_dtype=...) ------------------------
+
+
+@pytest.mark.parametrize("mixed, reduce, param_dtype, reduce_dtype", [
+    ("none", "bf16", None, torch.bfloat16), ("bf16", "fp32", torch.bfloat16, torch.float32),
+    ("bf16", "bf16", torch.bfloat16, torch.bfloat16)])
+def test_fsdp_reduce_dtype_maps_to_fsdp2s_policy(mixed, reduce, param_dtype, reduce_dtype):
+    from launch.config.schema import CompileConfig, FSDPOptions
+    from launch.runtime.parallel import fsdp_config
+
+    policy = fsdp_config(FSDPOptions(mixed_precision=mixed, reduce_dtype=reduce), CompileConfig()).mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+    assert fsdp_config(FSDPOptions(), CompileConfig()).mp_policy is None  # fp32 throughout: FSDP2's default
+
+
+def _fsdp_rank(rank: int, world_size: int, reduce: str) -> list[bool]:
+    import fsdp_opt
+    from launch.config.schema import CompileConfig, FSDPOptions
+    from launch.runtime.parallel import fsdp_config
+    from models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+    fsdp_opt.apply(model, fsdp_config(FSDPOptions(reduce_dtype=reduce), CompileConfig(backend="eager")))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(x, x)[1].backward()
+    return [_bf16_exact(p.grad.to_local()) for p in model.parameters() if p.grad is not None]
+
+
+def test_fsdp_reduce_dtype_bf16_reduce_scatters_in_bf16(run_ranks):
+    for rank_exact in run_ranks(_fsdp_rank, "bf16"):
+        assert rank_exact and all(rank_exact)
+    for rank_exact in run_ranks(_fsdp_rank, "fp32"):
+        assert not all(rank_exact)  # the yardstick: fp32 reduction leaves fp32 values

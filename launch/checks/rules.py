@@ -271,6 +271,9 @@ def check_fsdp(f: FSDPOptions, p: ParallelConfig) -> None:
     choice("fsdp.mixed_precision", f.mixed_precision, FSDPPrecision,
            ": bf16 gathers and computes parameters in bfloat16 and reduces gradients in float32. Use "
            "fsdp.mixed_precision=bf16, or fsdp.mixed_precision=none to train in float32.")
+    choice("fsdp.reduce_dtype", f.reduce_dtype, Precision,
+           ": the dtype the gradients are reduce-scattered in. Use fsdp.reduce_dtype=bf16 (half the bytes on the "
+           "wire) or fp16, or fp32 (the default).")
 
 
 def check_data(d: DataConfig) -> None:

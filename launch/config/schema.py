@@ -198,8 +198,7 @@ class DDPConfig:
 
 @dataclass
 class FSDPOptions:
-    """``fsdp`` section (``parallel=fsdp`` only), passed to ``fsdp_opt.FSDPConfig``:
-    ``fsdp.shard_unit_mb=4 fsdp.prefetch=1`` on the command line."""
+    """``fsdp`` section (``parallel=fsdp`` only), passed to ``fsdp_opt.FSDPConfig``: ``fsdp.prefetch=1``."""
 
     # Group consecutive blocks into one shard unit of at least this many MiB of
     # all-gather; null: one unit per block.
@@ -210,9 +209,10 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     # Recompute each block's activations in backward.
     checkpointing: bool = False
-    # An FSDPPrecision. none: float32 throughout; bf16: parameters gathered and computed
-    # in bf16, gradients reduced in float32.
+    # An FSDPPrecision. none: float32 throughout; bf16: parameters gathered and computed in bf16.
     mixed_precision: str = "none"
+    # A Precision: the dtype gradients are reduce-scattered in (FSDP2's MixedPrecisionPolicy.reduce_dtype).
+    reduce_dtype: str = "fp32"
 
 
 @dataclass

@@ -189,8 +189,10 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     if c.backend != "eager":
         compile_cfg = fsdp_opt.CompileConfig(**vars(c.compile_options()))
     mp = None
-    if f.mixed_precision == FSDPPrecision.BF16:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reduce_dtype = parse_reduce_dtype(f.reduce_dtype)  # None: fp32
+    if f.mixed_precision == FSDPPrecision.BF16 or reduce_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if f.mixed_precision == FSDPPrecision.BF16 else None,
+                                  reduce_dtype=reduce_dtype or torch.float32)
     same = {g.name for g in fields(fsdp_opt.FSDPConfig)} & {g.name for g in fields(f)}  # by name, no list
     return fsdp_opt.FSDPConfig(compile=compile_cfg, mp_policy=mp, **{name: getattr(f, name) for name in same})
 
