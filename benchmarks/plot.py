@@ -1,7 +1,8 @@
 """The benchmarks' plots (matplotlib, Agg backend): for DDP, step time against
 bucket cap, one line per mode, and a second panel with each mode's per-round ratio
 to ``builtin`` and its IQR (``plot_caps``); for FSDP, one bar per mode (``plot_modes``).
-Both draw the physical limit (``benchmarks.limit``) when the rows carry it.
+Both draw the physical limit (``benchmarks.limit``) when the rows carry it. Training-loss
+curves, one line per run (``plot_losses``, ``benchmarks.convergence``).
 
     python -m benchmarks.plot benchmarks/results/ddp_shaped_100mbit.json   # redraw a PNG from its JSON
 """
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["plot_caps", "plot_modes", "plot_rows", "replot", "main"]
+__all__ = ["plot_caps", "plot_losses", "plot_modes", "plot_rows", "replot", "main"]
 
 
 def _pyplot():
@@ -55,6 +56,19 @@ def _series(ax, rows: Sequence[dict], key: str, lo: str, hi: str) -> None:
     ax.set_xticklabels([f"{c:g}" for c in caps_all])
     ax.set_xlabel("DDP bucket_cap_mb (MiB)")
     ax.grid(True, alpha=0.3)
+
+
+def plot_losses(runs: Sequence[tuple[str, Sequence[float]]], path: str | Path, title: str = "") -> Path:
+    """One training-loss curve per ``(label, losses by step)``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, losses in runs:
+        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, path)
 
 
 def plot_caps(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
