@@ -17,7 +17,7 @@ import torch
 # One definition each, in ddp_opt: the python reducer's switch and its compiled-autograd backward.
 from ddp_opt._torch_internals import python_reducer_ddp, traced_backward
 
-__all__ = ["has_compile_on_one_rank", "graphs_compiled", "cache_counts", "inductor_cache_at", "room_for_compiled_copies", "BuiltinBuckets",
+__all__ = ["bf16_compress", "has_compile_on_one_rank", "graphs_compiled", "cache_counts", "inductor_cache_at", "room_for_compiled_copies", "BuiltinBuckets",
            "python_reducer_ddp", "python_reducer_step"]
 
 # Relies on: Inductor reading its on-disk cache location from this environment variable.
@@ -132,3 +132,11 @@ def has_compile_on_one_rank() -> bool:
     switch that keeps ranks and devices out of compiled graphs (env TORCH_COMPILE_ON_ONE_RANK)."""
     config = getattr(torch.compiler, "config", None)
     return config is not None and hasattr(config, "compile_on_one_rank")
+
+
+def bf16_compress(state, bucket):
+    # Relies on: default_hooks._compress_hook(dtype, process_group, bucket), the body of DDP's
+    # bf16_compress_hook (cast, divide by the world size, all-reduce, copy back into the bucket).
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)

@@ -81,7 +81,7 @@ from ._torch_internals import graphs_compiled
 from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from .device import clock, peak_bytes, reset_peak
-from .limit import add_limit_columns, limit_parts, measure_comm
+from .limit import WIRE_BYTES, add_limit_columns, limit_parts, measure_comm
 from .link import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
 from .report import cap_label, nan_to_none, print0
@@ -131,11 +131,11 @@ class BenchConfig(GPTJob):
         if unhooked and self.link.enabled:
             raise ValueError(
                 f"mode(s) {', '.join(unhooked)} with --link {self.link.label}: their all-reduces are traced into the "
-                "compiled backward and never reach DDP's comm hook, so the simulated link would charge every mode "
-                "but them. Measure them over a real link (--net shaped:RATE, e.g. shaped:800mbit) or with --link none."
+                "compiled backward or go through a bf16 hook of their own, and never reach DDP's comm hook, so the "
+                "simulated link would charge every mode but them. Measure them over a real link (--net shaped:RATE, e.g. shaped:800mbit) or with --link none."
             )
         numeric = [c for c in self.caps if c != "auto"]
-        if "builtin" in self.modes and numeric and min(numeric) < 1:
+        if {"builtin", "builtin_bf16"} & set(self.modes) and numeric and min(numeric) < 1:
             raise ValueError(
                 f"--caps {','.join(cap_label(c) for c in self.caps)} has a cap below 1 MiB, which PyTorch's splitter "
                 "rejects (its first bucket is 1 MiB and must not exceed the cap). Use caps >= 1, or drop "
@@ -317,32 +317,43 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         **job_columns(cfg),
         "keep_grads": cfg.keep_grads,
         "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
+        # what crosses the link: the gradients in the mode's reduce dtype (issue 46)
+        "reduce_dtype": r.mode.reduce_dtype,
+        "wire_mib": sum(p.numel() * WIRE_BYTES[r.mode.reduce_dtype] for p in r.ddp.module.parameters()) / 2**20,
     }
 
 
-def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink, prefix: str = "") -> float:
+def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink, prefix: str = "") -> dict[str, float]:
     """The link time of all gradient bytes in one message (the ``comm`` of Note [Physical limit of
-    a step] in ``benchmarks.limit``), measured on every rank; rank 0 says what it measured."""
-    nbytes = sum(p.numel() * p.element_size() for p in runners[0].ddp.module.parameters())
-    comm_s = measure_comm(nbytes, cfg.torch_device, link.model.transfer_s, repeats=max(3, min(cfg.rounds, 5)))
-    print0(f"{prefix}link: {nbytes / 2**20:.1f} MiB of gradients in one all-reduce took {comm_s * 1e3:.1f} ms "
-           f"(median; the comm part of the physical limit)")
-    return comm_s
+    a step] in ``benchmarks.limit``), measured on every rank, per reduce dtype the runners use (a
+    bf16 mode's limit counts bf16 bytes); rank 0 says what it measured."""
+    numel = sum(p.numel() for p in runners[0].ddp.module.parameters())
+    comm = {}
+    for dtype in sorted({r.mode.reduce_dtype for r in runners}, key=lambda d: -WIRE_BYTES[d]):
+        nbytes = numel * WIRE_BYTES[dtype]
+        comm[dtype] = measure_comm(nbytes, cfg.torch_device, link.model.transfer_s,
+                                   repeats=max(3, min(cfg.rounds, 5)), dtype=dtype)
+        print0(f"{prefix}link: {nbytes / 2**20:.1f} MiB of {dtype} gradients in one all-reduce took "
+               f"{comm[dtype] * 1e3:.1f} ms (median; the comm part of the physical limit)")
+    return comm
 
 
-def finish_rows(rows: list[dict], comm_s: float, prefix: str = "") -> list[dict]:
-    """The rows with the physical limit, ``step_over_limit`` and the ratio to the best peer; over a
-    real link (no simulated one) also ``comm_ms`` and ``overlap`` from the measured link time."""
+def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "") -> list[dict]:
+    """The rows with the physical limit (each row's from the bytes it sends), ``step_over_limit`` and
+    the ratio to the best peer; over a real link (no simulated one) also ``comm_ms`` and ``overlap``
+    from the measured link time."""
     if rows:
-        parts = limit_parts(rows, comm_s)
+        parts = {dtype: limit_parts(rows, seconds) for dtype, seconds in comm_s.items()}
         add_limit_columns(rows, parts)
         for r in rows:
             if r["comm_ms"] is None and r["net"] != "local":
-                r["comm_ms"] = comm_s * 1e3
+                r["comm_ms"] = comm_s[r["reduce_dtype"]] * 1e3
                 r["overlap"] = nan_to_none(overlap_efficiency(r["compute_ms"], r["comm_ms"],
                                                               r["compute_ms"] + r["exposed_comm_ms"]))
-        print0(f"{prefix}physical limit {parts.limit_s * 1e3:.1f} ms = fwd {parts.fwd_s * 1e3:.1f} + max(bwd "
-               f"{parts.bwd_s * 1e3:.1f}, comm {parts.comm_s * 1e3:.1f}) + opt {parts.opt_s * 1e3:.1f}")
+        for dtype, part in parts.items():
+            print0(f"{prefix}physical limit ({dtype} gradients) {part.limit_s * 1e3:.1f} ms = fwd "
+                   f"{part.fwd_s * 1e3:.1f} + max(bwd {part.bwd_s * 1e3:.1f}, comm {part.comm_s * 1e3:.1f}) + opt "
+                   f"{part.opt_s * 1e3:.1f}")
     return rows
 
 

@@ -77,7 +77,9 @@ from .stats import median, ratio_summary
 __all__ = ["LimitParts", "FSDPLimitParts", "limit_parts", "add_limit_columns", "measure_comm", "measure_fsdp_comm",
            "PEER_MODES", "FSDP_PEER_MODES", "against_peers"]
 
-PEER_MODES = ("eager", "builtin", "compiled_autograd")  # what users run today (the modes we must beat)
+PEER_MODES = ("eager", "builtin", "compiled_autograd",  # what users run today (the modes we must beat)
+              "eager_bf16", "builtin_bf16", "compiled_autograd_bf16")  # the same with the bf16 hook a user registers
+WIRE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per gradient element on the link, by a row's reduce_dtype
 FSDP_PEER_MODES = ("eager", "per_block")  # FSDP2 as is, and torchtitan's per-block compile recipe
 
 
@@ -130,22 +132,32 @@ def limit_parts(rows: Sequence[dict], comm_s: float) -> LimitParts:
                       opt_s=min(r["opt_ms"] for r in rows) / 1e3, comm_s=comm_s)
 
 
-def _best_peer(rows: Sequence[dict], peers: Sequence[str]) -> dict | None:
-    candidates = [r for r in rows if r["mode"] in peers and r.get("step_ms_rounds")]
+def _best_peer(rows: Sequence[dict], peers: Sequence[str], dtype: str = "fp32") -> dict | None:
+    candidates = [r for r in rows if r["mode"] in peers and r.get("step_ms_rounds")
+                  and r.get("reduce_dtype", "fp32") == dtype]
     return min(candidates, key=lambda r: r["step_ms_median"]) if candidates else None
 
 
-def add_limit_columns(rows: list[dict], parts: LimitParts | FSDPLimitParts,
+def add_limit_columns(rows: list[dict], parts: LimitParts | FSDPLimitParts | dict[str, LimitParts],
                       peers: Sequence[str] = PEER_MODES) -> None:
     """Give every row ``limit_ms`` (and its parts), ``step_over_limit``, ``best_peer`` and
-    ``ratio_vs_best_peer`` with its IQR (None where no peer ran)."""
-    best = _best_peer(rows, peers)
+    ``ratio_vs_best_peer`` with its IQR (None where no peer ran). With ``parts`` per reduce dtype
+    (DDP), a row's limit counts the bytes it sends and its best peer sends the same dtype; a row
+    reduced in another dtype than fp32 also gets ``ratio_vs_best_fp32_peer`` (issue 46)."""
     for r in rows:
-        r.update(parts.columns())
-        r["step_over_limit"] = r["step_ms_median"] / (parts.limit_s * 1e3)
+        dtype = r.get("reduce_dtype", "fp32")
+        part = parts[dtype] if isinstance(parts, dict) else parts
+        r.update(part.columns())
+        r["step_over_limit"] = r["step_ms_median"] / (part.limit_s * 1e3)
+        best = _best_peer(rows, peers, dtype)
         r["best_peer"] = best.get("runner", best["mode"]) if best is not None else None
         ratio = ratio_summary(r["step_ms_rounds"], best["step_ms_rounds"]) if best is not None else (None,) * 3
         r["ratio_vs_best_peer"], r["ratio_vs_best_peer_q1"], r["ratio_vs_best_peer_q3"] = ratio
+        fp32 = _best_peer(rows, peers) if dtype != "fp32" else None
+        if fp32 is not None:
+            r["best_fp32_peer"] = fp32.get("runner", fp32["mode"])
+            (r["ratio_vs_best_fp32_peer"], r["ratio_vs_best_fp32_peer_q1"],
+             r["ratio_vs_best_fp32_peer_q3"]) = ratio_summary(r["step_ms_rounds"], fp32["step_ms_rounds"])
 
 
 def _timed(collective, device, repeats: int, at_least: float = 0.0) -> float:
@@ -163,14 +175,15 @@ def _timed(collective, device, repeats: int, at_least: float = 0.0) -> float:
     return median(times)
 
 
-def measure_comm(nbytes: int, device, transfer_s, repeats: int) -> float:
-    """Median seconds of all-reducing one flat float32 tensor of ``nbytes`` on the default group;
-    each time at least ``transfer_s(nbytes)`` (a simulated link's charge; ``lambda n: 0.0`` for a
-    real link)."""
+def measure_comm(nbytes: int, device, transfer_s, repeats: int, dtype: str = "fp32") -> float:
+    """Median seconds of all-reducing one flat tensor of ``nbytes`` in ``dtype`` (a ``WIRE_BYTES``
+    name) on the default group; each time at least ``transfer_s(nbytes)`` (a simulated link's
+    charge; ``lambda n: 0.0`` for a real link)."""
     import torch
     import torch.distributed as dist
 
-    flat = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    flat = torch.zeros(max(nbytes // WIRE_BYTES[dtype], 1), dtype=torch_dtype, device=device)
     return _timed(lambda: dist.all_reduce(flat), flat.device, repeats, transfer_s(nbytes))
 
 
@@ -190,14 +203,16 @@ def measure_fsdp_comm(nbytes: int, device, repeats: int) -> tuple[float, float]:
 
 
 def against_peers(rows: Sequence[dict], default_cap: float = 25.0) -> list[dict]:
-    """Each of our ``auto`` rows against every peer mode at its default cap and at its best cap
-    (median of per-round ratios with IQR; below 1 is faster), with its ``step_over_limit``."""
+    """Each of our ``auto`` rows against every peer mode that sends the same dtype, at its default
+    cap and at its best cap (median of per-round ratios with IQR; below 1 is faster), with its
+    ``step_over_limit``."""
     ours = [r for r in rows if r["mode"] not in PEER_MODES and r.get("bucket_cap_mb") == "auto"
             and r.get("step_ms_rounds")]
     out = []
     for mine in ours:
-        for peer in PEER_MODES:
-            runs = [r for r in rows if r["mode"] == peer and r.get("step_ms_rounds")]
+        for peer in PEER_MODES:  # those sending the same dtype
+            runs = [r for r in rows if r["mode"] == peer and r.get("step_ms_rounds")
+                    and r.get("reduce_dtype", "fp32") == mine.get("reduce_dtype", "fp32")]
             if not runs:
                 continue
             default = next((r for r in runs if r.get("bucket_cap_mb") == default_cap), None)

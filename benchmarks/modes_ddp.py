@@ -25,6 +25,7 @@ from ddp_opt import compile_ddp, measure_alignment
 from ._torch_internals import BuiltinBuckets, python_reducer_ddp, python_reducer_step
 from .core import ModeTable, Runner
 from .link import SimulatedLink
+from .peer_hooks import bucket_bf16_hook, per_gradient_bf16_hook
 from .report import cap_label
 
 __all__ = ["DDPMode", "DDP_MODES", "DDPRunner", "build_runner", "DEFAULT_CAP"]
@@ -66,13 +67,18 @@ class DDPMode:
     compiled: ClassVar[bool] = True
     plans_auto: ClassVar[bool] = False  # takes cap "auto" and a cost model
     takes_hook: ClassVar[bool] = True  # its gradients go through DDP's reducer, and so the simulated link
+    reduce_dtype: ClassVar[str] = "fp32"  # what its gradients cross the link in
 
     def construct(self) -> ContextManager:
         """What the mode's DDP model is made inside."""
         return contextlib.nullcontext()
 
     def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
-        """Set ``r.fn`` to the callable a step runs; register the link's comm hook."""
+        """Set ``r.fn`` to the callable a step runs; register the comm hook."""
+        self.register_hook(r, link)
+
+    def register_hook(self, r: DDPRunner, link: SimulatedLink) -> None:
+        """The comm hook on the mode's DDP model: the simulated link's."""
         r.ddp.register_comm_hook(link, SimulatedLink.hook)
 
     def during_step(self, r: DDPRunner) -> ContextManager:
@@ -268,8 +274,62 @@ class OursTraced(Ours):
         return None
 
 
+# --- gradients all-reduced in bf16 (issue 46): each peer with the hook a user registers, and ours -----------
+# No simulated link: a bf16 mode's gradients leave through its own hook (run them on a real or shaped link).
+
+
+class _BF16Peer(DDPMode):
+    """A peer with a bf16 comm hook on its DDP model, in place of the simulated link's."""
+
+    reduce_dtype, takes_hook = "bf16", False
+
+    def register_hook(self, r: DDPRunner, link: SimulatedLink) -> None:
+        r.ddp.register_comm_hook(None, bucket_bf16_hook)
+
+
+class EagerBF16(_BF16Peer, Eager):
+    name, summary = "eager_bf16", "DDP, no compile, PyTorch's bf16_compress_hook (registered under another name)"
+
+
+class BuiltinBF16(_BF16Peer, Builtin):
+    name, summary = "builtin_bf16", "torch.compile(ddp) with PyTorch's splitter and its bf16_compress_hook"
+
+
+class CompiledAutogradBF16(CompiledAutograd):
+    name = "compiled_autograd_bf16"
+    summary = ("PyTorch's compiled-autograd reducer with a per-gradient bf16 hook (cast, functional all-reduce, "
+               "cast back)")
+    reduce_dtype = "bf16"
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        r.ddp.register_comm_hook(None, per_gradient_bf16_hook)  # the python reducer calls it per gradient
+        CompiledAutograd.wrap(self, r, backend, cap, link, cost_model)
+
+
+class OursBF16(Ours):
+    name, summary = "ours_bf16", "compile_ddp(ddp, reduce_dtype=torch.bfloat16): ours, gradients all-reduced in bf16"
+    reduce_dtype, takes_hook = "bf16", False
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        # At auto, compile_ddp measures the link itself, in bf16 (the sweep's shared cost model is fp32's).
+        more = dict(bucket_cap_mb="auto") if cap == "auto" else {}
+        r.fn = compile_ddp(r.ddp, backend=backend, reduce_dtype=torch.bfloat16, **more)
+
+
+class OursTracedBF16(OursTraced):
+    name = "ours_traced_bf16"
+    summary = "compile_ddp(ddp, strategy='traced', reduce_dtype=torch.bfloat16): the bf16 cast in the compiled backward"
+    reduce_dtype = "bf16"
+
+    def compile(self, ddp: DDP, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> Callable:
+        more = dict(bucket_cap_mb="auto") if cap == "auto" else {}  # the link measured in bf16, as OursBF16's
+        return compile_ddp(ddp, backend=functools.partial(resolve_backend(backend)), strategy="traced",
+                           reduce_dtype=torch.bfloat16, **more)
+
+
 DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), OursNoGate(), Regional(),
-                                           CompiledAutograd(), OursTraced()],
+                                           CompiledAutograd(), OursTraced(), EagerBF16(), BuiltinBF16(),
+                                           CompiledAutogradBF16(), OursBF16(), OursTracedBF16()],
                                           default=("eager", "builtin", "nosplit", "ours"))
 
 

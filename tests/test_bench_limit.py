@@ -79,3 +79,26 @@ def test_our_auto_rows_against_each_peer_at_its_default_and_its_best_cap():
     assert best["ratio"] == pytest.approx(0.96) and (best["ratio_q1"], best["ratio_q3"]) == pytest.approx((0.93, 1.03))
     assert found[("ours_traced@auto", "builtin@25.0", "default")]["ratio"] == pytest.approx(0.48)
     assert best["step_over_limit"] == 1.02
+
+
+def test_a_bf16_row_is_held_to_the_limit_of_its_bytes_and_to_peers_that_send_bf16_too():
+    rows = [_row("compiled_autograd", "compiled_autograd@1", [100, 100, 100], 10, 20, 2),
+            _row("builtin_bf16", "builtin_bf16@1", [70, 70, 70], 10, 20, 2),
+            _row("eager_bf16", "eager_bf16", [80, 80, 80], 10, 20, 2),
+            _row("ours_bf16", "ours_bf16@auto", [63, 56, 70], 10, 20, 2),
+            _row("ours", "ours@auto", [95, 95, 95], 10, 20, 2)]
+    for r in rows:
+        r["reduce_dtype"] = "bf16" if r["mode"].endswith("_bf16") else "fp32"
+        r["bucket_cap_mb"] = r["runner"].partition("@")[2] or 25.0
+    parts = {"fp32": limit_parts(rows, comm_s=0.080), "bf16": limit_parts(rows, comm_s=0.040)}
+    add_limit_columns(rows, parts)
+    ours_bf16, ours = rows[3], rows[4]
+    assert ours_bf16["limit_ms"] == pytest.approx(52.0) and ours["limit_ms"] == pytest.approx(92.0)
+    assert ours_bf16["limit_comm_ms"] == pytest.approx(40.0)
+    assert ours_bf16["best_peer"] == "builtin_bf16@1" and ours_bf16["ratio_vs_best_peer"] == pytest.approx(0.9)
+    assert ours_bf16["best_fp32_peer"] == "compiled_autograd@1"
+    assert ours_bf16["ratio_vs_best_fp32_peer"] == pytest.approx(0.63)
+    assert ours["best_peer"] == "compiled_autograd@1" and "ratio_vs_best_fp32_peer" not in ours
+    paired = {(p["ours"], p["peer"]) for p in against_peers(rows)}
+    assert ("ours_bf16@auto", "builtin_bf16@1") in paired and ("ours_bf16@auto", "compiled_autograd@1") not in paired
+    assert ("ours@auto", "compiled_autograd@1") in paired and ("ours@auto", "builtin_bf16@1") not in paired
