@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import compile_share, compile_time, convergence, fsdp_compare, gpu_check, padding_compare, readme_results
+from . import (compile_share, compile_time, compression_report, convergence, fsdp_compare, gpu_check, padding_compare,
+               readme_results)
 from .report import markdown_table, replace_section
 
 __all__ = ["Block", "BLOCKS", "ROOT", "SOURCES", "note_definitions", "stale_pages", "write_pages", "main"]
@@ -109,6 +110,8 @@ BLOCKS: tuple[Block, ...] = (
           lambda: compile_time.results_markdown(_json("compile_time.json"))),
     Block("docs/benchmarks/padding.md", padding_compare.START, padding_compare.END,
           lambda: padding_compare.padding_markdown(_json("padding_compare.json"))),
+    Block("docs/compression.md", compression_report.START, compression_report.END,
+          lambda: compression_report.results_markdown(_json("ddp_shaped_200mbit_bf16.json"))),
     Block("docs/compression.md", convergence.START, convergence.END,
           lambda: convergence.results_markdown(_json("convergence.json"))),
     Block("docs/gpu.md", gpu_check.START, gpu_check.END, lambda: gpu_check.results_markdown(_json("gpu_check.json"))),

@@ -1,16 +1,16 @@
 """compile_ddp(reduce_dtype=torch.bfloat16): the gradients all-reduced in bf16 under the split
 strategy (DDP's reducer, a comm hook kept across realignment), the traced strategy (the cast in the
 compiled backward) and compile_for_ddp, each step by step against eager DDP with the arithmetic of
-PyTorch's own bf16 compress hook (Note [Reduced-precision all-reduce])."""
+PyTorch's own bf16 compress hook (``benchmarks.peer_hooks``; Note [Reduced-precision all-reduce])."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks.peer_hooks import bucket_bf16_hook as torch_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp, compile_for_ddp, compiled_ddp_of
 from ddp_opt._torch_internals import registered_hook_name
@@ -22,11 +22,6 @@ def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
                                  for _ in range(4)], torch.nn.Linear(WIDTH, 3))
-
-
-def torch_bf16_hook(state, bucket):
-    """PyTorch's bf16_compress_hook, which DDP refuses by name on gloo, under another name."""
-    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
 
 
 def _train(rank: int, model: torch.nn.Module, call, backward) -> dict:
@@ -156,7 +151,7 @@ def test_reduce_dtype_with_a_users_comm_hook_is_refused(gloo, clean_dynamo):
     ddp = _ddp()
     ddp.register_comm_hook(None, torch_bf16_hook)
     with pytest.raises(ValueError, match=r"^compile_ddp\(reduce_dtype=torch.bfloat16\) all-reduces the gradients "
-                                         r"through a comm hook of its own, and the comm hook 'torch_bf16_hook' is "
+                                         r"through a comm hook of its own, and the comm hook 'bucket_bf16_hook' is "
                                          r"already registered on this DDP module; DDP calls one hook. Drop "
                                          r"reduce_dtype to keep your hook, or register no hook and keep "
                                          r"reduce_dtype.$"):
@@ -165,7 +160,7 @@ def test_reduce_dtype_with_a_users_comm_hook_is_refused(gloo, clean_dynamo):
 
 def test_a_comm_hook_registered_after_reduce_dtype_is_refused(gloo, clean_dynamo):
     compiled = compile_ddp(_ddp(), backend="aot_eager", reduce_dtype="bf16")
-    with pytest.raises(ValueError, match=r"register_comm_hook\('torch_bf16_hook'\): this model was compiled with "
+    with pytest.raises(ValueError, match=r"register_comm_hook\('bucket_bf16_hook'\): this model was compiled with "
                                          r"reduce_dtype=torch.bfloat16, .* Compile with reduce_dtype=None to reduce "
                                          r"through your hook, or drop the hook and keep reduce_dtype."):
         compiled.register_comm_hook(None, torch_bf16_hook)

@@ -1,0 +1,41 @@
+"""benchmarks.compression_report on hand-made rows: the table of a bf16 sweep and issue 46's goal
+rows, each with the measured value beside its bound."""
+
+from benchmarks.compression_report import goals, results_markdown
+from benchmarks.limit import add_limit_columns, limit_parts
+
+
+def _row(mode, cap, steps, dtype):
+    return {"mode": mode, "runner": f"{mode}@{cap}", "bucket_cap_mb": cap, "step_ms_rounds": steps,
+            "step_ms_median": sorted(steps)[len(steps) // 2], "step_ms_q1": min(steps), "step_ms_q3": max(steps),
+            "fwd_ms": 10, "bwd_ms": 20, "opt_ms": 2, "reduce_dtype": dtype, "wire_mib": 6.3 if dtype == "bf16" else 12.6}
+
+
+def _rows():
+    rows = [_row("compiled_autograd", 1, [100, 100, 100], "fp32"), _row("eager_bf16", 25, [80, 80, 80], "bf16"),
+            _row("builtin_bf16", 1, [60, 60, 60], "bf16"), _row("ours_bf16", "auto", [54, 57, 60], "bf16")]
+    add_limit_columns(rows, {"fp32": limit_parts(rows, 0.080), "bf16": limit_parts(rows, 0.040)})
+    return rows
+
+
+def test_goal_rows_compare_each_bound_with_the_measured_value():
+    found = {goal: (bound, measured, met) for goal, bound, measured, met in goals(_rows())}
+    assert found["ours_bf16@auto vs the best bf16 peer (builtin_bf16@1)"] == ("<= 1.00", "0.950", "yes")
+    assert found["ours_bf16@auto vs the best fp32 peer (compiled_autograd@1)"] == ("<= 0.60", "0.570", "yes")
+    # the link (40 ms) exceeds backward (20 ms): the step is held to its limit, 52 ms
+    assert found["ours_bf16@auto step / limit on bf16 bytes (the link exceeds backward)"] == ("<= 1.05", "1.096",
+                                                                                               "**no**")
+    # eager_bf16 is 80 / 52 = 1.54 of its limit: ours must be at most 0.90 of it
+    assert found["ours_bf16@auto vs eager_bf16@25 (1.54 of its limit)"] == ("<= 0.90", "0.713", "yes")
+    assert found["ours_bf16@auto vs builtin_bf16@1 (1.15 of its limit)"] == ("<= 0.90", "0.950", "**no**")
+    # compiled_autograd@1 is 100 / 92 = 1.09 of its fp32 limit: under 1.10, not a peer this goal counts
+    assert len([g for g in found if "of its limit" in g]) == 2
+
+
+def test_the_block_lists_rows_fastest_first_with_what_each_sends():
+    text = results_markdown(_rows(), command="python -m benchmarks.ddp_compare ...")
+    rows_table = text.split("Issue 46's goals")[0]
+    lines = [line for line in rows_table.splitlines() if line.startswith("| ")]
+    assert lines[1].startswith("| auto | ours_bf16 | bf16 | 6.3 | 57.0 [54.0, 60.0] | 0.950 [0.925, 0.975] | 0.570 [0.555, 0.585] | 1.10 | 52.0 |")
+    assert lines[-1].startswith("| 1 | compiled_autograd | fp32 | 12.6 | 100.0")
+    assert "Command: `python -m benchmarks.ddp_compare ...`" in text and "Issue 46's goals" in text
