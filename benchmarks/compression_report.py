@@ -42,7 +42,7 @@ def goals(rows: Sequence[dict]) -> list[list[str]]:
         if mine.get("link_bound"):
             checks.append((f"{name} step / limit on bf16 bytes (the link exceeds backward)", "<= 1.05",
                            mine.get("step_over_limit"), 1.05))
-        for peer in peers:
+        for peer in (p for p in peers if p.get("reduce_dtype", "fp32") == "bf16"):  # peers that send bf16 too
             if peer.get("step_over_limit") is not None and peer["step_over_limit"] >= 1.10:
                 checks.append((f"{name} vs {peer['runner']} ({peer['step_over_limit']:.2f} of its limit)", "<= 0.90",
                                _ratio(mine, peer), 0.90))

@@ -103,7 +103,8 @@ def _overrides(args: argparse.Namespace, tokens: Path, run_dir: Path, extra: Seq
     return [
         f"compile={args.backend}", "data=tokens", f"data.path={tokens}", "model.vocab_size=256",
         f"model.block_size={args.seq_len}", f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
-        f"train.steps={args.steps}", f"train.warmup_steps={max(args.steps // 10, 1)}", f"train.log_interval={max(args.steps // 10, 1)}",
+        f"train.steps={args.steps}", f"train.warmup_steps={max(args.steps // 10, 1)}",
+        f"train.log_interval={max(args.steps // 10, 1)}",
         f"train.eval_every={args.steps}", f"train.checkpoint_dir={run_dir / 'ckpt'}", *SCHEDULE, *extra,
     ]
 

@@ -132,7 +132,8 @@ class BenchConfig(GPTJob):
             raise ValueError(
                 f"mode(s) {', '.join(unhooked)} with --link {self.link.label}: their all-reduces are traced into the "
                 "compiled backward or go through a bf16 hook of their own, and never reach DDP's comm hook, so the "
-                "simulated link would charge every mode but them. Measure them over a real link (--net shaped:RATE, e.g. shaped:800mbit) or with --link none."
+                "simulated link would charge every mode but them. Measure them over a real link (--net shaped:RATE, "
+                "e.g. shaped:800mbit) or with --link none."
             )
         numeric = [c for c in self.caps if c != "auto"]
         if {"builtin", "builtin_bf16"} & set(self.modes) and numeric and min(numeric) < 1:

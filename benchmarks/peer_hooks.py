@@ -9,7 +9,7 @@ parameter to be named ``bucket`` (the python reducer passes ``(grad, param)`` in
 import torch
 import torch.distributed as dist
 
-from ._torch_internals import bf16_compress
+from ._torch_internals import bf16_compress, functional_all_reduce
 
 __all__ = ["bucket_bf16_hook", "per_gradient_bf16_hook"]
 
@@ -23,8 +23,6 @@ def bucket_bf16_hook(state, bucket):
 def per_gradient_bf16_hook(state, bucket):
     """For the compiled-autograd reducer, which calls a hook per gradient with ``(grad, param)``:
     cast, functional all-reduce, cast back (the issue's description of what a user writes)."""
-    import torch.distributed._functional_collectives as fcol
-
     grad, _ = bucket
-    reduced = fcol.all_reduce(grad.to(torch.bfloat16) / dist.get_world_size(), "sum", dist.group.WORLD)
+    reduced = functional_all_reduce(grad.to(torch.bfloat16) / dist.get_world_size(), dist.group.WORLD)
     grad.copy_(reduced.to(grad.dtype))

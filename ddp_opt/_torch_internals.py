@@ -288,10 +288,8 @@ def traced_strategy_missing() -> str | None:
 
 
 def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
-    """Switch a built DDP module to PyTorch's python reducer, as ``DistributedDataParallel.__init__``
-    does under ``torch._dynamo.config.optimize_ddp = "python_reducer"``: each parameter's gradient is
-    all-reduced by a post-accumulate-grad hook (functional collectives), which compiled autograd
-    traces into the backward graph, and the C++ reducer is detached from the parameters."""
+    """Switch a built DDP module to PyTorch's python reducer, as DDP's ``__init__`` does under ``optimize_ddp=
+    "python_reducer"``: per-gradient all-reduce hooks compiled autograd traces; the C++ reducer detached."""
     # Reducer._remove_autograd_hooks(): the C++ reducer no longer sees gradients.
     ddp_model.reducer._remove_autograd_hooks()
     # DDP._use_python_reducer: DDP's _pre_forward/_post_forward/_run_ddp_forward skip the C++ reducer.
@@ -299,26 +297,28 @@ def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
     # As DDP.__init__ does: dynamo inlines torch.nn.parallel.distributed (the hooks are traced).
     torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.add("torch.nn.parallel.distributed")
     torch._dynamo.trace_rules.get_legacy_mod_inlinelist.cache_clear()
-    # DDP._register_accum_grad_hook(): the python reducer's per-parameter all-reduce hooks
-    # (skipped while require_backward_grad_sync is False, as under no_sync).
+    # DDP._register_accum_grad_hook(): per-parameter all-reduce hooks (skipped without require_backward_grad_sync).
     ddp_model._register_accum_grad_hook()
+
+
+def functional_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed._functional_collectives as fcol  # all_reduce(t, "sum", group): traceable, as DDP's
+    return fcol.all_reduce(tensor, "sum", group)
 
 
 def add_python_reducer_hook(ddp_model: DistributedDataParallel, state: Any, hook: Any) -> None:
     """The python reducer calls ``hook(state, (param.grad, param))`` per gradient instead of its all-reduce."""
-    # DDP._comm_hooks: (hook, state) pairs; _register_accum_grad_hook's hook calls each with (param.grad, param)
-    # when the list is not empty. register_comm_hook would also put it on the detached C++ reducer.
+    # DDP._comm_hooks: (hook, state) pairs, each called with (param.grad, param) when not empty (not register_comm_hook:
+    # that would also put it on the detached C++ reducer).
     ddp_model._comm_hooks.append((hook, state))
 
 
 @contextlib.contextmanager
 def traced_backward(compiler_fn: Any, fusion_passes: list | None = None,
                     bucket_size_mb: float | None = None) -> Iterator[None]:
-    """The context a backward of DDP's python reducer runs in: compiled autograd on with
-    ``compiler_fn``, Inductor's DDP all-reduce fusion on with ``fusion_passes`` (callables
-    ``graph -> None`` or the names of Inductor's own passes; None: Inductor's default passes)
-    and ``bucket_size_mb`` (None: Inductor's default). The traced strategy passes its own
-    passes; the benchmarks' peer mode (PyTorch's compiled-autograd reducer) passes a cap."""
+    """The context a backward of DDP's python reducer runs in: compiled autograd on with ``compiler_fn``,
+    Inductor's DDP all-reduce fusion on with ``fusion_passes`` (callables ``graph -> None`` or names of
+    Inductor's passes; None: its defaults) and ``bucket_size_mb`` (None: Inductor's default)."""
     from torch._dynamo import compiled_autograd
 
     fusion: dict[str, Any] = {"_fuse_ddp_communication": True}

@@ -141,14 +141,14 @@ class _DeferredBackend:
 
     def _attach(self, ddp_model: DistributedDataParallel) -> None:
         config = self.config
+        hook = registered_hook_name(ddp_model)
+        if hook is not None and config.reduce_dtype is not None:  # before anything is attached
+            raise hook_conflict("compile_for_ddp", config.reduce_dtype, hook)
         self.ddp_model = ddp_model
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:
             align = False  # compile_ddp warns about it; realignment's internals are missing on this torch
-        hook = registered_hook_name(ddp_model)
-        if hook is not None and config.reduce_dtype is not None:
-            raise hook_conflict("compile_for_ddp", config.reduce_dtype, hook)
-        if hook is not None and align and not python_comm_hooks(ddp_model):  # a built-in hook: not kept where we can see it
+        if hook is not None and align and not python_comm_hooks(ddp_model):  # a built-in hook: not kept, not seen
             warnings.warn(
                 f"compile_for_ddp: the comm hook {hook!r} registered on the DDP module cannot be registered again "
                 "when DDP's reducer is re-created to realign its buckets, so the buckets are left as DDP made "

@@ -121,8 +121,9 @@ class CompiledDDP:
         if self.traced is not None:
             raise RuntimeError(
                 "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
-                "all-reduced inside the compiled backward graph, where DDP's comm hooks are never called. "
-                "Compile with strategy='split' (the default) to use a comm hook."
+                "all-reduced inside the compiled backward graph by the python reducer, which calls a hook per "
+                "gradient with (grad, param): a DDP bucket hook cannot take that. Compile with strategy='split' "
+                "(the default) to use a comm hook, or, to compress, pass reduce_dtype=torch.bfloat16."
             )
         self._comm_hooks.append((state, hook))
         self.ddp_model.register_comm_hook(state, hook)

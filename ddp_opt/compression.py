@@ -23,22 +23,27 @@ Algorithm
       autograd traces the cast, the division and the all-reduce into the backward graph,
       and the fusion pass (Note [Traced strategy]) concatenates the narrowed gradients
       of each bucket into one all-reduce, so the bucket travels in the reduce dtype and
-      Inductor fuses the casts with the gradients' producers. The bucket caps count the
-      narrowed bytes, as the traced plan's sizes are the all-reduces' own.
+      Inductor fuses the casts with the gradients' producers. The bucket caps count gradient
+      bytes, as DDP's do (``TracedPlan.wire_scale`` converts the all-reduces' sizes).
     - The link probe of the cost model (``bucket_cap_mb="auto"``) all-reduces in the
       reduce dtype: the fitted bandwidth is gradient bytes per second on the path the
       gradients take (:func:`link_probe`).
 
 Numerics
     - bf16 keeps fp32's exponent range, so no gradient overflows or underflows where fp32
-      would not; each rank's gradient loses its mantissa below 8 bits (relative error at
-      most 2^-9), the division by the world size is exact for a power of two, and the
+      would not; each rank's gradient keeps 8 bits of precision (relative rounding error
+      at most 2^-8), the division by the world size is exact for a power of two, and the
       sum is rounded to bf16 once per reduction step of the backend. Every reduced
       gradient is exactly a bf16 value widened to fp32; the optimizer, its state and the
       parameters stay fp32.
     - fp16 has 11 bits of mantissa but overflows above 65504 and flushes below 6e-8:
       dividing before the sum (as here) keeps the sum in range, and a loss scale is the
-      user's to manage, as with DDP's ``fp16_compress_hook``.
+      user's to manage, as with DDP's ``fp16_compress_hook`` (the launcher offers bf16 only).
+    - Gradients are taken to be fp32, the model's first parameter's dtype: the traced caps'
+      conversion and the link probe (fp32 buffers narrowed) assume it. A model whose
+      gradients are already bf16 gets buckets and a fitted bandwidth off by that factor
+      (performance only). A given ``LinkEstimate`` is in gradient bytes per second.
+    - "fp32" (or None) means the gradients' own dtype: nothing is narrowed.
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the bucket hook's
@@ -48,6 +53,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from ._torch_internals import functional_all_reduce
 
 __all__ = ["REDUCE_DTYPES", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
            "parse_reduce_dtype"]
@@ -66,7 +73,8 @@ def parse_reduce_dtype(value: Any) -> torch.dtype | None:
         return value
     if isinstance(value, str) and value.lower() in REDUCE_DTYPES:
         return REDUCE_DTYPES[value.lower()]
-    raise ValueError(f"reduce_dtype={value!r}")
+    raise ValueError(f"reduce_dtype={value!r} is not a dtype gradients can be all-reduced in: pass "
+                     "torch.bfloat16 or torch.float16 (or 'bf16', 'fp16'), or None (or 'fp32') for their own dtype.")
 
 
 def hook_conflict(entry: str, dtype: torch.dtype, hook: str) -> ValueError:
@@ -107,11 +115,9 @@ def gradient_hook(state: ReduceState, grad_and_param: tuple[torch.Tensor, torch.
     """The python reducer's hook per gradient (the traced strategy): the gradient all-reduced
     in ``state.dtype`` with a functional collective, averaged, and copied back in place (the
     pattern the DDP fusion pass buckets: div -> all_reduce -> wait -> copy_)."""
-    import torch.distributed._functional_collectives as fcol
-
     grad, _ = grad_and_param
     wire = grad.to(state.dtype) / state.world_size
-    grad.copy_(fcol.all_reduce(wire, "sum", state.group))
+    grad.copy_(functional_all_reduce(wire, state.group))
 
 
 def link_probe(dtype: torch.dtype, group: dist.ProcessGroup) -> Callable[[torch.Tensor], Any]:

@@ -120,8 +120,8 @@ def fallback_reason(ddp_model: DistributedDataParallel) -> str | None:
         return f"this torch lacks what it needs: {missing}"
     hook = registered_hook_name(ddp_model)
     if hook is not None:
-        return (f"the comm hook {hook!r} is registered on this DDP module, and the python reducer calls no "
-                "DDP comm hook")
+        return (f"the comm hook {hook!r} is registered on this DDP module, and the python reducer calls a hook per "
+                "gradient with (grad, param), which a bucket hook cannot take (reduce_dtype= compresses without one)")
     if ddp_model.find_unused_parameters:
         return ("find_unused_parameters=True: a parameter without a gradient on one rank would leave the ranks' "
                 "traced all-reduces unmatched")

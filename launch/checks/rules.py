@@ -165,9 +165,10 @@ def check_compile_time(c: CompileConfig) -> None:
 
 def check_reduce_dtype(d: DDPConfig) -> None:
     """``ddp.reduce_dtype`` names a dtype (before ``compile_ddp``'s config is built from it)."""
-    choice("ddp.reduce_dtype", d.reduce_dtype, Precision,
+    choice("ddp.reduce_dtype", d.reduce_dtype, (Precision.FP32, Precision.BF16),
            ": the dtype the gradients are all-reduced in. Use ddp.reduce_dtype=bf16 (half the bytes on the wire, "
-           "fp32's range) or fp16, or fp32 (the default) to reduce them as they are.")
+           "fp32's range; fp16 would overflow without a loss scale, which this job does not apply to the "
+           "reduction), or fp32 (the default) to reduce them as they are.")
 
 
 def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
@@ -187,7 +188,6 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
         for i, cap in enumerate(d.bucket_cap_mb_list):
             positive(f"ddp.bucket_cap_mb_list[{i}]", cap, "a positive size in MiB", why,
                      "Give sizes in MiB, e.g. ddp.bucket_cap_mb_list=[1,25], or null for DDP's default.")
-    check_reduce_dtype(d)
     using = [n for n in ("bucket_cap_mb", "first_bucket_cap_mb", "bucket_cap_mb_list") if getattr(d, n) is not None]
     if d.static_graph:
         using.append("static_graph")
@@ -271,9 +271,9 @@ def check_fsdp(f: FSDPOptions, p: ParallelConfig) -> None:
     choice("fsdp.mixed_precision", f.mixed_precision, FSDPPrecision,
            ": bf16 gathers and computes parameters in bfloat16 and reduces gradients in float32. Use "
            "fsdp.mixed_precision=bf16, or fsdp.mixed_precision=none to train in float32.")
-    choice("fsdp.reduce_dtype", f.reduce_dtype, Precision,
+    choice("fsdp.reduce_dtype", f.reduce_dtype, (Precision.FP32, Precision.BF16),
            ": the dtype the gradients are reduce-scattered in. Use fsdp.reduce_dtype=bf16 (half the bytes on the "
-           "wire) or fp16, or fp32 (the default).")
+           "wire, fp32's range), or fp32 (the default).")
 
 
 def check_data(d: DataConfig) -> None:

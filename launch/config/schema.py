@@ -179,8 +179,8 @@ class DDPConfig:
     # Ranks meet in the store before each step's first collective, so that a rank compiling alone is
     # waited for there and not inside a collective with its timeout (Note [Step gate]).
     step_gate: bool = True
-    # A Precision: the gradients all-reduced in bf16 (half the bytes on the wire) or fp16, averaged, then
-    # widened for the optimizer (Note [Reduced-precision all-reduce]); fp32: as they are.
+    # fp32 | bf16: the gradients all-reduced in bf16 (half the bytes on the wire), averaged, then widened
+    # for the optimizer (Note [Reduced-precision all-reduce]); fp32: as they are.
     reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -211,7 +211,7 @@ class FSDPOptions:
     checkpointing: bool = False
     # An FSDPPrecision. none: float32 throughout; bf16: parameters gathered and computed in bf16.
     mixed_precision: str = "none"
-    # A Precision: the dtype gradients are reduce-scattered in (FSDP2's MixedPrecisionPolicy.reduce_dtype).
+    # fp32 | bf16: the dtype gradients are reduce-scattered in (FSDP2's MixedPrecisionPolicy.reduce_dtype).
     reduce_dtype: str = "fp32"
 
 
