@@ -231,8 +231,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"compile_ddp expects a DistributedDataParallel module, got {type(ddp_model).__name__}. "
-            "Wrap the model first: compile_ddp(DistributedDataParallel(model, ...)); for a model "
-            "without DDP use torch.compile directly."
+            "Wrap the model first: compile_ddp(DistributedDataParallel(model, ...)); for FSDP2's replicate "
+            "(torchtitan's data parallelism) use fsdp_opt.apply(model, replicate=True, compile=...) on the "
+            "unwrapped model; for a model without data parallelism use torch.compile directly."
         )
     inner = ddp_model.module
     if is_compiled(inner):

@@ -22,3 +22,12 @@ def checkpoint_wrapper(block: nn.Module) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(block)
+
+
+def replicate_with_fsdp():
+    # torch.distributed._composable.replicate_with_fsdp.replicate(module, mesh=, mp_policy=, offload_policy=):
+    # FSDP2's machinery with every parameter replicated and gradients all-reduced per unit (torchtitan's
+    # replicate, in torch 2.11 to 2.15 at this private path).
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate

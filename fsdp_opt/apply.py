@@ -20,7 +20,7 @@ from compiler import cache_settings, compile_blocks
 from compiler.cache import open_cache
 from compiler.share import share_for_group
 
-from ._torch_internals import checkpoint_wrapper, compiled_autograd_active
+from ._torch_internals import checkpoint_wrapper, compiled_autograd_active, replicate_with_fsdp
 from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig
 from .plan import FSDPPlan, plan_fsdp
 
@@ -42,6 +42,7 @@ def apply(
     prefetch: int = 1,
     shard_unit_mb: float | None = None,
     checkpointing: bool = False,
+    replicate: bool = False,
 ) -> FSDPPlan:
     """Shard ``model`` in place with FSDP2, compiling each block first.
 
@@ -75,7 +76,7 @@ def apply(
         mesh: a 1-D device mesh of the data-parallel ranks (2-D for HSDP); None
             for all ranks of the default process group.
         blocks, compile, reshard_after_forward, mp_policy, offload_policy,
-        prefetch, shard_unit_mb, checkpointing: see :class:`FSDPConfig`.
+        prefetch, shard_unit_mb, checkpointing, replicate: see :class:`FSDPConfig`.
 
     Returns:
         The plan that was applied (``print(plan.table())`` shows the units).
@@ -93,7 +94,7 @@ def apply(
     """
     keywords = dict(blocks=blocks, compile=compile, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload_policy, prefetch=prefetch, shard_unit_mb=shard_unit_mb,
-                    checkpointing=checkpointing)
+                    checkpointing=checkpointing, replicate=replicate)
     config = FSDPConfig(**keywords) if config is None else _only_config(config, keywords)
     check_no_compiled_autograd("fsdp_opt.apply")
     model_name = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
@@ -131,15 +132,17 @@ def apply(
     shard_kwargs = dict(mesh=mesh, mp_policy=config.mp_policy or MixedPrecisionPolicy())
     if config.offload_policy is not None:
         shard_kwargs["offload_policy"] = config.offload_policy
+    # replicate: nothing sharded, so nothing to reshard; each unit's gradients are all-reduced together.
+    wrap = replicate_with_fsdp() if config.replicate else fully_shard
+    unit_kwargs = {} if config.replicate else dict(reshard_after_forward=config.reshard_after_forward)
     units: list[nn.Module] = []
     for unit in plan.units:
         members = [found[name] for name in unit.blocks]
-        fully_shard(members if len(members) > 1 else members[0],
-                    reshard_after_forward=config.reshard_after_forward, **shard_kwargs)
+        wrap(members if len(members) > 1 else members[0], **unit_kwargs, **shard_kwargs)
         units.append(members[0])  # a grouped unit's modules share one FSDP state
     # The root keeps its parameters gathered after forward (None = FSDP2's choice
     # for a root): they are the first ones backward needs.
-    fully_shard(model, reshard_after_forward=None, **shard_kwargs)
+    wrap(model, **({} if config.replicate else dict(reshard_after_forward=None)), **shard_kwargs)
     _set_prefetch(model, units, config.prefetch)
 
     model.register_forward_pre_hook(functools.partial(_forward_guard, model_name), prepend=True)

@@ -96,6 +96,10 @@ class FSDPConfig:
             makes every block its own unit. See Note [Shard unit grouping].
         checkpointing: wrap each block in activation checkpointing (recompute its
             activations in backward).
+        replicate: FSDP2's replicate in place of ``fully_shard`` (what torchtitan runs for
+            data parallelism instead of DDP): every parameter kept whole on every rank, each
+            unit's gradients all-reduced as one bucket as soon as its backward is done, the
+            blocks compiled as with sharding. ``reshard_after_forward`` does not apply.
     """
 
     blocks: str | Sequence[str] = "auto"
@@ -108,6 +112,7 @@ class FSDPConfig:
     prefetch: int = not_compiled(1, why="FSDP's hooks around the compiled blocks")
     shard_unit_mb: float | None = not_compiled(None, why="FSDP's hooks around the compiled blocks")
     checkpointing: bool = False
+    replicate: bool = not_compiled(False, why="FSDP's hooks around the compiled blocks")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, (str, bytes)) or (self.compile is not None and callable(self.compile)):

@@ -79,6 +79,7 @@ def train_fsdp_vs_reference(rank: int, world_size: int, cfg: GPTConfig, apply_kw
         block_types=[type(b).__name__ for b in model.blocks],
         compiled=[getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks],
         share=plan.share.stats.as_dict() if plan.share is not None else None,
+        placements=sorted({str(getattr(p, "placements", None)) for p in model.parameters()}),
     )
 
 
@@ -152,3 +153,4 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h)
         return self.output(self.norm(h))
+

@@ -30,6 +30,16 @@ def test_two_rank_per_block_aot_eager_matches_unsharded_reference(run_ranks):
     _check(results, [(f"blocks.{i}",) for i in range(4)])
 
 
+def test_two_rank_replicate_per_block_compiled_matches_unsharded_reference(run_ranks):
+    # FSDP2's replicate in place of fully_shard (issue 45, item 3): nothing sharded, every parameter whole on
+    # both ranks, the blocks compiled as with sharding, training equal to the unsharded reference.
+    results = run_ranks(train_fsdp_vs_reference, SMALL, dict(compile="aot_eager", replicate=True))
+    _check(results, [(f"blocks.{i}",) for i in range(4)])
+    assert all(r["placements"] == ["(Replicate(),)"] for r in results), results[0]["placements"]
+    sharded = run_ranks(train_fsdp_vs_reference, SMALL, dict(compile="aot_eager", prefetch=0))
+    assert all(r["placements"] == ["(Shard(dim=0),)"] for r in sharded), sharded[0]["placements"]
+
+
 @pytest.mark.slow
 def test_two_rank_grouped_units_with_checkpointing_match_reference(run_ranks):
     kwargs = dict(compile="aot_eager", shard_unit_mb=1.5 * BLOCK_MB, prefetch=2,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from launch.config.schema import CompileConfig, ConfigError, DDPConfig, ParallelConfig
+from launch.config.schema import CompileConfig, ConfigError, DDPConfig, FSDPOptions, ParallelConfig
 from launch.train import run
 from _jobs import tiny_job as _job
 
@@ -83,10 +83,12 @@ def test_parallel_none_compiles_the_plain_model(model, tmp_path):
     assert len(metrics["losses"]) == 2 and metrics["buckets"] == []
 
 
-def test_fsdp_one_process_checkpoints_and_resumes(tmp_path):
+@pytest.mark.parametrize("replicate", [False, True])
+def test_fsdp_one_process_checkpoints_and_resumes(tmp_path, replicate):
     if not hasattr(pytest.importorskip("fsdp_opt"), "apply"):
         pytest.skip("fsdp_opt.apply does not exist in this checkout")
-    common = dict(parallel=ParallelConfig(name="fsdp"), compile=CompileConfig(backend="aot_eager"))
+    common = dict(parallel=ParallelConfig(name="fsdp"), compile=CompileConfig(backend="aot_eager"),
+                  fsdp=FSDPOptions(replicate=replicate))
     first = run(_job(tmp_path, **common, train=dict(steps=2, checkpoint_every=2)))
     assert first["checkpoints"][-1].endswith("step_000002")
     torch._dynamo.reset()

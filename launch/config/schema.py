@@ -205,10 +205,10 @@ class FSDPOptions:
     shard_unit_mb: Optional[float] = None
     # Shard units to all-gather ahead, in forward and backward; 0: FSDP2's implicit prefetch.
     prefetch: int = 1
-    # Free gathered parameters after forward (all-gather again in backward); false keeps them.
-    reshard_after_forward: bool = True
-    # Recompute each block's activations in backward.
-    checkpointing: bool = False
+    reshard_after_forward: bool = True  # free gathered parameters after forward (gather again in backward)
+    checkpointing: bool = False  # recompute each block's activations in backward
+    # FSDP2's replicate instead of sharding (torchtitan's data parallelism): gradients all-reduced per unit.
+    replicate: bool = False
     # An FSDPPrecision. none: float32 throughout; bf16: parameters gathered and computed in bf16.
     mixed_precision: str = "none"
     # fp32 | bf16: the dtype gradients are reduce-scattered in (FSDP2's MixedPrecisionPolicy.reduce_dtype).
