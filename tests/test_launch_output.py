@@ -5,6 +5,7 @@ and at most 50 lines for a 20-step run."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from types import SimpleNamespace
 
@@ -108,7 +109,8 @@ def test_a_twenty_step_run_prints_at_most_fifty_plain_lines(launch_cli):
     assert any(line.startswith("ddp_opt planned 2 bucket(s)") for line in lines)
     assert not any("][INFO]" in line or line.startswith("[20") for line in lines), result.stdout
     assert sum(line.startswith("DDP buckets = graph partitions") for line in lines) == 1
-    assert sum(line.startswith("step ") for line in lines) == 20
+    # One line per step; a busy machine adds "step times (after the first) varied widely ..." (in the 50).
+    assert sum(re.match(r"step +\d+/20 ", line) is not None for line in lines) == 20, result.stdout
 
 
 # --- the pictures ---------------------------------------------------------------------
