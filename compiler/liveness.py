@@ -36,6 +36,7 @@ Algorithm
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -126,8 +127,7 @@ class Heartbeat:
         self.store.add(f"{KEY}/{self.rank}", 1)
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.beat_s)
+        while not _EXITING.wait(self.beat_s):
             with self._lock:
                 if all(owner() is None for owner in self.owners):  # nobody waits on this rank through it
                     if self._running.get((id(self.source), self.rank)) is self:
@@ -137,6 +137,19 @@ class Heartbeat:
                 self._beat()
             except Exception:  # noqa: BLE001 - the store is gone (the group was torn down): stop beating
                 return
+
+
+# Set at interpreter exit: every heartbeat ends before the interpreter tears down, so none is inside a
+# store request while C++ objects are destroyed (a rank of a job that ended without os._exit aborted once
+# with "terminate called without an active exception", torch 2.15, cause not established).
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _end_heartbeats() -> None:
+    _EXITING.set()
+    for beat in list(Heartbeat._running.values()):
+        beat._thread.join(timeout=2 * beat.beat_s)
 
 
 def on_default_store(ranks: Sequence[int] | None) -> tuple[Any, int, list[int]] | None:

@@ -75,6 +75,11 @@ def main(cache_dir: str, mode: str, out_dir: str) -> None:
     }))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # As the launcher ends (docs/reliability.md: "Why the job ends with os._exit"): the result is written, and
+    # the interpreter's exit would run C++ destructors of compiled and distributed state; one aborted a rank
+    # in CI on torch 2.15 ("terminate called without an active exception").
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
