@@ -23,7 +23,7 @@ from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, 
                                realign_unsupported_warning, registered_hook_name, use_python_reducer)
 from .autoplan import LinkEstimate
 from .compiled import CompiledDDP
-from .compression import ReduceState, hook_conflict, link_probe
+from .compression import OwnHook, hook_conflict, link_probe, own_hook
 from .config import DDPCompileConfig, keyword_signature
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
@@ -182,6 +182,10 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
             (Note [Reduced-precision all-reduce]). Under the reducer strategies it is a comm
             hook of its own, kept across realignment; under ``"traced"`` the cast is in the
             compiled backward. Not with a comm hook of the user's.
+        compression: None, or ``"powersgd:R"`` (``"powersgd:R:START"``): rank-R PowerSGD
+            with error feedback and warm start from step START (default 10), through
+            PyTorch's ``powerSGD_hook``, kept across realignment (Note [PowerSGD
+            compression]). Not with ``reduce_dtype``, ``"traced"`` or a comm hook of the user's.
         step_gate: the ranks meet in the store before each synchronised step's
             first collective (after the forward; under ``"traced"`` inside the
             backward), so that a rank compiling alone (a shape only it saw, a cold
@@ -245,8 +249,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
     hook = registered_hook_name(ddp_model)
-    if hook is not None and config.reduce_dtype is not None:
-        raise hook_conflict("compile_ddp", config.reduce_dtype, hook)
+    own = own_hook_for(ddp_model, config)
+    if hook is not None and own is not None:
+        raise hook_conflict("compile_ddp", own.setting, hook)
     strategy = config.strategy
     if strategy == "traced":
         why = fallback_reason(ddp_model)
@@ -273,7 +278,6 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if config.cache_dir is not None:
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)), traced)
     more = dict(config.torch_compile_kwargs)
-    reduce = reduce_state(ddp_model, config)
     group = dist.get_process_group_ranks(ddp_model.process_group)
     share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
     gate = gate_for_group(group, name="ddp") if config.step_gate else None
@@ -292,7 +296,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         keep_builtin_splitter_out(ddp_model)
         block_buckets = plan_block_buckets(inner, found, caps)
         return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
-                           share=share, gate=gate, reduce=reduce)
+                           share=share, gate=gate, own_hook=own)
     optimizer = plan = None
     if traced:
         # The backward graph compiles with the plain backend: no shared-compile claim for a graph that
@@ -317,12 +321,12 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
                                   fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
     return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan,
-                       gate=gate, reduce=reduce)
+                       gate=gate, own_hook=own)
 
 
-def reduce_state(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> ReduceState | None:
-    """What the gradients are all-reduced in and over, with ``reduce_dtype``; else None."""
-    return ReduceState(ddp_model.process_group, config.reduce_dtype) if config.reduce_dtype is not None else None
+def own_hook_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> OwnHook | None:
+    """The comm hook of ``reduce_dtype`` or ``compression`` on DDP's group; else None."""
+    return own_hook(ddp_model.process_group, config.reduce_dtype, config.compression)
 
 
 def _wire_scale(module: torch.nn.Module, reduce_dtype: torch.dtype | None) -> float:

@@ -46,7 +46,7 @@ from compiler.share import backward_with_forward, share_for_group
 from compiler.step_gate import gate_for_group
 
 from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
-from .api import keep_builtin_splitter_out, reduce_state, splitter_for
+from .api import keep_builtin_splitter_out, own_hook_for, splitter_for
 from .compiled import CompiledDDP
 from .compression import hook_conflict
 from .config import DDPCompileConfig
@@ -69,8 +69,8 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
         config: a :class:`DDPCompileConfig`, instead of keyword settings; not both.
         **settings: ``compile_ddp``'s keywords (``backend``, ``mode``, ``options``, ``dynamic``,
             ``fullgraph``, ``fallback``, ``strategy`` (``"split"`` or ``"whole"``), ``check_plans``,
-            ``align_buckets``, ``share``, ``share_timeout_s``, ``step_gate``, ``reduce_dtype``, ``wrap_backend``) and
-            ``torch.compile``'s. The step gate (Note [Step gate]) starts at the second synchronised step.
+            ``align_buckets``, ``share``, ``share_timeout_s``, ``step_gate``, ``reduce_dtype``, ``compression``,
+            ``wrap_backend``) and ``torch.compile``'s. The step gate (Note [Step gate]) starts at the second synchronised step.
 
     Returns:
         The compiled module (``torch.compile``'s ``OptimizedModule``): wrap it in DDP and train.
@@ -142,8 +142,9 @@ class _DeferredBackend:
     def _attach(self, ddp_model: DistributedDataParallel) -> None:
         config = self.config
         hook = registered_hook_name(ddp_model)
-        if hook is not None and config.reduce_dtype is not None:  # before anything is attached
-            raise hook_conflict("compile_for_ddp", config.reduce_dtype, hook)
+        own = own_hook_for(ddp_model, config)
+        if hook is not None and own is not None:  # before anything is attached
+            raise hook_conflict("compile_for_ddp", own.setting, hook)
         self.ddp_model = ddp_model
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:
@@ -174,7 +175,7 @@ class _DeferredBackend:
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
         self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share, gate=gate,
-                                      reduce=reduce_state(ddp_model, config))
+                                      own_hook=own)
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

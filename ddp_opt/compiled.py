@@ -22,7 +22,7 @@ from ._torch_internals import add_python_reducer_hook, has_rebuilt_buckets, pyth
 from .alignment import Alignment
 from .autoplan import Timeline
 from .calibrate import Calibration, calibrate, calibrated_model
-from .compression import ReduceState, bucket_hook, gradient_hook
+from .compression import OwnHook
 from .agreement import agree_on_caps, next_plan_namespace
 from .optimizer import DDPOptimizer
 from .plan import Bucket, realign_caps
@@ -63,8 +63,9 @@ class CompiledDDP:
         gate: the :class:`compiler.step_gate.StepGate` of DDP's group (Note [Step
             gate]), or None (one rank, or ``step_gate=False``).
         traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
-        reduce: with ``reduce_dtype``, the group and dtype the gradients are all-reduced in
-            (Note [Reduced-precision all-reduce]); else None.
+        own_hook: with ``reduce_dtype`` or ``compression``, the comm hook registered here and kept
+            across realignment (Note [Reduced-precision all-reduce], Note [PowerSGD compression]);
+            else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
     """
@@ -73,7 +74,7 @@ class CompiledDDP:
                  align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
                  traced: TracedPlan | None = None, gate: StepGate | None = None,
-                 reduce: ReduceState | None = None) -> None:
+                 own_hook: OwnHook | None = None) -> None:
         self.ddp_model = ddp_model
         # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
         # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
@@ -102,22 +103,23 @@ class CompiledDDP:
         # Either handle works: DDP's own forward runs these, so ddp_model(x) and compiled(x) are the same call.
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
-        self.reduce = reduce
-        if reduce is not None and traced is not None:
-            add_python_reducer_hook(ddp_model, reduce, gradient_hook)
-        elif reduce is not None:
-            self._comm_hooks.append((reduce, bucket_hook))
-            ddp_model.register_comm_hook(reduce, bucket_hook)
+        self.own_hook = own_hook
+        if own_hook is not None and traced is not None:
+            add_python_reducer_hook(ddp_model, own_hook.state, own_hook.gradient)
+        elif own_hook is not None:
+            self._comm_hooks.append((own_hook.state, own_hook.bucket))
+            ddp_model.register_comm_hook(own_hook.state, own_hook.bucket)
         self._ready = True  # from here on, setting one of DDP's public attributes sets it on DDP
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
-        if self.reduce is not None:
+        if self.own_hook is not None:
+            name = self.own_hook.setting.split("=")[0]
             raise ValueError(
                 f"register_comm_hook({getattr(hook, '__qualname__', hook)!r}): this model was compiled with "
-                f"reduce_dtype={self.reduce.dtype}, which all-reduces the gradients through a comm hook of its own, "
-                "and DDP calls one hook. Compile with reduce_dtype=None to reduce through your hook, or drop the "
-                "hook and keep reduce_dtype.")
+                f"{self.own_hook.setting}, which all-reduces the gradients through a comm hook of its own, "
+                f"and DDP calls one hook. Compile with {name}=None to reduce through your hook, or drop the "
+                f"hook and keep {name}.")
         if self.traced is not None:
             raise RuntimeError(
                 "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
@@ -148,11 +150,17 @@ class CompiledDDP:
         elif len(buckets) >= self._min_realign_buckets:
             hooks = python_comm_hooks(self.ddp_model)  # also those registered on DDP itself
             self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks if hooks is None else hooks)
+            self._buckets_changed()
 
     def _check_realigned(self) -> None:
         # DDP rebuilds its buckets at the start of a forward: measured right after it.
         if self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
             self.realignment = check_realignment(self.ddp_model, [b for b in self.buckets if b.size > 0])
+            self._buckets_changed()
+
+    def _buckets_changed(self) -> None:
+        if self.own_hook is not None:
+            self.own_hook.buckets_changed()
 
     @property
     def strategy(self) -> str:

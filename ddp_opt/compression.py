@@ -55,9 +55,10 @@ import torch
 import torch.distributed as dist
 
 from ._torch_internals import functional_all_reduce
+from .powersgd import PowerSGD, forget_buckets, sequenced_powersgd_hook
 
-__all__ = ["REDUCE_DTYPES", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
-           "parse_reduce_dtype"]
+__all__ = ["REDUCE_DTYPES", "OwnHook", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
+           "own_hook", "parse_reduce_dtype"]
 
 # The dtypes gradients may be all-reduced in, by the names a config may give them.
 REDUCE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -77,12 +78,38 @@ def parse_reduce_dtype(value: Any) -> torch.dtype | None:
                      "torch.bfloat16 or torch.float16 (or 'bf16', 'fp16'), or None (or 'fp32') for their own dtype.")
 
 
-def hook_conflict(entry: str, dtype: torch.dtype, hook: str) -> ValueError:
-    """The refusal of ``reduce_dtype`` on a DDP module that already has the comm hook ``hook``."""
+def hook_conflict(entry: str, setting: str, hook: str) -> ValueError:
+    """The refusal of ``setting`` (``reduce_dtype=...`` or ``compression=...``) on a DDP module
+    that already has the comm hook ``hook``."""
+    name = setting.split("=")[0]
     return ValueError(
-        f"{entry}(reduce_dtype={dtype}) all-reduces the gradients through a comm hook of its own, and the comm "
-        f"hook {hook!r} is already registered on this DDP module; DDP calls one hook. Drop reduce_dtype to keep "
-        "your hook, or register no hook and keep reduce_dtype.")
+        f"{entry}({setting}) all-reduces the gradients through a comm hook of its own, and the comm "
+        f"hook {hook!r} is already registered on this DDP module; DDP calls one hook. Drop {name} to keep "
+        f"your hook, or register no hook and keep {name}.")
+
+
+@dataclass(frozen=True)
+class OwnHook:
+    """The comm hook ``compile_ddp`` registers itself for ``reduce_dtype`` or ``compression``."""
+
+    setting: str  # as the user gave it, for messages: "reduce_dtype=torch.bfloat16"
+    state: Any
+    bucket: Callable  # DDP's comm hook (the reducer strategies)
+    gradient: Callable | None  # the python reducer's hook per gradient (traced); None: not built
+
+    def buckets_changed(self) -> None:
+        """DDP's bucket layout changed (realignment): drop what the state keeps per bucket."""
+        forget_buckets(self.state)
+
+
+def own_hook(group: dist.ProcessGroup, reduce_dtype: torch.dtype | None,
+             compression: PowerSGD | None) -> OwnHook | None:
+    """The hook for the (validated) settings, or None when neither is set."""
+    if compression is not None:
+        return OwnHook(f"compression={str(compression)!r}", compression.state(group), sequenced_powersgd_hook, None)
+    if reduce_dtype is not None:
+        return OwnHook(f"reduce_dtype={reduce_dtype}", ReduceState(group, reduce_dtype), bucket_hook, gradient_hook)
+    return None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setti
 from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
 from .compression import REDUCE_DTYPES, parse_reduce_dtype
+from .powersgd import PowerSGD, parse_compression
 from .cost import CostModel
 
 __all__ = ["DDPCompileConfig", "STRATEGIES"]
@@ -63,6 +64,8 @@ class DDPCompileConfig(CompileOptions):
                   "own keys hash")
     blocks: str | Sequence[str] = "auto"
     reduce_dtype: torch.dtype | str | None = None
+    compression: PowerSGD | str | None = not_compiled(
+        None, why="a comm hook on DDP's reducer, outside the compiled graphs (refused under 'traced')")
     step_gate: bool = not_compiled(True, why="a wait in the store before each step's first collective; no graph "
                                              "changes")
     wrap_backend: Callable[[Callable], Callable] | None = not_compiled(
@@ -87,6 +90,7 @@ class DDPCompileConfig(CompileOptions):
             )
         object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "compile_ddp"))
         object.__setattr__(self, "reduce_dtype", self._checked_reduce_dtype())
+        object.__setattr__(self, "compression", self._checked_compression())
         self._check_plan_choice()
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
@@ -139,6 +143,25 @@ class DDPCompileConfig(CompileOptions):
                 "them in their own dtype. bf16 halves the bytes on the wire and keeps fp32's range "
                 "(Note [Reduced-precision all-reduce]).",
             ) from None
+
+    def _checked_compression(self) -> PowerSGD | None:
+        given = f"compile_ddp(compression={self.compression!r}"
+        try:
+            spec = parse_compression(self.compression)
+        except ValueError as e:
+            raise SettingError("compression", f"{given}): {e} PowerSGD sends each gradient matrix as two rank-R "
+                                              "factors (Note [PowerSGD compression]).") from None
+        if spec is not None and self.reduce_dtype is not None:
+            raise SettingError("compression", f"{given}, reduce_dtype={self.reduce_dtype}): both choose how the "
+                                              "gradients cross the link, through one comm hook each, and DDP calls "
+                                              "one hook. Pass one of the two.")
+        if spec is not None and self.strategy == "traced":
+            raise SettingError("compression", f"{given}, strategy='traced'): PowerSGD is built for DDP's reducer "
+                                              "only; the traced strategy's python reducer calls a hook per gradient, "
+                                              "and PowerSGD's per-bucket state does not fit it yet. Use "
+                                              "strategy='split' (the default) with compression, or "
+                                              "reduce_dtype=torch.bfloat16 with 'traced'.")
+        return spec
 
     @property
     def uses_cost_model(self) -> bool:

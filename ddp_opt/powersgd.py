@@ -1,0 +1,141 @@
+"""Low-rank gradient compression (``compile_ddp(compression="powersgd:4")``): PowerSGD
+through DDP's reducer, kept across realignment.
+
+Note [PowerSGD compression]
+
+Background
+    PowerSGD (Vogels et al., 2019) sends each gradient matrix ``M`` (n x m) as two rank-r
+    factors: ``P = M Q`` all-reduced and orthogonalised, ``Q = M^T P`` all-reduced, and
+    ``M ~ P Q^T``, so ``(n + m) r`` numbers cross the link instead of ``n m``. Error feedback
+    adds what the last step's approximation left out to the next gradient; the warm start
+    begins the next step's power iteration from the last ``Q``. PyTorch ships it as DDP's
+    ``powerSGD_hook`` with a ``PowerSGDState`` holding, per bucket index, the error and the
+    P and Q memories; vectors and matrices too small to gain (``min_compression_rate``)
+    are all-reduced as they are. The first ``start`` steps reduce uncompressed.
+
+Algorithm
+    - Reducer strategies (split, whole, regional): PyTorch's ``powerSGD_hook`` and its
+      state, registered by ``compile_ddp`` and again when the reducer is re-created to
+      realign the buckets (Note [Bucket realignment]), as the bf16 hook is.
+    - PyTorch's hook issues a bucket's P and Q all-reduces from the callbacks of its earlier
+      ones, on whichever thread completes them, while DDP's thread issues the next bucket's
+      first all-reduce: with two buckets or more, the ranks can issue their collectives in
+      different orders. On gloo this aborts the job ("Received data size doesn't match
+      expected size", seen with eager DDP and PyTorch's hook on torch 2.13, 3 buckets, in
+      the first compressed step). :func:`sequenced_powersgd_hook` runs each bucket's whole
+      hook on one worker thread per state, bucket after bucket in DDP's launch order, so
+      every rank issues the same collectives in the same order; backward goes on meanwhile.
+      On NCCL PyTorch's hook runs as it is (not observed here: no GPU).
+    - The state's memories are keyed by bucket index and mean something for one bucket
+      layout only. When realignment re-creates the reducer, and again when the realigned
+      buckets appear, :func:`forget_buckets` drops them: a layout change after compression
+      began restarts the error feedback and the warm start instead of adding one bucket's
+      error to another's gradients. With ``start`` past the steps that change the layout
+      (DDP rebuilds after step 1; realignment after step 1 and its rebuild after step 2, one
+      step later with ``static_graph``), there is nothing to drop.
+    - Traced: not built. The python reducer calls a hook per gradient, and a per-gradient
+      PowerSGD with its state in the compiled backward is future work; ``compile_ddp``
+      refuses the pair.
+    - ``bucket_cap_mb="auto"`` measures the link in fp32 and plans for uncompressed bytes.
+
+Numerics
+    PowerSGD is biased: each step's gradient is a rank-r approximation; error feedback
+    makes the sum over steps unbiased. The seed (``random_seed=0``) and the order of the
+    buckets decide the first Q, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_START", "PowerSGD", "SequencedState", "forget_buckets", "parse_compression",
+           "sequenced_powersgd_hook"]
+
+# Steps reduced uncompressed before PowerSGD starts: past the bucket rebuilds and realignment (at most 3 steps),
+# and short of most warm-ups (PyTorch's advice: at least the warm-up, about 10% of training).
+DEFAULT_START = 10
+_SPEC = re.compile(r"powersgd:(\d+)(?::(\d+))?")
+
+
+@dataclass(frozen=True)
+class PowerSGD:
+    """``compression="powersgd:RANK[:START]"``: rank-``rank`` PowerSGD from step ``start``."""
+
+    rank: int
+    start: int = DEFAULT_START
+
+    def __str__(self) -> str:
+        return f"powersgd:{self.rank}:{self.start}"
+
+    def state(self, group: dist.ProcessGroup) -> SequencedState:
+        """A fresh state for DDP's group: error feedback and warm start on, seed 0."""
+        return SequencedState(group, matrix_approximation_rank=self.rank, start_powerSGD_iter=self.start,
+                              use_error_feedback=True, warm_start=True, random_seed=0)
+
+
+class SequencedState(PowerSGDState):
+    """PyTorch's ``PowerSGDState`` with the one worker thread :func:`sequenced_powersgd_hook` runs on."""
+
+    def __init__(self, process_group: dist.ProcessGroup, **settings: Any) -> None:
+        super().__init__(process_group, **settings)
+        self.in_order = dist.get_backend(process_group) != "nccl"
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="powersgd") if self.in_order else None
+
+
+# No annotations: DDP's register_comm_hook compares a hook's annotations with real types.
+def sequenced_powersgd_hook(state, bucket):
+    """PyTorch's ``powerSGD_hook``, each bucket's run whole on the state's worker thread in
+    DDP's launch order (Note [PowerSGD compression]); on NCCL, PyTorch's hook as it is."""
+    if not state.in_order:
+        return powerSGD_hook(state, bucket)
+    done = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(powerSGD_hook(state, bucket).wait())
+        except BaseException as e:  # DDP raises it where it waits for the bucket
+            done.set_exception(e)
+
+    state.worker.submit(run)
+    return done
+
+
+def parse_compression(value: Any) -> PowerSGD | None:
+    """``value`` (None, ``"none"``, ``"powersgd:R"``, ``"powersgd:R:S"`` or a :class:`PowerSGD`)
+    as a :class:`PowerSGD`, or None for no compression; ValueError otherwise."""
+    if value is None or isinstance(value, PowerSGD):
+        spec = value
+    elif isinstance(value, str) and value.strip().lower() == "none":
+        spec = None
+    else:
+        match = _SPEC.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+        if match is None:
+            raise ValueError(f"{value!r} names no compression: expected 'powersgd:RANK' or 'powersgd:RANK:START' "
+                             "(e.g. 'powersgd:4', rank 4 from step 10), or None.")
+        spec = PowerSGD(int(match[1]), int(match[2]) if match[2] else DEFAULT_START)
+    if spec is not None and (spec.rank < 1 or spec.start < 2):
+        raise ValueError(f"{spec}: the rank must be at least 1, and the start at least 2: the error feedback and "
+                         "the warm start keep memories per bucket, and DDP rebuilds its buckets after step 1.")
+    return spec
+
+
+def forget_buckets(state: Any) -> None:
+    """Drop a PowerSGD state's per-bucket memories (the bucket layout changed); another state: nothing."""
+    if not isinstance(state, PowerSGDState):
+        return
+    if state.error_dict or state.p_memory_dict:
+        log.info("PowerSGD: DDP's buckets changed after compression began; the error feedback and the warm "
+                 "start restart from zero (start PowerSGD later to keep them: compression='powersgd:R:START')")
+    state.error_dict.clear()
+    state.p_memory_dict.clear()
+    state.q_memory_dict.clear()

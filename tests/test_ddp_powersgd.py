@@ -1,0 +1,161 @@
+"""compile_ddp(compression="powersgd:R:START"): PyTorch's PowerSGD hook through DDP's reducer under
+the split strategy, kept across realignment, step by step against eager DDP with the same hook, seed
+and start (Note [PowerSGD compression]); and the settings it refuses.
+
+The eager reference runs PyTorch's hook through ``sequenced_powersgd_hook`` too: registered as it is,
+on gloo with several buckets, its ranks issue collectives in different orders and abort (the Note)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.peer_hooks import bucket_bf16_hook
+from compiler import SettingError
+from ddp_opt import DDPCompileConfig, compile_ddp
+from ddp_opt._torch_internals import registered_hook_name
+from ddp_opt.compression import own_hook
+from ddp_opt.powersgd import PowerSGD, SequencedState, parse_compression, sequenced_powersgd_hook
+
+# Each Linear's weight (1.4 MB) fills a bucket at a cap of 1 MiB, so DDP's buckets, eager and realigned
+# alike, hold one matrix each, in the same order: PowerSGD's result for a bucket depends on the matrices
+# in it and on the buckets' order (its random first Q is drawn per bucket), not on the order of the
+# gradients inside one.
+WIDTH, LAYERS, CAP_MB, RANK, START, STEPS = 600, 3, 1.0, 2, 3, 7
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 4))
+
+
+def _train(rank: int, model: torch.nn.Module, call) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    losses, grads = [], []
+    for _ in range(STEPS):
+        loss = call(torch.randn(8, WIDTH, generator=data)).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads}
+
+
+def _parity_rank(rank: int, world_size: int) -> dict:
+    reference = DDP(_model(), bucket_cap_mb=CAP_MB)
+    state = SequencedState(reference.process_group, matrix_approximation_rank=RANK, start_powerSGD_iter=START,
+                           use_error_feedback=True, warm_start=True, random_seed=0)
+    reference.register_comm_hook(state, sequenced_powersgd_hook)
+    fp32 = DDP(_model(), bucket_cap_mb=CAP_MB)
+    ddp = DDP(_model(), bucket_cap_mb=CAP_MB)
+    compiled = compile_ddp(ddp, backend="aot_eager", compression=f"powersgd:{RANK}:{START}")
+    ours = _train(rank, ddp.module, compiled)
+    own = compiled.own_hook.state
+    return {"ours": ours, "reference": _train(rank, reference.module, reference),
+            "fp32": _train(rank, fp32.module, fp32), "aligned": compiled.aligned_caps,
+            "partitions": len([b for b in compiled.buckets if b.size]), "hook": registered_hook_name(ddp),
+            "compressed": (own.total_numel_before_compression, own.total_numel_after_compression),
+            "buckets": sorted(own.error_dict)}
+
+
+def test_powersgd_under_the_split_strategy_matches_eager_ddp_with_pytorchs_hook(run_ranks):
+    results = run_ranks(_parity_rank, timeout=600)
+    for r in results:
+        # Realigned after step 1 and the hook registered again on the new reducer, one bucket per layer.
+        assert r["aligned"] is not None and r["partitions"] >= LAYERS, r["aligned"]
+        assert r["hook"] == "sequenced_powersgd_hook"
+        before, after = r["compressed"]
+        assert 0 < after < before / 10, r["compressed"]  # rank 2 of 600 x 600: what crossed was ~1/150
+        assert r["buckets"] == list(range(len(r["buckets"]))) and len(r["buckets"]) >= LAYERS
+        torch.testing.assert_close(r["ours"]["losses"], r["reference"]["losses"], rtol=1e-5, atol=0)
+        for step in range(STEPS):
+            for g, g_ref in zip(r["ours"]["grads"][step], r["reference"]["grads"][step]):
+                torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+        # The steps before START reduce uncompressed, as fp32 DDP; from START on the gradients are
+        # low-rank approximations, which the fp32 ones are not.
+        for step in range(STEPS):
+            same = all(torch.allclose(g, g32, rtol=1e-4, atol=1e-6)
+                       for g, g32 in zip(r["ours"]["grads"][step], r["fp32"]["grads"][step]))
+            assert same == (step < START), step
+    for g0, g1 in zip(results[0]["ours"]["grads"][-1], results[1]["ours"]["grads"][-1]):
+        assert torch.equal(g0, g1)  # the ranks' gradients agree
+
+
+def test_a_bucket_layout_change_drops_powersgds_memories(gloo, caplog):
+    # Realignment calls it when it re-creates the reducer and when the realigned buckets appear. In the
+    # flows tried, PyTorch's step count starts compression only after both (with static_graph the new
+    # reducer's first step calls no hook), so this is a safety net: one bucket's error must never be
+    # added to another's gradients.
+    own = own_hook(dist.group.WORLD, None, parse_compression("powersgd:2:2"))
+    own.state.error_dict[0] = torch.ones(3)
+    own.state.p_memory_dict[0], own.state.q_memory_dict[0] = torch.ones(2), torch.ones(2)
+    with caplog.at_level(logging.INFO, logger="ddp_opt.powersgd"):
+        own.buckets_changed()
+    assert not (own.state.error_dict or own.state.p_memory_dict or own.state.q_memory_dict)
+    assert "the error feedback and the warm start restart from zero" in caplog.text
+    own.buckets_changed()  # nothing kept: nothing said
+    assert caplog.text.count("restart from zero") == 1
+
+
+# --- settings and refusals, in process ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("given, spec", [("powersgd:4", PowerSGD(4, 10)), ("PowerSGD:1:200", PowerSGD(1, 200)),
+                                         (PowerSGD(8, 5), PowerSGD(8, 5)), ("none", None), (None, None)])
+def test_compression_is_parsed(given, spec):
+    assert parse_compression(given) == spec
+    assert DDPCompileConfig(compression=given).compression == spec
+
+
+@pytest.mark.parametrize("given, needle", [
+    ("powersgd", r"'powersgd' names no compression: expected 'powersgd:RANK' or 'powersgd:RANK:START'"),
+    ("topk:4", r"'topk:4' names no compression"),
+    ("powersgd:0", r"powersgd:0:10: the rank must be at least 1, and the start at least 2"),
+    ("powersgd:4:1", r"powersgd:4:1: the rank must be at least 1, and the start at least 2: .* DDP rebuilds its "
+                     r"buckets after step 1"),
+])
+def test_a_compression_that_cannot_work_is_refused(given, needle):
+    with pytest.raises(SettingError, match=r"compile_ddp\(compression=.*\): " + needle) as caught:
+        DDPCompileConfig(compression=given)
+    assert caught.value.setting == "compression"
+
+
+@pytest.mark.parametrize("more, needle", [
+    (dict(reduce_dtype="bf16"), r"compile_ddp\(compression='powersgd:4', reduce_dtype=torch.bfloat16\): both "
+                                r"choose how the gradients cross the link, .* Pass one of the two."),
+    (dict(strategy="traced"), r"compile_ddp\(compression='powersgd:4', strategy='traced'\): PowerSGD is built "
+                              r"for DDP's reducer only; .* Use strategy='split' \(the default\) with compression"),
+])
+def test_compression_with_a_setting_it_cannot_share_is_refused(more, needle):
+    with pytest.raises(SettingError, match=needle):
+        DDPCompileConfig(compression="powersgd:4", **more)
+
+
+def test_compression_leaves_the_cache_key_alone():
+    assert DDPCompileConfig(compression="powersgd:4").cache_settings() == DDPCompileConfig().cache_settings()
+
+
+def test_compression_with_a_users_comm_hook_is_refused(gloo, clean_dynamo):
+    ddp = DDP(torch.nn.Linear(4, 2))
+    ddp.register_comm_hook(None, bucket_bf16_hook)
+    with pytest.raises(ValueError, match=r"^compile_ddp\(compression='powersgd:4:10'\) all-reduces the gradients "
+                                         r"through a comm hook of its own, and the comm hook 'bucket_bf16_hook' is "
+                                         r"already registered on this DDP module; DDP calls one hook. Drop "
+                                         r"compression to keep your hook, or register no hook and keep "
+                                         r"compression.$"):
+        compile_ddp(ddp, backend="aot_eager", compression="powersgd:4")
+
+
+def test_a_comm_hook_registered_after_compression_is_refused(gloo, clean_dynamo):
+    compiled = compile_ddp(DDP(torch.nn.Linear(4, 2)), backend="aot_eager", compression="powersgd:4")
+    with pytest.raises(ValueError, match=r"register_comm_hook\('bucket_bf16_hook'\): this model was compiled with "
+                                         r"compression='powersgd:4:10', .* Compile with compression=None to reduce "
+                                         r"through your hook, or drop the hook and keep compression."):
+        compiled.register_comm_hook(None, bucket_bf16_hook)
