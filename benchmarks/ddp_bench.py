@@ -81,7 +81,7 @@ from ._torch_internals import graphs_compiled
 from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from .device import clock, peak_bytes, reset_peak
-from .limit import WIRE_BYTES, add_limit_columns, limit_parts, measure_comm
+from .limit import WIRE_BYTES, add_limit_columns, limit_parts, measure_comm, wire_kind, wire_numel
 from .link import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
 from .report import cap_label, nan_to_none, print0
@@ -131,7 +131,7 @@ class BenchConfig(GPTJob):
         if unhooked and self.link.enabled:
             raise ValueError(
                 f"mode(s) {', '.join(unhooked)} with --link {self.link.label}: their all-reduces are traced into the "
-                "compiled backward or go through a bf16 hook of their own, and never reach DDP's comm hook, so the "
+                "compiled backward or go through a hook of their own (bf16, PowerSGD), and never reach DDP's comm hook, so the "
                 "simulated link would charge every mode but them. Measure them over a real link (--net shaped:RATE, "
                 "e.g. shaped:800mbit) or with --link none."
             )
@@ -320,7 +320,8 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
         # what crosses the link: the gradients in the mode's reduce dtype (issue 46)
         "reduce_dtype": r.mode.reduce_dtype,
-        "wire_mib": sum(p.numel() * WIRE_BYTES[r.mode.reduce_dtype] for p in r.ddp.module.parameters()) / 2**20,
+        "compression": r.mode.compression,
+        "wire_mib": _wire_bytes(r) / 2**20,
     }
 
 
@@ -328,15 +329,20 @@ def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink,
     """The link time of all gradient bytes in one message (the ``comm`` of Note [Physical limit of
     a step] in ``benchmarks.limit``), measured on every rank, per reduce dtype the runners use (a
     bf16 mode's limit counts bf16 bytes); rank 0 says what it measured."""
-    numel = sum(p.numel() for p in runners[0].ddp.module.parameters())
     comm = {}
-    for dtype in sorted({r.mode.reduce_dtype for r in runners}, key=lambda d: -WIRE_BYTES[d]):
-        nbytes = numel * WIRE_BYTES[dtype]
-        comm[dtype] = measure_comm(nbytes, cfg.torch_device, link.model.transfer_s,
-                                   repeats=max(3, min(cfg.rounds, 5)), dtype=dtype)
-        print0(f"{prefix}link: {nbytes / 2**20:.1f} MiB of {dtype} gradients in one all-reduce took "
-               f"{comm[dtype] * 1e3:.1f} ms (median; the comm part of the physical limit)")
+    kinds = {wire_kind({"reduce_dtype": r.mode.reduce_dtype, "compression": r.mode.compression}): r for r in runners}
+    for kind, r in sorted(kinds.items(), key=lambda item: -_wire_bytes(item[1])):
+        nbytes = _wire_bytes(r)
+        comm[kind] = measure_comm(nbytes, cfg.torch_device, link.model.transfer_s,
+                                  repeats=max(3, min(cfg.rounds, 5)), dtype=r.mode.reduce_dtype)
+        print0(f"{prefix}link: {nbytes / 2**20:.1f} MiB of {kind} gradients in one all-reduce took "
+               f"{comm[kind] * 1e3:.1f} ms (median; the comm part of the physical limit)")
     return comm
+
+
+def _wire_bytes(r: DDPRunner) -> int:
+    """Bytes of gradients one rank sends per step in ``r``'s mode."""
+    return wire_numel(r.ddp.module.parameters(), r.mode.compression) * WIRE_BYTES[r.mode.reduce_dtype]
 
 
 def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "") -> list[dict]:
@@ -348,7 +354,7 @@ def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "") ->
         add_limit_columns(rows, parts)
         for r in rows:
             if r["comm_ms"] is None and r["net"] != "local":
-                r["comm_ms"] = comm_s[r["reduce_dtype"]] * 1e3
+                r["comm_ms"] = comm_s[wire_kind(r)] * 1e3
                 r["overlap"] = nan_to_none(overlap_efficiency(r["compute_ms"], r["comm_ms"],
                                                               r["compute_ms"] + r["exposed_comm_ms"]))
         for dtype, part in parts.items():

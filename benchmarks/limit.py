@@ -75,12 +75,31 @@ from typing import Sequence
 from .stats import median, ratio_summary
 
 __all__ = ["LimitParts", "FSDPLimitParts", "limit_parts", "add_limit_columns", "measure_comm", "measure_fsdp_comm",
-           "PEER_MODES", "FSDP_PEER_MODES", "against_peers"]
+           "PEER_MODES", "FSDP_PEER_MODES", "against_peers", "wire_kind", "wire_numel"]
 
 PEER_MODES = ("eager", "builtin", "compiled_autograd",  # what users run today (the modes we must beat)
-              "eager_bf16", "builtin_bf16", "compiled_autograd_bf16")  # the same with the bf16 hook a user registers
+              "eager_bf16", "builtin_bf16", "compiled_autograd_bf16",  # the same with the bf16 hook a user registers
+              "eager_powersgd")  # and with PyTorch's PowerSGD hook
 WIRE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per gradient element on the link, by a row's reduce_dtype
 FSDP_PEER_MODES = ("eager", "per_block")  # FSDP2 as is, and torchtitan's per-block compile recipe
+
+
+def wire_kind(row: dict) -> str:
+    """What a row's gradients cross the link as: its compression, else its reduce dtype."""
+    return row.get("compression") or row.get("reduce_dtype", "fp32")
+
+
+def wire_numel(params, compression: str | None) -> int:
+    """Elements each rank sends per step: every gradient's, or under PowerSGD the P and Q of each
+    matrix worth compressing (PyTorch's rule: ``(n + m) r`` at least halves ``n m``) and the rest."""
+    rank = int(compression.split(":")[1]) if compression else 0
+    total = 0
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, rank)
+        total += (n + m) * r if rank and (n + m) * r * 2 < n * m else p.numel()
+    return total
 
 
 @dataclass(frozen=True)
@@ -133,8 +152,7 @@ def limit_parts(rows: Sequence[dict], comm_s: float) -> LimitParts:
 
 
 def _best_peer(rows: Sequence[dict], peers: Sequence[str], dtype: str = "fp32") -> dict | None:
-    candidates = [r for r in rows if r["mode"] in peers and r.get("step_ms_rounds")
-                  and r.get("reduce_dtype", "fp32") == dtype]
+    candidates = [r for r in rows if r["mode"] in peers and r.get("step_ms_rounds") and wire_kind(r) == dtype]
     return min(candidates, key=lambda r: r["step_ms_median"]) if candidates else None
 
 
@@ -145,7 +163,7 @@ def add_limit_columns(rows: list[dict], parts: LimitParts | FSDPLimitParts | dic
     (DDP), a row's limit counts the bytes it sends and its best peer sends the same dtype; a row
     reduced in another dtype than fp32 also gets ``ratio_vs_best_fp32_peer`` (issue 46)."""
     for r in rows:
-        dtype = r.get("reduce_dtype", "fp32")
+        dtype = wire_kind(r)
         part = parts[dtype] if isinstance(parts, dict) else parts
         r.update(part.columns())
         r["step_over_limit"] = r["step_ms_median"] / (part.limit_s * 1e3)
@@ -212,7 +230,7 @@ def against_peers(rows: Sequence[dict], default_cap: float = 25.0) -> list[dict]
     for mine in ours:
         for peer in PEER_MODES:  # those sending the same dtype
             runs = [r for r in rows if r["mode"] == peer and r.get("step_ms_rounds")
-                    and r.get("reduce_dtype", "fp32") == mine.get("reduce_dtype", "fp32")]
+                    and wire_kind(r) == wire_kind(mine)]
             if not runs:
                 continue
             default = next((r for r in runs if r.get("bucket_cap_mb") == default_cap), None)

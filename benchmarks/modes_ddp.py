@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler import resolve_backend
 from ddp_opt import compile_ddp, measure_alignment
+from ddp_opt.powersgd import parse_compression, sequenced_powersgd_hook
 
 from ._torch_internals import BuiltinBuckets, python_reducer_ddp, python_reducer_step
 from .core import ModeTable, Runner
@@ -68,6 +69,7 @@ class DDPMode:
     plans_auto: ClassVar[bool] = False  # takes cap "auto" and a cost model
     takes_hook: ClassVar[bool] = True  # its gradients go through DDP's reducer, and so the simulated link
     reduce_dtype: ClassVar[str] = "fp32"  # what its gradients cross the link in
+    compression: ClassVar[str | None] = None  # how they are compressed ("powersgd:R:START"); None: not
 
     def construct(self) -> ContextManager:
         """What the mode's DDP model is made inside."""
@@ -327,9 +329,38 @@ class OursTracedBF16(OursTraced):
                            reduce_dtype=torch.bfloat16, **more)
 
 
+# --- PowerSGD (issue 46): eager DDP with PyTorch's hook at the same rank and start, and ours ------------------
+# Start 2: the measured rounds are compressed (realignment's layout changes come before, Note [PowerSGD
+# compression]).
+POWERSGD = "powersgd:4:2"
+
+
+class EagerPowerSGD(Eager):
+    name = "eager_powersgd"
+    summary = (f"DDP, no compile, PyTorch's powerSGD_hook ({POWERSGD}), each bucket's hook in DDP's order (as "
+               "registered, its ranks' collectives go out of order on gloo)")
+    compression, takes_hook = POWERSGD, False
+
+    def register_hook(self, r: DDPRunner, link: SimulatedLink) -> None:
+        r.ddp.register_comm_hook(parse_compression(POWERSGD).state(r.ddp.process_group), sequenced_powersgd_hook)
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        return sorted({*(c for c in caps if c != "auto"), DEFAULT_CAP})
+
+
+class OursPowerSGD(Ours):
+    name, summary = "ours_powersgd", f"compile_ddp(ddp, compression={POWERSGD!r}): ours, PowerSGD gradients"
+    compression, takes_hook = POWERSGD, False
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        more = dict(bucket_cap_mb="auto") if cap == "auto" else {}  # the link measured by compile_ddp, in fp32
+        r.fn = compile_ddp(r.ddp, backend=backend, compression=POWERSGD, **more)
+
+
 DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), OursNoGate(), Regional(),
                                            CompiledAutograd(), OursTraced(), EagerBF16(), BuiltinBF16(),
-                                           CompiledAutogradBF16(), OursBF16(), OursTracedBF16()],
+                                           CompiledAutogradBF16(), OursBF16(), OursTracedBF16(), EagerPowerSGD(),
+                                           OursPowerSGD()],
                                           default=("eager", "builtin", "nosplit", "ours"))
 
 

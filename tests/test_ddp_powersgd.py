@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from benchmarks.peer_hooks import bucket_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp
-from ddp_opt._torch_internals import registered_hook_name
+from ddp_opt._torch_internals import python_comm_hooks, registered_hook_name
 from ddp_opt.compression import own_hook
 from ddp_opt.powersgd import PowerSGD, SequencedState, parse_compression, sequenced_powersgd_hook
 
@@ -159,3 +159,44 @@ def test_a_comm_hook_registered_after_compression_is_refused(gloo, clean_dynamo)
                                          r"compression='powersgd:4:10', .* Compile with compression=None to reduce "
                                          r"through your hook, or drop the hook and keep compression."):
         compiled.register_comm_hook(None, bucket_bf16_hook)
+
+
+# --- the launcher: ddp.compression -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_the_main_jobs_ddp_compresses_with_powersgd(gloo, clean_dynamo, backend):
+    from _jobs import composed
+    from launch.runtime.dist import DistEnv
+    from launch.runtime.parallel import apply_parallel, build_model
+
+    cfg = composed(f"compile={backend}", "ddp.compression=powersgd:2:2", "model.n_layer=1", "model.n_embd=32",
+                   "model.n_head=2")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    wrapped = apply_parallel(build_model(cfg.model), cfg, env)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):  # the third step is compressed: one rank's gradient replaced by its rank-2 approximation
+        wrapped.forward(x, x)[1].backward()
+    assert registered_hook_name(wrapped.module) == "sequenced_powersgd_hook"
+    [(state, _)] = python_comm_hooks(wrapped.module)
+    assert state.iter == 3 and state.error_dict, state.iter
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["ddp.compression=topk"], r"ddp\.compression='topk' is not valid: 'topk' names no compression: expected "
+                               r"'powersgd:RANK' or 'powersgd:RANK:START'.* use e\.g\. ddp\.compression=powersgd:4"),
+    (["ddp.compression=powersgd:4:1"], r"ddp\.compression='powersgd:4:1' is not valid: .*the start at least 2"),
+    (["ddp.compression=powersgd:4", "ddp.reduce_dtype=bf16"], r"ddp\.compression=powersgd:4 with "
+                                                              r"ddp\.reduce_dtype=bf16: both choose how the gradients "
+                                                              r"cross the link.* Keep one"),
+    (["ddp.compression=powersgd:4", "ddp.strategy=traced"], r"ddp\.compression=powersgd:4 with ddp\.strategy=traced: "
+                                                            r"PowerSGD is built for DDP's reducer only"),
+    (["parallel=fsdp", "ddp.compression=powersgd:4"], r"ddp\.compression is set but parallel=fsdp"),
+])
+def test_a_compression_the_job_cannot_use_is_refused_before_a_process_group(overrides, needle):
+    from _jobs import composed
+    from launch.checks.validate import validate
+    from launch.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        validate(composed(*overrides), world_size=2)

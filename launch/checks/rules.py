@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ddp_opt.config import STRATEGIES
+from ddp_opt.powersgd import parse_compression
 
 from ..config.schema import (
     CompileConfig,
@@ -43,6 +44,7 @@ __all__ = [
     "check_parallel",
     "check_compile_time",
     "check_reduce_dtype",
+    "check_compression",
     "check_ddp",
     "check_auto_caps",
     "auto_caps_error",
@@ -171,6 +173,23 @@ def check_reduce_dtype(d: DDPConfig) -> None:
            "reduction), or fp32 (the default) to reduce them as they are.")
 
 
+def check_compression(d: DDPConfig) -> None:
+    """``ddp.compression`` names a compression, and not beside a setting it cannot share."""
+    try:
+        spec = parse_compression(d.compression)
+    except ValueError as e:
+        raise ConfigError(f"ddp.compression={d.compression!r} is not valid: {e} PowerSGD sends each gradient "
+                          "matrix as two rank-RANK factors; use e.g. ddp.compression=powersgd:4, or none.") from None
+    if spec is not None and d.reduce_dtype != Precision.FP32:
+        raise ConfigError(f"ddp.compression={d.compression} with ddp.reduce_dtype={d.reduce_dtype}: both choose how "
+                          "the gradients cross the link, through one comm hook each, and DDP calls one hook. Keep "
+                          "one: ddp.reduce_dtype=fp32 or ddp.compression=none.")
+    if spec is not None and d.strategy == "traced":
+        raise ConfigError(f"ddp.compression={d.compression} with ddp.strategy=traced: PowerSGD is built for DDP's "
+                          "reducer only, and the traced strategy reduces through PyTorch's python reducer. Use "
+                          "ddp.strategy=split (the default), or ddp.reduce_dtype=bf16 with traced.")
+
+
 def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
     why = "DDP fills each gradient bucket up to its cap before it all-reduces it, so a cap of zero or less holds nothing"
     fix = "Give a size in MiB, e.g. {}=25, or null for DDP's default (25 MiB, first bucket 1 MiB)."
@@ -195,6 +214,8 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
         using.append("strategy")
     if d.reduce_dtype != Precision.FP32:
         using.append("reduce_dtype")
+    if d.compression != "none":
+        using.append("compression")
     if p.name != ParallelMode.DDP and using:
         raise ConfigError(
             f"ddp.{using[0]} is set but parallel={p.name}: ddp.* settings configure DistributedDataParallel's "

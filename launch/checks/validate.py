@@ -65,6 +65,7 @@ def _compile_settings(cfg: JobConfig) -> None:
     ``compile.*`` setting, so it is built whatever the parallel mode: a bad backend or
     fallback is refused the same way everywhere."""
     rules.check_reduce_dtype(cfg.ddp)
+    rules.check_compression(cfg.ddp)
     try:
         ddp_compile_config(cfg)
     except SettingError as e:

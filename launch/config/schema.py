@@ -22,14 +22,7 @@ from compiler import CompileOptions
 __all__ = [
     "ConfigError",
     # choices
-    "ModelName",
-    "ParallelMode",
-    "DistBackend",
-    "FSDPPrecision",
-    "Precision",
-    "Lengths",
-    "Padding",
-    "LRSchedule",
+    "ModelName", "ParallelMode", "DistBackend", "FSDPPrecision", "Precision", "Lengths", "Padding", "LRSchedule",
     # schemas, one per config group
     "ModelConfig",
     "ParallelConfig",
@@ -182,6 +175,8 @@ class DDPConfig:
     # fp32 | bf16: the gradients all-reduced in bf16 (half the bytes on the wire), averaged, then widened
     # for the optimizer (Note [Reduced-precision all-reduce]); fp32: as they are.
     reduce_dtype: str = "fp32"
+    # none | powersgd:RANK[:START]: rank-RANK PowerSGD from step START, default 10 (Note [PowerSGD compression]).
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         # The one check a type cannot make: `Any` lets every word through.

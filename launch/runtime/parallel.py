@@ -24,10 +24,11 @@ from compiler.cache import open_cache
 from compiler.cputime import cpu_seconds
 from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
 from ddp_opt.advice import Spelling
-from ddp_opt.compression import ReduceState, bucket_hook, parse_reduce_dtype
+from ddp_opt.compression import own_hook, parse_reduce_dtype
+from ddp_opt.powersgd import parse_compression
 
 from ..config.schema import (CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig,
-                             ParallelMode, Precision)
+                             ParallelMode)
 from .dist import DistEnv
 
 if TYPE_CHECKING:
@@ -176,6 +177,7 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
         align_buckets=cfg.ddp.align_buckets, step_gate=cfg.ddp.step_gate,
         strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP else "split", spelling=OVERRIDE_SPELLING,
         reduce_dtype=cfg.ddp.reduce_dtype if cfg.parallel.name == ParallelMode.DDP else None,
+        compression=cfg.ddp.compression if cfg.parallel.name == ParallelMode.DDP else None,
     )
 
 
@@ -222,9 +224,10 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
             **ddp_bucket_kwargs(cfg.ddp),
         )
         if not compile_it:
-            if cfg.ddp.reduce_dtype != Precision.FP32:  # the comm hook compile_ddp would register
-                ddp.register_comm_hook(ReduceState(ddp.process_group, parse_reduce_dtype(cfg.ddp.reduce_dtype)),
-                                       bucket_hook)
+            own = own_hook(ddp.process_group, parse_reduce_dtype(cfg.ddp.reduce_dtype),
+                           parse_compression(cfg.ddp.compression))
+            if own is not None:  # the comm hook compile_ddp would register
+                ddp.register_comm_hook(own.state, own.bucket)
             return Wrapped(ddp, ddp)
         compiled = compile_ddp(ddp, config=ddp_compile_config(cfg, wrap_backend))
         compiled.auto_save_cache = False  # saved by the training loop after its first step
