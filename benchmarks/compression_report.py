@@ -1,7 +1,7 @@
-"""The docs block of a compressed-reduction sweep (``ddp_compare --sweep`` with the ``*_bf16``
-modes): every row with the dtype and bytes it sends, its ratio to the best peer that sends the
-same dtype and to the best fp32 peer, and its distance from the limit of its own bytes; then
-issue 46's goal rows, each with the measured value beside its bound.
+"""The docs block of a compressed-reduction sweep (``ddp_compare --sweep`` with the ``*_bf16`` or
+``*_powersgd`` modes): every row with what and how many bytes it sends, its ratio to the best peer
+that sends the same and to the best fp32 peer, and its distance from the limit of its own bytes;
+then issue 46's goal rows, each with the measured value beside its bound.
 
     python -m benchmarks.compression_report benchmarks/results/ddp_shaped_200mbit_bf16.json   # print the block
 """
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from .limit import PEER_MODES
+from .limit import PEER_MODES, wire_kind
 from .report import cap_label, fmt, markdown_table, with_iqr
 
 __all__ = ["START", "END", "goals", "results_markdown", "main"]
@@ -28,21 +28,26 @@ def _ratio(mine: dict, other: dict) -> float:
     return ratio_summary(mine["step_ms_rounds"], other["step_ms_rounds"])[0]
 
 
+# Issue 46's bound against the best fp32 peer, by what a row sends.
+_FP32_BOUND = {"bf16": 0.60, "powersgd": 0.45}
+
+
 def goals(rows: Sequence[dict]) -> list[list[str]]:
-    """Issue 46's goals for bf16 at ``auto``, each as (goal, bound, measured, met) for every such row."""
+    """Issue 46's goals for compressed rows of ours at ``auto``, each as (goal, bound, measured, met)."""
     out = []
     peers = [r for r in rows if r["mode"] in PEER_MODES and r.get("step_ms_rounds")]
-    for mine in (r for r in rows if r["mode"] not in PEER_MODES and r.get("reduce_dtype") == "bf16"
+    for mine in (r for r in rows if r["mode"] not in PEER_MODES and wire_kind(r) != "fp32"
                  and r.get("bucket_cap_mb") == "auto"):
-        name = mine["runner"]
-        checks = [(f"{name} vs the best bf16 peer ({mine.get('best_peer')})", "<= 1.00",
+        name, kind = mine["runner"], wire_kind(mine)
+        bound = _FP32_BOUND[kind.split(":")[0]]
+        checks = [(f"{name} vs the best {kind} peer ({mine.get('best_peer')})", "<= 1.00",
                    mine.get("ratio_vs_best_peer"), 1.00),
-                  (f"{name} vs the best fp32 peer ({mine.get('best_fp32_peer')})", "<= 0.60",
-                   mine.get("ratio_vs_best_fp32_peer"), 0.60)]
-        if mine.get("link_bound"):
+                  (f"{name} vs the best fp32 peer ({mine.get('best_fp32_peer')})", f"<= {bound:.2f}",
+                   mine.get("ratio_vs_best_fp32_peer"), bound)]
+        if mine.get("link_bound") and kind == "bf16":
             checks.append((f"{name} step / limit on bf16 bytes (the link exceeds backward)", "<= 1.05",
                            mine.get("step_over_limit"), 1.05))
-        for peer in (p for p in peers if p.get("reduce_dtype", "fp32") == "bf16"):  # peers that send bf16 too
+        for peer in (p for p in peers if wire_kind(p) == "bf16" == kind):  # peers that send bf16 too
             if peer.get("step_over_limit") is not None and peer["step_over_limit"] >= 1.10:
                 checks.append((f"{name} vs {peer['runner']} ({peer['step_over_limit']:.2f} of its limit)", "<= 0.90",
                                _ratio(mine, peer), 0.90))
@@ -57,7 +62,7 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
     table = markdown_table(
         ["cap MiB", "mode", "sends", "MiB on the wire", "step ms [IQR]", "vs best peer, same dtype [IQR]",
          "vs best fp32 peer [IQR]", "step / limit of its bytes", "limit ms"],
-        [[cap_label(r["bucket_cap_mb"]), r["mode"], r.get("reduce_dtype", "fp32"), fmt(r.get("wire_mib"), ".1f"),
+        [[cap_label(r["bucket_cap_mb"]), r["mode"], wire_kind(r), fmt(r.get("wire_mib"), ".1f"),
           with_iqr(r["step_ms_median"], r.get("step_ms_q1"), r.get("step_ms_q3"), ".1f"),
           with_iqr(r.get("ratio_vs_best_peer"), r.get("ratio_vs_best_peer_q1"), r.get("ratio_vs_best_peer_q3")),
           with_iqr(r.get("ratio_vs_best_fp32_peer"), r.get("ratio_vs_best_fp32_peer_q1"),
@@ -67,12 +72,12 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
     text = (f"`{r0.get('model', '?')}`, {r0.get('world_size', '?')} ranks, backend `{r0.get('backend', '?')}`, net "
             f"`{r0.get('net', '?')}`, torch {r0.get('torch', '?')}, {r0.get('rounds', '?')} interleaved rounds; "
             "ratios are medians of per-round ratios. Each row's limit is fwd + max(bwd, comm) + opt with comm one "
-            "all-reduce of all its gradients in the dtype it sends (Note [Physical limit of a step]). Generated "
+            "all-reduce of the bytes it sends (Note [Physical limit of a step]). Generated "
             "by `python -m benchmarks.docs_pages` from the sweep's JSON.")
     parts = [text]
     if command or r0.get("command"):
         parts.append(f"Command: `{command or r0['command']}`")
-    parts += [table, "Issue 46's goals for bf16 at `auto`, as measured here:",
+    parts += [table, "Issue 46's goals for the compressed rows at `auto`, as measured here:",
               markdown_table(["goal", "bound", "measured", "met"], goals(rows))]
     return "\n\n".join(parts)
 

@@ -41,3 +41,17 @@ def test_the_block_lists_rows_fastest_first_with_what_each_sends():
                         "0.570 [0.555, 0.585] | 1.10 | 52.0 |")
     assert lines[-1].startswith("| 1 | compiled_autograd | fp32 | 12.6 | 100.0")
     assert "Command: `python -m benchmarks.ddp_compare ...`" in text and "Issue 46's goals" in text
+
+
+def test_powersgd_rows_are_held_to_their_own_peer_and_to_045_of_the_best_fp32_peer():
+    kind = "powersgd:4:2"
+    rows = [_row("compiled_autograd", 1, [100, 100, 100], "fp32"),
+            dict(_row("eager_powersgd", 25, [40, 40, 40], "fp32"), compression=kind, wire_mib=0.3),
+            dict(_row("eager_powersgd", 1, [50, 50, 50], "fp32"), compression=kind, wire_mib=0.3),
+            dict(_row("ours_powersgd", "auto", [42, 42, 42], "fp32"), compression=kind, wire_mib=0.3)]
+    add_limit_columns(rows, {"fp32": limit_parts(rows, 0.080), kind: limit_parts(rows, 0.002)})
+    found = {goal: (bound, measured, met) for goal, bound, measured, met in goals(rows)}
+    assert found == {
+        f"ours_powersgd@auto vs the best {kind} peer (eager_powersgd@25)": ("<= 1.00", "1.050", "**no**"),
+        "ours_powersgd@auto vs the best fp32 peer (compiled_autograd@1)": ("<= 0.45", "0.420", "yes")}
+    assert f"| auto | ours_powersgd | {kind} | 0.3 | 42.0" in results_markdown(rows)

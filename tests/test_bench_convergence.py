@@ -44,7 +44,8 @@ def test_summary_tolerance_and_block():
     verdict = _verdict(rows)
     assert verdict["seed_gap"] == pytest.approx(0.05) and verdict["bf16_gap"] == pytest.approx(0.005)
     assert verdict["tolerance"] == pytest.approx(0.05) and verdict["equal"]
-    assert not _verdict([rows[0], _row("bf16", [5, 3, 3, 3]), rows[0]])["equal"]  # 50% off, tolerance 1%
+    assert not _verdict([rows[0], _row("bf16", [5, 3, 3, 3]), _row("fp32, another seed", [5, 3, 2, 2])])["equal"]
+    assert "powersgd_gap" not in verdict  # no PowerSGD run: no PowerSGD verdict
     meta = {"model": "m", "backend": "aot_eager", "steps": 4, "batch_size": 2, "seq_len": 8, "last": 2,
             "tokens": 1234, "torch": "2.x", "plot": "convergence.png", "command": "python -m x"}
     text = results_markdown({"meta": meta, "rows": rows, "verdict": verdict})
@@ -52,3 +53,20 @@ def test_summary_tolerance_and_block():
     assert "| fp32, another seed | 2.1000 | 2.1000 | +5.00% | - |  |" in text
     assert "(5.00% on the mean of the last 2) and 1%; bf16's gap is 0.50%: **equal within it**." in text
     assert "(benchmarks/results/convergence.png)" in text and "1,234 tokens" in text
+
+
+def test_powersgd_is_held_to_three_percent_or_the_seed_gap():
+    base = [_row("fp32", [5.0, 3.0, 2.0, 2.0]), _row("bf16", [5.0, 3.0, 2.0, 2.0]),
+            _row("fp32, another seed", [5.0, 3.0, 2.01, 2.01])]  # seed gap 0.5%: the bound is 3%
+    within = _verdict([*base, _row("PowerSGD rank 4", [5.0, 3.0, 2.05, 2.05])])
+    assert within["powersgd_gap"] == pytest.approx(0.025) and within["powersgd_tolerance"] == pytest.approx(0.03)
+    assert within["powersgd_equal"]
+    outside = _verdict([*base, _row("PowerSGD rank 4", [5.0, 3.0, 2.1, 2.1])])
+    assert not outside["powersgd_equal"]
+    meta = {"model": "m", "backend": "aot_eager", "steps": 4, "batch_size": 2, "seq_len": 8, "last": 2,
+            "tokens": 1, "torch": "2.x", "plot": None, "command": "python -m x"}
+    text = results_markdown({"meta": meta, "rows": [*base, _row("PowerSGD rank 4", [5.0, 3.0, 2.1, 2.1])],
+                             "verdict": outside})
+    assert "PowerSGD (rank 4, from the end of the warm-up) is held to the larger of the seed-to-seed gap and 3% " \
+           "(3.00%); its gap is 5.00%: **outside it**." in text
+    assert "| PowerSGD rank 4 | 2.1000 | 2.1000 | +5.00% |" in text
