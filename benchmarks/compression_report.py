@@ -69,7 +69,8 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
                    r.get("ratio_vs_best_fp32_peer_q3")),
           fmt(r.get("step_over_limit"), ".2f"), fmt(r.get("limit_ms"), ".1f")]
          for r in sorted(rows, key=lambda r: r["step_ms_median"])])
-    text = (f"`{r0.get('model', '?')}`, {r0.get('world_size', '?')} ranks, backend `{r0.get('backend', '?')}`, net "
+    backend = next((r["backend"] for r in rows if r.get("backend") not in (None, "eager")), r0.get("backend", "?"))
+    text = (f"`{r0.get('model', '?')}`, {r0.get('world_size', '?')} ranks, backend `{backend}`, net "
             f"`{r0.get('net', '?')}`, torch {r0.get('torch', '?')}, {r0.get('rounds', '?')} interleaved rounds; "
             "ratios are medians of per-round ratios. Each row's limit is fwd + max(bwd, comm) + opt with comm one "
             "all-reduce of the bytes it sends (Note [Physical limit of a step]). Generated "

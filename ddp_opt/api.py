@@ -28,6 +28,7 @@ from .config import DDPCompileConfig, keyword_signature
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import BucketCaps
+from .powersgd import link_probe as powersgd_probe
 from .regional import find_ddp_blocks, plan_block_buckets
 from .traced import TracedPlan, fallback_reason
 
@@ -84,8 +85,8 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
     """The cost model ``compile_ddp(bucket_cap_mb=..., link=...)`` plans with; None for DDP's caps.
 
     Measures (all ranks together) what ``config.link`` does not give; see Note [Cost measurement].
-    With ``reduce_dtype`` the link is measured as the gradients travel, narrowed
-    (Note [Reduced-precision all-reduce]).
+    With ``reduce_dtype`` or ``compression`` the link is measured as the gradients travel,
+    narrowed or compressed (Note [Reduced-precision all-reduce], Note [PowerSGD compression]).
     """
     link = config.link
     if not config.uses_cost_model:
@@ -96,6 +97,8 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
     device = next((p.device for p in ddp_model.module.parameters()), torch.device("cpu"))
     if link is None and config.reduce_dtype is not None:
         link = link_probe(config.reduce_dtype, group)
+    if link is None and config.compression is not None:
+        link = powersgd_probe(config.compression, group)
     est = link if isinstance(link, LinkEstimate) else measure_link(link, group=group, device=device)
     rates: DeviceRates = measure_rates(device, group=group)
     return CostModel(est, rates)

@@ -36,7 +36,12 @@ Algorithm
     - Traced: not built. The python reducer calls a hook per gradient, and a per-gradient
       PowerSGD with its state in the compiled backward is future work; ``compile_ddp``
       refuses the pair.
-    - ``bucket_cap_mb="auto"`` measures the link in fp32 and plans for uncompressed bytes.
+    - ``bucket_cap_mb="auto"``: the cost model's link probe (:func:`link_probe`) sends a
+      bucket as PowerSGD does: one near-square matrix of the probe's bytes, its P and Q
+      all-reduced one after the other with the matmuls and the orthogonalisation between,
+      and the uncompressed remainder's all-reduce. The fit's latency is then a bucket's fixed
+      cost (three round trips and the compute between), and its bandwidth nearly free: the
+      plan makes few buckets, where a plan for fp32 bytes would make many.
 
 Numerics
     PowerSGD is biased: each step's gradient is a rank-r approximation; error feedback
@@ -47,10 +52,11 @@ Numerics
 from __future__ import annotations
 
 import logging
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +64,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_START", "PowerSGD", "SequencedState", "forget_buckets", "parse_compression",
+__all__ = ["DEFAULT_START", "PowerSGD", "SequencedState", "forget_buckets", "link_probe", "parse_compression",
            "sequenced_powersgd_hook"]
 
 # Steps reduced uncompressed before PowerSGD starts: past the bucket rebuilds and realignment (at most 3 steps),
@@ -139,3 +145,21 @@ def forget_buckets(state: Any) -> None:
     state.error_dict.clear()
     state.p_memory_dict.clear()
     state.q_memory_dict.clear()
+
+
+def link_probe(spec: PowerSGD, group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:
+    """The cost model's link probe under PowerSGD (Note [PowerSGD compression]): ``tensor``'s
+    bytes sent as one bucket of one near-square gradient matrix, synchronously."""
+
+    def probe(tensor: torch.Tensor) -> None:
+        n = max(1, math.isqrt(tensor.numel()))
+        m = max(1, tensor.numel() // n)
+        matrix = tensor[: n * m].view(n, m)
+        rank = min(n, m, spec.rank)
+        dist.all_reduce(tensor[:1], group=group)  # the tensors PowerSGD leaves uncompressed
+        p = matrix @ torch.ones(m, rank, dtype=tensor.dtype, device=tensor.device)
+        dist.all_reduce(p, group=group)
+        q = matrix.t() @ torch.linalg.qr(p).Q
+        dist.all_reduce(q, group=group)
+
+    return probe

@@ -200,3 +200,23 @@ def test_a_compression_the_job_cannot_use_is_refused_before_a_process_group(over
 
     with pytest.raises(ConfigError, match=needle):
         validate(composed(*overrides), world_size=2)
+
+
+def test_the_auto_plan_measures_the_link_as_powersgd_sends_a_bucket(gloo, monkeypatch):
+    import ddp_opt.api as api
+    from ddp_opt.powersgd import link_probe
+
+    sent = []
+
+    def recording(spec, group):
+        probe = link_probe(spec, group)
+
+        def record(tensor):
+            sent.append(tensor.numel())
+            return probe(tensor)
+        return record
+
+    monkeypatch.setattr(api, "powersgd_probe", recording)
+    model = api.resolve_cost_model(DDP(torch.nn.Linear(4, 2)), DDPCompileConfig(bucket_cap_mb="auto",
+                                                                               compression="powersgd:4"))
+    assert model is not None and len(set(sent)) >= 2  # the probe's sizes, each sent the PowerSGD way
