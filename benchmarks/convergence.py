@@ -4,7 +4,7 @@ on a real token file: this repository's own text.
 
     python -m benchmarks.convergence                          # 300 steps per run; the docs table and plot
     python -m benchmarks.convergence --quick                  # 30 steps, a smoke run (bench_out/)
-    python -m benchmarks.convergence --render                 # re-render the docs block from the JSON
+    python -m benchmarks.convergence --render --readme docs/compression.md   # re-render block and plot from the JSON
 
 Note [Convergence benchmark]
 
@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help=f"the result (default {DEFAULT_JSON}; with --quick {QUICK_JSON})")
     p.add_argument("--plot", default=None, help=f"the loss curves (default {DEFAULT_PLOT}; none with --quick)")
     p.add_argument("--readme", default=None, help="rewrite this page's bench:convergence block")
-    p.add_argument("--render", action="store_true", help="only re-render --readme from --json; run nothing")
+    p.add_argument("--render", action="store_true", help="only re-render --readme and --plot from --json; run nothing")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it counts as hung")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -178,14 +178,23 @@ def _verdict(rows: list[dict]) -> dict[str, Any]:
     return out
 
 
+def _plot(result: dict, path: str) -> None:
+    plot_losses([(r["run"], r["losses"]) for r in result["rows"]], path,
+                f"{result['meta']['model'].split(' ')[0]}, 2 ranks: gradients reduced in fp32, bf16, PowerSGD")
+    print0(f"wrote {path}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         if not args.readme:
             raise SystemExit("--render rewrites the bench:convergence block of --readme, and none was given: add "
                              "--readme docs/compression.md.")
-        update_section(args.readme, results_markdown(json.loads(Path(args.json).read_text())), START, END)
+        result = json.loads(Path(args.json).read_text())
+        update_section(args.readme, results_markdown(result), START, END)
         print(f"updated {args.readme}")
+        if args.plot:
+            _plot(result, args.plot)
         return 0
     import torch
 
@@ -216,9 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(result, args.json)
     print0(f"wrote {args.json}")
     if args.plot:
-        plot_losses([(r["run"], r["losses"]) for r in rows], args.plot,
-                    f"{result['meta']['model']}, 2 ranks: gradients all-reduced in fp32, bf16 and PowerSGD")
-        print0(f"wrote {args.plot}")
+        _plot(result, args.plot)
     print(results_markdown(result))
     if args.readme:
         update_section(args.readme, results_markdown(result), START, END)

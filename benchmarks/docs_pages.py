@@ -114,6 +114,8 @@ BLOCKS: tuple[Block, ...] = (
           lambda: compression_report.results_markdown(_json("ddp_shaped_200mbit_bf16.json"))),
     Block("docs/compression.md", "<!-- bench:compression-100mbit:start -->", "<!-- bench:compression-100mbit:end -->",
           lambda: compression_report.results_markdown(_json("ddp_shaped_100mbit_bf16.json"))),
+    Block("docs/compression.md", "<!-- bench:compression-powersgd:start -->", "<!-- bench:compression-powersgd:end -->",
+          lambda: compression_report.results_markdown(_json("ddp_shaped_200mbit_powersgd.json"))),
     Block("docs/compression.md", convergence.START, convergence.END,
           lambda: convergence.results_markdown(_json("convergence.json"))),
     Block("docs/gpu.md", gpu_check.START, gpu_check.END, lambda: gpu_check.results_markdown(_json("gpu_check.json"))),

@@ -330,8 +330,8 @@ class OursTracedBF16(OursTraced):
 
 
 # --- PowerSGD (issue 46): eager DDP with PyTorch's hook at the same rank and start, and ours ------------------
-# Start 2: the measured rounds are compressed (realignment's layout changes come before, Note [PowerSGD
-# compression]).
+# Start 2: the measured rounds are compressed (realignment's layout changes come before:
+# Note [PowerSGD compression]).
 POWERSGD = "powersgd:4:2"
 
 
