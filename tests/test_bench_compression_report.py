@@ -55,3 +55,16 @@ def test_powersgd_rows_are_held_to_their_own_peer_and_to_045_of_the_best_fp32_pe
         f"ours_powersgd@auto vs the best {kind} peer (eager_powersgd@25)": ("<= 1.00", "1.050", "**no**"),
         "ours_powersgd@auto vs the best fp32 peer (compiled_autograd@1)": ("<= 0.45", "0.420", "yes")}
     assert f"| auto | ours_powersgd | {kind} | 0.3 | 42.0" in results_markdown(rows)
+
+
+def test_powersgd_sends_p_and_q_of_the_matrices_worth_compressing_and_the_rest_whole():
+    import torch
+
+    from benchmarks.limit import wire_kind, wire_numel
+
+    params = [torch.zeros(600, 600), torch.zeros(600), torch.zeros(4, 600)]
+    assert wire_numel(params, None) == 360_000 + 600 + 2_400
+    # 600 x 600 at rank 4: (600 + 600) * 4; a vector, and 4 x 600 (604 * 4 does not halve 2400), sent whole
+    assert wire_numel(params, "powersgd:4:2") == 4_800 + 600 + 2_400
+    assert wire_kind({"reduce_dtype": "fp32", "compression": "powersgd:4:2"}) == "powersgd:4:2"
+    assert wire_kind({"reduce_dtype": "bf16", "compression": None}) == "bf16" and wire_kind({}) == "fp32"
