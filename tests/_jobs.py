@@ -9,7 +9,7 @@ from pathlib import Path
 from launch.config.schema import JobConfig, ModelConfig, TrainConfig, register_configs, to_job_config
 
 __all__ = ["ONE_BLOCK", "REFERENCE", "REFERENCE_RUN", "REFERENCE_STEPS", "TINY", "TINY_GPT", "TINY_OVERRIDES",
-           "composed", "tiny_job"]
+           "composed", "one_rank_main_model", "tiny_job"]
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # the model of the in-process runs of the main job
 # One narrow block, 16 positions: the runs that compile or step often (schedule, eval, step tests).
@@ -35,6 +35,21 @@ def composed(*overrides: str) -> JobConfig:
     register_configs()
     with initialize_config_module("configs", version_base="1.3"):
         return to_job_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def one_rank_main_model(*overrides: str):
+    """The model ``launch.runtime.parallel.apply_parallel`` makes for the main job composed with
+    ONE_BLOCK's size and ``overrides``, on a one-rank gloo group (the ``gloo`` fixture's), and a
+    batch of token ids for it: ``(wrapped, x)``; ``wrapped.forward(x, x)`` returns ``(logits, loss)``."""
+    import torch
+
+    from launch.runtime.dist import DistEnv
+    from launch.runtime.parallel import apply_parallel, build_model
+
+    cfg = composed(*overrides, "model.n_layer=1", "model.n_embd=32", "model.n_head=2")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return apply_parallel(build_model(cfg.model), cfg, env), x
 
 
 def tiny_job(tmp_path: Path, **sections) -> JobConfig:

@@ -166,15 +166,9 @@ def test_a_comm_hook_registered_after_compression_is_refused(gloo, clean_dynamo)
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_the_main_jobs_ddp_compresses_with_powersgd(gloo, clean_dynamo, backend):
-    from _jobs import composed
-    from launch.runtime.dist import DistEnv
-    from launch.runtime.parallel import apply_parallel, build_model
+    from _jobs import one_rank_main_model
 
-    cfg = composed(f"compile={backend}", "ddp.compression=powersgd:2:2", "model.n_layer=1", "model.n_embd=32",
-                   "model.n_head=2")
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    wrapped = apply_parallel(build_model(cfg.model), cfg, env)
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    wrapped, x = one_rank_main_model(f"compile={backend}", "ddp.compression=powersgd:2:2")
     for _ in range(3):  # the third step is compressed: one rank's gradient replaced by its rank-2 approximation
         wrapped.forward(x, x)[1].backward()
     assert registered_hook_name(wrapped.module) == "sequenced_powersgd_hook"

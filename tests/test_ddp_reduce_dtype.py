@@ -206,15 +206,9 @@ def test_one_rank_bf16_reduction_rounds_the_gradients(gloo, clean_dynamo):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_the_main_jobs_ddp_reduces_in_bf16(gloo, clean_dynamo, backend):
-    from _jobs import composed
-    from launch.runtime.dist import DistEnv
-    from launch.runtime.parallel import apply_parallel, build_model
+    from _jobs import one_rank_main_model
 
-    cfg = composed(f"compile={backend}", "ddp.reduce_dtype=bf16", "model.n_layer=1", "model.n_embd=32",
-                   "model.n_head=2")
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    wrapped = apply_parallel(build_model(cfg.model), cfg, env)
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    wrapped, x = one_rank_main_model(f"compile={backend}", "ddp.reduce_dtype=bf16")
     wrapped.forward(x, x)[1].backward()  # compile.backend=eager: DDP itself, with the same hook
     grads = [p.grad for p in wrapped.module.parameters() if p.grad is not None]
     assert grads and all(_bf16_exact(g) for g in grads)
