@@ -92,7 +92,10 @@ def wire_kind(row: dict) -> str:
 def wire_numel(params, compression: str | None) -> int:
     """Elements each rank sends per step: every gradient's, or under PowerSGD the P and Q of each
     matrix worth compressing (PyTorch's rule: ``(n + m) r`` at least halves ``n m``) and the rest."""
-    rank = int(compression.split(":")[1]) if compression else 0
+    from ddp_opt.powersgd import parse_compression
+
+    spec = parse_compression(compression)
+    rank = spec.rank if spec is not None else 0
     total = 0
     for p in params:
         n = p.shape[0] if p.dim() else 1

@@ -353,7 +353,7 @@ class OursPowerSGD(Ours):
     compression, takes_hook = POWERSGD, False
 
     def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
-        more = dict(bucket_cap_mb="auto") if cap == "auto" else {}  # the link measured by compile_ddp, in fp32
+        more = dict(bucket_cap_mb="auto") if cap == "auto" else {}  # the link probed by compile_ddp, as PowerSGD sends
         r.fn = compile_ddp(r.ddp, backend=backend, compression=POWERSGD, **more)
 
 

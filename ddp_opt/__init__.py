@@ -20,6 +20,7 @@ from .config import DDPCompileConfig
 from .cost import CostModel, DeviceRates
 from .optimizer import DDPOptimizer
 from .plan import Bucket, BucketCaps, format_buckets, plan_buckets
+from .powersgd import PowerSGD
 
 __all__ = [
     # entry points
@@ -46,4 +47,6 @@ __all__ = [
     "measure_alignment",
     "PlanMismatchError",
     "ddp_advice",
+    # compression (compile_ddp(compression=...))
+    "PowerSGD",
 ]

@@ -255,7 +255,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     hook = registered_hook_name(ddp_model)
     own = own_hook_for(ddp_model, config)
     if hook is not None and own is not None:
-        raise hook_conflict("compile_ddp", own.setting, hook)
+        raise hook_conflict("compile_ddp", own, hook)
     strategy = config.strategy
     if strategy == "traced":
         why = fallback_reason(ddp_model)

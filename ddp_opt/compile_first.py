@@ -144,7 +144,7 @@ class _DeferredBackend:
         hook = registered_hook_name(ddp_model)
         own = own_hook_for(ddp_model, config)
         if hook is not None and own is not None:  # before anything is attached
-            raise hook_conflict("compile_for_ddp", own.setting, hook)
+            raise hook_conflict("compile_for_ddp", own, hook)
         self.ddp_model = ddp_model
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:

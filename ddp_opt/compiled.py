@@ -114,7 +114,7 @@ class CompiledDDP:
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
         if self.own_hook is not None:
-            name = self.own_hook.setting.split("=")[0]
+            name = self.own_hook.name
             raise ValueError(
                 f"register_comm_hook({getattr(hook, '__qualname__', hook)!r}): this model was compiled with "
                 f"{self.own_hook.setting}, which all-reduces the gradients through a comm hook of its own, "

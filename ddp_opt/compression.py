@@ -78,12 +78,12 @@ def parse_reduce_dtype(value: Any) -> torch.dtype | None:
                      "torch.bfloat16 or torch.float16 (or 'bf16', 'fp16'), or None (or 'fp32') for their own dtype.")
 
 
-def hook_conflict(entry: str, setting: str, hook: str) -> ValueError:
-    """The refusal of ``setting`` (``reduce_dtype=...`` or ``compression=...``) on a DDP module
+def hook_conflict(entry: str, own: "OwnHook", hook: str) -> ValueError:
+    """The refusal of ``own``'s setting (``reduce_dtype`` or ``compression``) on a DDP module
     that already has the comm hook ``hook``."""
-    name = setting.split("=")[0]
+    name = own.name
     return ValueError(
-        f"{entry}({setting}) all-reduces the gradients through a comm hook of its own, and the comm "
+        f"{entry}({own.setting}) all-reduces the gradients through a comm hook of its own, and the comm "
         f"hook {hook!r} is already registered on this DDP module; DDP calls one hook. Drop {name} to keep "
         f"your hook, or register no hook and keep {name}.")
 
@@ -92,10 +92,15 @@ def hook_conflict(entry: str, setting: str, hook: str) -> ValueError:
 class OwnHook:
     """The comm hook ``compile_ddp`` registers itself for ``reduce_dtype`` or ``compression``."""
 
-    setting: str  # as the user gave it, for messages: "reduce_dtype=torch.bfloat16"
+    name: str  # the setting: "reduce_dtype" or "compression"
+    value: str  # its value, normalised: "torch.bfloat16", "'powersgd:4:10'"
     state: Any
     bucket: Callable  # DDP's comm hook (the reducer strategies)
     gradient: Callable | None  # the python reducer's hook per gradient (traced); None: not built
+
+    @property
+    def setting(self) -> str:
+        return f"{self.name}={self.value}"
 
     def buckets_changed(self) -> None:
         """DDP's bucket layout changed (realignment): drop what the state keeps per bucket."""
@@ -106,9 +111,9 @@ def own_hook(group: dist.ProcessGroup, reduce_dtype: torch.dtype | None,
              compression: PowerSGD | None) -> OwnHook | None:
     """The hook for the (validated) settings, or None when neither is set."""
     if compression is not None:
-        return OwnHook(f"compression={str(compression)!r}", compression.state(group), sequenced_powersgd_hook, None)
+        return OwnHook("compression", repr(str(compression)), compression.state(group), sequenced_powersgd_hook, None)
     if reduce_dtype is not None:
-        return OwnHook(f"reduce_dtype={reduce_dtype}", ReduceState(group, reduce_dtype), bucket_hook, gradient_hook)
+        return OwnHook("reduce_dtype", str(reduce_dtype), ReduceState(group, reduce_dtype), bucket_hook, gradient_hook)
     return None
 
 

@@ -149,8 +149,8 @@ class DDPCompileConfig(CompileOptions):
         try:
             spec = parse_compression(self.compression)
         except ValueError as e:
-            raise SettingError("compression", f"{given}): {e} PowerSGD sends each gradient matrix as two rank-R "
-                                              "factors (Note [PowerSGD compression]).") from None
+            raise SettingError("compression", f"{given}): {e} Or pass compression=None to reduce the "
+                                              "gradients as they are (Note [PowerSGD compression]).") from None
         if spec is not None and self.reduce_dtype is not None:
             raise SettingError("compression", f"{given}, reduce_dtype={self.reduce_dtype}): both choose how the "
                                               "gradients cross the link, through one comm hook each, and DDP calls "

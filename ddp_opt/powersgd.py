@@ -21,11 +21,13 @@ Algorithm
       ones, on whichever thread completes them, while DDP's thread issues the next bucket's
       first all-reduce: with two buckets or more, the ranks can issue their collectives in
       different orders. On gloo this aborts the job ("Received data size doesn't match
-      expected size", seen with eager DDP and PyTorch's hook on torch 2.13, 3 buckets, in
-      the first compressed step). :func:`sequenced_powersgd_hook` runs each bucket's whole
+      expected size") or hangs it, in the first compressed step: seen with eager DDP and
+      PyTorch's hook on torch 2.13 and 2.15, 3 buckets. :func:`sequenced_powersgd_hook` runs each bucket's whole
       hook on one worker thread per state, bucket after bucket in DDP's launch order, so
       every rank issues the same collectives in the same order; backward goes on meanwhile.
-      On NCCL PyTorch's hook runs as it is (not observed here: no GPU).
+      The last bucket's hook waits for the worker: right after it DDP issues collectives of
+      its own (with ``find_unused_parameters``, the used-parameter map). Buckets on CUDA take
+      PyTorch's hook as it is (not observed here: no GPU).
     - The state's memories are keyed by bucket index and mean something for one bucket
       layout only. When realignment re-creates the reducer, and again when the realigned
       buckets appear, :func:`forget_buckets` drops them: a layout change after compression
@@ -90,20 +92,24 @@ class PowerSGD:
 
 
 class SequencedState(PowerSGDState):
-    """PyTorch's ``PowerSGDState`` with the one worker thread :func:`sequenced_powersgd_hook` runs on."""
+    """PyTorch's ``PowerSGDState`` with the one worker thread :func:`sequenced_powersgd_hook` runs
+    on, started at the first bucket on the CPU."""
 
     def __init__(self, process_group: dist.ProcessGroup, **settings: Any) -> None:
         super().__init__(process_group, **settings)
-        self.in_order = dist.get_backend(process_group) != "nccl"
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="powersgd") if self.in_order else None
+        self.worker: ThreadPoolExecutor | None = None
 
 
 # No annotations: DDP's register_comm_hook compares a hook's annotations with real types.
 def sequenced_powersgd_hook(state, bucket):
-    """PyTorch's ``powerSGD_hook``, each bucket's run whole on the state's worker thread in
-    DDP's launch order (Note [PowerSGD compression]); on NCCL, PyTorch's hook as it is."""
-    if not state.in_order:
+    """PyTorch's ``powerSGD_hook``, each CPU bucket's run whole on the state's worker thread in
+    DDP's launch order (Note [PowerSGD compression]); a CUDA bucket, PyTorch's hook as it is.
+    The last bucket's hook returns only when every bucket's is done: DDP's reducer issues
+    collectives of its own right after it (the used-parameter map of find_unused_parameters)."""
+    if bucket.buffer().device.type != "cpu":
         return powerSGD_hook(state, bucket)
+    if state.worker is None:
+        state.worker = ThreadPoolExecutor(1, thread_name_prefix="powersgd")
     done = torch.futures.Future()
 
     def run() -> None:
@@ -112,7 +118,9 @@ def sequenced_powersgd_hook(state, bucket):
         except BaseException as e:  # DDP raises it where it waits for the bucket
             done.set_exception(e)
 
-    state.worker.submit(run)
+    job = state.worker.submit(run)
+    if bucket.is_last():
+        job.result()  # the worker runs in order: every earlier bucket's hook is done too
     return done
 
 
@@ -127,11 +135,15 @@ def parse_compression(value: Any) -> PowerSGD | None:
         match = _SPEC.fullmatch(value.strip().lower()) if isinstance(value, str) else None
         if match is None:
             raise ValueError(f"{value!r} names no compression: expected 'powersgd:RANK' or 'powersgd:RANK:START' "
-                             "(e.g. 'powersgd:4', rank 4 from step 10), or None.")
+                             "(e.g. 'powersgd:4', rank 4 from step 10).")
         spec = PowerSGD(int(match[1]), int(match[2]) if match[2] else DEFAULT_START)
-    if spec is not None and (spec.rank < 1 or spec.start < 2):
-        raise ValueError(f"{spec}: the rank must be at least 1, and the start at least 2: the error feedback and "
-                         "the warm start keep memories per bucket, and DDP rebuilds its buckets after step 1.")
+    if spec is not None and spec.rank < 1:
+        raise ValueError(f"{spec}: the rank is the number of columns of P and Q, at least 1. Pass e.g. "
+                         "'powersgd:4'.")
+    if spec is not None and spec.start < 2:
+        raise ValueError(f"{spec}: the start must be at least 2: the error feedback and the warm start keep "
+                         "memories per bucket, and DDP rebuilds its buckets after step 1. Pass e.g. "
+                         f"'powersgd:{spec.rank}:10'.")
     return spec
 
 

@@ -18,6 +18,7 @@ from benchmarks.peer_hooks import bucket_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp
 from ddp_opt._torch_internals import python_comm_hooks, registered_hook_name
+from ddp_opt import compression
 from ddp_opt.compression import own_hook
 from ddp_opt.powersgd import PowerSGD, SequencedState, parse_compression, sequenced_powersgd_hook
 
@@ -54,11 +55,19 @@ def _parity_rank(rank: int, world_size: int) -> dict:
                            use_error_feedback=True, warm_start=True, random_seed=0)
     reference.register_comm_hook(state, sequenced_powersgd_hook)
     fp32 = DDP(_model(), bucket_cap_mb=CAP_MB)
+    # DDP all-reduces its used-parameter map right after the last bucket's hook: in order only if
+    # that hook waits for the others.
+    unused = DDP(_model(), bucket_cap_mb=CAP_MB, find_unused_parameters=True)
+    unused.register_comm_hook(parse_compression(f"powersgd:{RANK}:{START}").state(unused.process_group),
+                              sequenced_powersgd_hook)
+    changed = []
+    compression.forget_buckets = lambda state: changed.append(dict(state.error_dict))  # realignment's calls
     ddp = DDP(_model(), bucket_cap_mb=CAP_MB)
     compiled = compile_ddp(ddp, backend="aot_eager", compression=f"powersgd:{RANK}:{START}")
     ours = _train(rank, ddp.module, compiled)
     own = compiled.own_hook.state
     return {"ours": ours, "reference": _train(rank, reference.module, reference),
+            "unused": _train(rank, unused.module, unused), "layout_changes": len(changed),
             "fp32": _train(rank, fp32.module, fp32), "aligned": compiled.aligned_caps,
             "partitions": len([b for b in compiled.buckets if b.size]), "hook": registered_hook_name(ddp),
             "compressed": (own.total_numel_before_compression, own.total_numel_after_compression),
@@ -74,18 +83,26 @@ def test_powersgd_under_the_split_strategy_matches_eager_ddp_with_pytorchs_hook(
         before, after = r["compressed"]
         assert 0 < after < before / 10, r["compressed"]  # rank 2 of 600 x 600: what crossed was ~1/150
         assert r["buckets"] == list(range(len(r["buckets"]))) and len(r["buckets"]) >= LAYERS
+        # Told twice that the layout changed (the reducer re-created, its realigned buckets built).
+        assert r["layout_changes"] == 2, r["layout_changes"]
         torch.testing.assert_close(r["ours"]["losses"], r["reference"]["losses"], rtol=1e-5, atol=0)
         for step in range(STEPS):
             for g, g_ref in zip(r["ours"]["grads"][step], r["reference"]["grads"][step]):
                 torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+        # With find_unused_parameters DDP keeps its first buckets (it does not rebuild them), so its
+        # compressed steps differ; it ran all of them, equal to the reference before START.
+        assert len(r["unused"]["losses"]) == STEPS
+        torch.testing.assert_close(r["unused"]["losses"][:START + 1], r["reference"]["losses"][:START + 1],
+                                   rtol=1e-5, atol=0)
         # The steps before START reduce uncompressed, as fp32 DDP; from START on the gradients are
         # low-rank approximations, which the fp32 ones are not.
         for step in range(STEPS):
             same = all(torch.allclose(g, g32, rtol=1e-4, atol=1e-6)
                        for g, g32 in zip(r["ours"]["grads"][step], r["fp32"]["grads"][step]))
             assert same == (step < START), step
-    for g0, g1 in zip(results[0]["ours"]["grads"][-1], results[1]["ours"]["grads"][-1]):
-        assert torch.equal(g0, g1)  # the ranks' gradients agree
+    for run in ("ours", "unused"):
+        for g0, g1 in zip(results[0][run]["grads"][-1], results[1][run]["grads"][-1]):
+            assert torch.equal(g0, g1)  # the ranks' gradients agree
 
 
 def test_a_bucket_layout_change_drops_powersgds_memories(gloo, caplog):
@@ -117,9 +134,10 @@ def test_compression_is_parsed(given, spec):
 @pytest.mark.parametrize("given, needle", [
     ("powersgd", r"'powersgd' names no compression: expected 'powersgd:RANK' or 'powersgd:RANK:START'"),
     ("topk:4", r"'topk:4' names no compression"),
-    ("powersgd:0", r"powersgd:0:10: the rank must be at least 1, and the start at least 2"),
-    ("powersgd:4:1", r"powersgd:4:1: the rank must be at least 1, and the start at least 2: .* DDP rebuilds its "
-                     r"buckets after step 1"),
+    ("powersgd:0", r"powersgd:0:10: the rank is the number of columns of P and Q, at least 1. Pass e.g. "
+                   r"'powersgd:4'. Or pass compression=None to reduce the gradients as they are"),
+    ("powersgd:4:1", r"powersgd:4:1: the start must be at least 2: .* DDP rebuilds its buckets after step 1. "
+                     r"Pass e.g. 'powersgd:4:10'. Or pass compression=None"),
 ])
 def test_a_compression_that_cannot_work_is_refused(given, needle):
     with pytest.raises(SettingError, match=r"compile_ddp\(compression=.*\): " + needle) as caught:
@@ -178,8 +196,9 @@ def test_the_main_jobs_ddp_compresses_with_powersgd(gloo, clean_dynamo, backend)
 
 @pytest.mark.parametrize("overrides, needle", [
     (["ddp.compression=topk"], r"ddp\.compression='topk' is not valid: 'topk' names no compression: expected "
-                               r"'powersgd:RANK' or 'powersgd:RANK:START'.* use e\.g\. ddp\.compression=powersgd:4"),
-    (["ddp.compression=powersgd:4:1"], r"ddp\.compression='powersgd:4:1' is not valid: .*the start at least 2"),
+                               r"'powersgd:RANK' or 'powersgd:RANK:START'.* In the launcher: ddp\.compression=powersgd:4, "
+                               r"or ddp\.compression=none to reduce the gradients as they are"),
+    (["ddp.compression=powersgd:4:1"], r"ddp\.compression='powersgd:4:1' is not valid: .*the start must be at least 2"),
     (["ddp.compression=powersgd:4", "ddp.reduce_dtype=bf16"], r"ddp\.compression=powersgd:4 with "
                                                               r"ddp\.reduce_dtype=bf16: both choose how the gradients "
                                                               r"cross the link.* Keep one"),

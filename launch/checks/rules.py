@@ -178,8 +178,9 @@ def check_compression(d: DDPConfig) -> None:
     try:
         spec = parse_compression(d.compression)
     except ValueError as e:
-        raise ConfigError(f"ddp.compression={d.compression!r} is not valid: {e} PowerSGD sends each gradient "
-                          "matrix as two rank-RANK factors; use e.g. ddp.compression=powersgd:4, or none.") from None
+        raise ConfigError(f"ddp.compression={d.compression!r} is not valid: {e} In the launcher: "
+                          "ddp.compression=powersgd:4, or ddp.compression=none to reduce the gradients as they "
+                          "are.") from None
     if spec is not None and d.reduce_dtype != Precision.FP32:
         raise ConfigError(f"ddp.compression={d.compression} with ddp.reduce_dtype={d.reduce_dtype}: both choose how "
                           "the gradients cross the link, through one comm hook each, and DDP calls one hook. Keep "
@@ -214,7 +215,7 @@ def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:
         using.append("strategy")
     if d.reduce_dtype != Precision.FP32:
         using.append("reduce_dtype")
-    if d.compression != "none":
+    if d.compression not in (None, "none"):
         using.append("compression")
     if p.name != ParallelMode.DDP and using:
         raise ConfigError(
