@@ -14,6 +14,15 @@ Modes (``FSDP_MODES``), all ``fsdp_opt.apply`` on the repo's GPT:
   implicit prefetch (``prefetch=0``): the usual torchtitan recipe.
 - ``grouped`` (ours): per-block compile, consecutive blocks grouped into shard
   units of ``shard_unit_mb`` (Note [Shard unit grouping]) and explicit prefetch.
+- ``eager_bf16``, ``per_block_bf16``, ``grouped_bf16``: the same three with the
+  gradients reduce-scattered in bf16 (``MixedPrecisionPolicy(reduce_dtype=bf16)``,
+  what ``fsdp.reduce_dtype=bf16`` sets; issue 46).
+- ``replicate_eager``, ``replicate_per_block``, ``replicate_grouped`` (ours): FSDP2's
+  replicate (every parameter whole, each unit's gradients all-reduced) without
+  compile, per-block compiled one unit per block (torchtitan's recipe), and
+  per-block compiled with blocks grouped into units of ``shard_unit_mb``.
+  ``replicate_whole``: ``torch.compile`` of the whole replicated model, as a user
+  would write it (issue 45).
 
 Algorithm:
 
@@ -37,11 +46,13 @@ Measured (rank 0's clocks; losses and memory from all ranks):
 - fwd, bwd, opt: the step split by clock reads after forward and backward.
   Unsharded copies of the model (``compute_runners``: eager and/or per-block
   compiled, no FSDP, no communication) take their turns in the same rounds;
-  after the rounds one all-gather and one reduce-scatter of all the parameter
-  bytes are timed over the job's link. Every row then gets the physical limit
-  ``max(fwd + bwd, 2 ag + rs, fwd + rs) + opt``, ``step_over_limit`` and
-  ``ratio_vs_best_peer`` (eager or per_block; Note [Physical limit of a step] in
-  ``benchmarks.limit``).
+  after the rounds one all-gather and one reduce-scatter (per reduce dtype) of all
+  the parameter bytes, and for replicate one all-reduce, are timed over the job's
+  link. Every row then gets its physical limit (sharded:
+  ``max(fwd + bwd, 2 ag + rs, fwd + rs) + opt``; replicate:
+  ``fwd + max(bwd, all-reduce) + opt``), ``step_over_limit`` and
+  ``ratio_vs_best_peer`` (the fastest of ``limit.FSDP_PEER_MODES`` that reduces the
+  same way; Note [Physical limit of a step] in ``benchmarks.limit``).
 - device: ``cuda: <GPU name>`` or ``cpu``.
 
 On CUDA (Note [Benchmark device] in ``benchmarks.device``): each rank runs on
@@ -64,13 +75,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_opt
 
 from .core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps, gather_rank0, job_columns, \
     loss_reference, max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from .device import clock, peak_bytes, reset_peak
-from .limit import FSDP_PEER_MODES, FSDPLimitParts, add_limit_columns, measure_fsdp_comm
+from .limit import FSDP_PEER_MODES, FSDPLimitParts, LimitParts, add_limit_columns, measure_comm, measure_fsdp_comm
 from .report import print0
 from .stats import median
 
@@ -88,12 +100,20 @@ class FSDPMode:
     summary: str
     compiled: bool
     grouped: bool = False  # blocks grouped into shard units of shard_unit_mb, explicit prefetch
+    reduce_dtype: str = "fp32"  # "bf16": gradients reduced in bf16 (MixedPrecisionPolicy.reduce_dtype)
+    replicate: bool = False  # FSDP2's replicate: nothing sharded, each unit's gradients all-reduced
+    whole: bool = False  # torch.compile of the whole wrapped model in place of per-block compile
 
     def apply_kwargs(self, cfg: FSDPBenchConfig) -> dict:
         """``fsdp_opt.apply`` keywords of this mode."""
-        kwargs = dict(compile=cfg.backend if self.compiled else None, prefetch=cfg.prefetch if self.grouped else 0)
+        compile = None
+        if self.compiled:
+            compile = fsdp_opt.CompileConfig(backend=cfg.backend, whole_model=True) if self.whole else cfg.backend
+        kwargs = dict(compile=compile, prefetch=cfg.prefetch if self.grouped else 0, replicate=self.replicate)
         if self.grouped:
             kwargs["shard_unit_mb"] = cfg.shard_unit_mb
+        if self.reduce_dtype == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
         return kwargs
 
 
@@ -102,6 +122,18 @@ FSDP_MODES: ModeTable[FSDPMode] = ModeTable([
     FSDPMode("per_block", "each block compiled, one shard unit per block, FSDP2's implicit prefetch", compiled=True),
     FSDPMode("grouped", "per-block compile, blocks grouped into shard units, explicit prefetch", compiled=True,
              grouped=True),
+    FSDPMode("eager_bf16", "eager, gradients reduce-scattered in bf16", compiled=False, reduce_dtype="bf16"),
+    FSDPMode("per_block_bf16", "per_block, gradients reduce-scattered in bf16", compiled=True, reduce_dtype="bf16"),
+    FSDPMode("grouped_bf16", "grouped, gradients reduce-scattered in bf16", compiled=True, grouped=True,
+             reduce_dtype="bf16"),
+    FSDPMode("replicate_eager", "FSDP2's replicate without compile, one unit per block", compiled=False,
+             replicate=True),
+    FSDPMode("replicate_per_block", "replicate, each block compiled, one unit per block (torchtitan's recipe)",
+             compiled=True, replicate=True),
+    FSDPMode("replicate_whole", "replicate, then torch.compile of the whole replicated model", compiled=True,
+             replicate=True, whole=True),
+    FSDPMode("replicate_grouped", "replicate, per-block compile, blocks grouped into units of shard_unit_mb",
+             compiled=True, grouped=True, replicate=True),
 ], default=("eager", "per_block", "grouped"))
 
 
@@ -213,6 +245,8 @@ def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | Non
     return {
         "mode": r.mode.name,
         "backend": cfg.backend if r.mode.compiled else "eager",
+        "reduce_dtype": r.mode.reduce_dtype,
+        "replicate": r.mode.replicate,
         "transport": str(dist.get_backend()),  # no simulated link: FSDP's collectives as they are
         "step_ms_median": steps.median_s * 1e3,
         "ratio_vs_per_block": steps.ratio,
@@ -251,16 +285,43 @@ def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
         first_steps(runners + reference, lambda r: sum(run_step(r, cfg)[0]), phase="first step", cache=FRESH, tag="fsdpbench")
         measure_rounds(runners + reference, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, measured))
     nbytes = sum(p.numel() * p.element_size() for p in reference[0].model.parameters())
-    ag_s, rs_s = measure_fsdp_comm(nbytes, cfg.torch_device, repeats=max(3, min(cfg.rounds, 5)))
+    comm = _measure_links(cfg, nbytes)  # on every rank, before the rows exist only on rank 0
     gathered = gather_rank0({**runner_measures(runners), "rss_hwm_mib": _rss_hwm_mib()})
     if gathered is None:
         return []
     base, losses = next((r for r in runners if r.label == BASELINE), None), loss_reference(runners)
     rows = [_row(r, cfg, order, base, gathered, losses) for order, r in enumerate(runners)]
-    parts = FSDPLimitParts(fwd_s=min(median(r.fwd_s) for r in reference), bwd_s=min(median(r.bwd_s) for r in reference),
-                           opt_s=min(median(r.opt_s) for r in runners), ag_s=ag_s, rs_s=rs_s)
-    add_limit_columns(rows, parts, FSDP_PEER_MODES)
-    print0(f"physical limit {parts.limit_s * 1e3:.1f} ms = max(fwd {parts.fwd_s * 1e3:.1f} + bwd {parts.bwd_s * 1e3:.1f}, "
-           f"2 x all-gather {parts.ag_s * 1e3:.1f} + reduce-scatter {parts.rs_s * 1e3:.1f}, fwd + reduce-scatter) + "
-           f"opt {parts.opt_s * 1e3:.1f} ({nbytes / MiB:.1f} MiB of parameters)")
+    fwd_s, bwd_s = min(median(r.fwd_s) for r in reference), min(median(r.bwd_s) for r in reference)
+    for replicated in (False, True):
+        mine = [r for r in runners if r.mode.replicate == replicated]
+        if not mine:
+            continue
+        opt_s = min(median(r.opt_s) for r in mine)
+        if replicated:
+            parts = LimitParts(fwd_s=fwd_s, bwd_s=bwd_s, opt_s=opt_s, comm_s=comm["all_reduce"])
+            print0(f"physical limit, replicate {parts.limit_s * 1e3:.1f} ms = fwd {fwd_s * 1e3:.1f} + max(bwd "
+                   f"{bwd_s * 1e3:.1f}, all-reduce {parts.comm_s * 1e3:.1f}) + opt {opt_s * 1e3:.1f}")
+        else:
+            parts = {dtype: FSDPLimitParts(fwd_s=fwd_s, bwd_s=bwd_s, opt_s=opt_s, ag_s=comm["all_gather"], rs_s=rs_s)
+                     for dtype, rs_s in comm["reduce_scatter"].items()}
+            for dtype, p in parts.items():
+                print0(f"physical limit, {dtype} {p.limit_s * 1e3:.1f} ms = max(fwd {fwd_s * 1e3:.1f} + bwd "
+                       f"{bwd_s * 1e3:.1f}, 2 x all-gather {p.ag_s * 1e3:.1f} + reduce-scatter {p.rs_s * 1e3:.1f}, "
+                       f"fwd + reduce-scatter) + opt {opt_s * 1e3:.1f} ({nbytes / MiB:.1f} MiB of parameters)")
+        add_limit_columns([row for row in rows if row["replicate"] == replicated], parts, FSDP_PEER_MODES)
     return rows
+
+
+def _measure_links(cfg: FSDPBenchConfig, nbytes: int) -> dict:
+    """The collectives of the limits the job's modes need, over the job's link (Note [Physical
+    limit of a step]): one all-gather and one reduce-scatter per reduce dtype of the sharded
+    modes, one all-reduce when a replicate mode ran; each of all ``nbytes``."""
+    modes = [FSDP_MODES[m] for m in cfg.modes]
+    repeats = max(3, min(cfg.rounds, 5))
+    dtypes = sorted({m.reduce_dtype for m in modes if not m.replicate}, reverse=True)  # fp32 first
+    out = {}
+    if dtypes:
+        out["all_gather"], out["reduce_scatter"] = measure_fsdp_comm(nbytes, cfg.torch_device, repeats, dtypes)
+    if any(m.replicate for m in modes):
+        out["all_reduce"] = measure_comm(nbytes, cfg.torch_device, lambda n: 0.0, repeats)
+    return out

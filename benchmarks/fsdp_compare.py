@@ -86,6 +86,48 @@ HEADERS = ["mode", "backend", "step ms", "vs per_block [IQR]", "vs best peer [IQ
            "units (MiB each)", "prefetch"]
 
 
+def _modes_text(rows: Sequence[dict]) -> str:
+    """What each of the run's modes is, ours marked (a mode that is no peer)."""
+    from .fsdp_bench import FSDP_MODES
+    from .limit import FSDP_PEER_MODES
+
+    def one(mode: str) -> str:
+        summary = FSDP_MODES[mode].summary if mode in FSDP_MODES.names else "?"
+        return f"`{mode}`{'' if mode in FSDP_PEER_MODES else ' (ours)'} = {summary}"
+
+    return "; ".join(one(r["mode"]) for r in sorted(rows, key=lambda r: r.get("mode_order", 0)))
+
+
+def _limit_text(rows: Sequence[dict]) -> str:
+    """The physical limit of each way the run's modes reduce (sharded per dtype, replicate), and what
+    the best peer is; empty for rows without limits."""
+    kinds: dict[str, dict] = {}
+    for r in rows:
+        if r.get("limit_ms") is not None:
+            kinds.setdefault("replicate" if r.get("replicate") else r.get("reduce_dtype", "fp32"), r)
+    if not kinds:
+        return ""
+    named = len(kinds) > 1
+    texts = []
+    for kind, r in kinds.items():
+        head = f"{kind + ': ' if named else ''}{r['limit_ms']:.1f} ms = "
+        compute, opt = f"fwd {r['limit_fwd_ms']:.1f}", f"opt {r['limit_opt_ms']:.1f}"
+        if kind == "replicate":
+            texts.append(f"{head}{compute} + max(bwd {r['limit_bwd_ms']:.1f}, all-reduce {r['limit_comm_ms']:.1f}) + {opt}")
+        else:
+            rs = f"reduce-scatter{' in ' + kind if named else ''} {r['limit_reduce_scatter_ms']:.1f}"
+            texts.append(f"{head}max({compute} + bwd {r['limit_bwd_ms']:.1f}, 2 x all-gather "
+                         f"{r['limit_allgather_ms']:.1f} + {rs}, fwd + reduce-scatter) + {opt}")
+    peers = sorted({r["best_peer"] for r in rows if r.get("best_peer")})
+    return (f" Physical limit{'s' if named else ''} {'; '.join(texts)}: fwd and bwd of an unsharded copy with no "
+            "communication, one all-gather and one reduce-scatter (replicate: one all-reduce) of all the parameter "
+            "bytes over the same link, the fastest optimizer step of the modes that reduce that way "
+            "(Note [Physical limit of a step] in `benchmarks.limit`); step / limit = 1.0 is a perfect step. "
+            "Best peer = the fastest "
+            "peer that reduces the same way (sharded or replicate, in the same dtype; here "
+            f"{', '.join(f'`{p}`' for p in peers)}).")
+
+
 def format_table(rows: Sequence[dict]) -> str:
     return terminal_table(HEADERS, [_cells(r) for r in rows])
 
@@ -108,19 +150,12 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
         + f"world size {r0.get('world_size', '?')}, "
         + (f"device `{r0['device']}`, " if r0.get("device") else "") +
         f"{r0.get('model', '')}, {r0.get('param_mib', 0):.1f} MiB of float32 parameters; modes interleaved "
-        "round by round. `eager` = FSDP2 without compile, `per_block` = each block compiled, one shard unit per block, "
-        "FSDP2's implicit prefetch; `grouped` (ours) = per-block compile, blocks grouped into shard units of "
-        f"`shard_unit_mb` and explicit prefetch. Ratios are medians of per-round ratios to `per_block` (IQR in "
-        "brackets; below 1 is faster). compile s = first step minus the median step (cold: `torch._dynamo.reset()` and a fresh "
+        f"round by round. {_modes_text(rows)}. Ratios are medians of per-round ratios to `per_block` (`-` where it "
+        "did not run; IQR in brackets; below 1 is faster). compile s = first step minus the median step (cold: "
+        "`torch._dynamo.reset()` and a fresh "
         f"inductor cache dir before each compiled mode); loss diff = max over ranks and steps of |loss - eager's loss|; {mem}. "
         "Absolute times drift between tables with the machine's load; compare modes within a table."
-        + (f" Physical limit {r0['limit_ms']:.1f} ms = max(fwd {r0['limit_fwd_ms']:.1f} + bwd {r0['limit_bwd_ms']:.1f}, "
-           f"2 x all-gather {r0['limit_allgather_ms']:.1f} + reduce-scatter {r0['limit_reduce_scatter_ms']:.1f}, "
-           f"fwd + reduce-scatter) + opt {r0['limit_opt_ms']:.1f}: fwd and bwd of an unsharded copy with no "
-           "communication, one all-gather and one reduce-scatter of all the parameter bytes over the same link, the "
-           "fastest sharded optimizer step (Note [Physical limit of a step] in `benchmarks.limit`); step / limit = "
-           f"1.0 is a perfect step. Best peer = the faster of `eager` and `per_block` (here `{r0.get('best_peer')}`)."
-           if r0.get("limit_ms") is not None else "")
+        + _limit_text(rows)
     )
     parts = [text] if describe else []
     run = f"{r0.get('rounds', '?')} measured rounds after {r0.get('warmup', '?')} warmup"

@@ -61,6 +61,14 @@ communication). This bound lets the two phases' collectives overlap anything,
 so it is looser than ``max(fwd, ag) + max(bwd, ag + rs) + opt``, which assumes
 backward's all-gathers cannot start during forward.
 
+With ``MixedPrecisionPolicy(reduce_dtype=bf16)`` (the ``*_bf16`` FSDP modes) ``rs`` is
+the reduce-scatter of the same elements in bf16; the all-gathers stay float32. FSDP2's
+replicate (the ``replicate_*`` modes) gathers nothing and all-reduces each unit's
+gradients, so its limit is DDP's, ``fwd + max(bwd, comm) + opt``: comm one all-reduce
+of all the parameter bytes, fwd and bwd the unsharded copy's, opt the fastest of the
+replicate modes' own (whole-model) optimizer steps. Each row's best peer is a peer
+that reduces the same way (sharded or replicated, in the same dtype).
+
 Best peer: among the peers' rows (eager DDP, PyTorch's splitter, compiled
 autograd's reducer, every cap each), the one with the least median step;
 ``ratio_vs_best_peer`` is the median of per-round ratios to it (with IQR), as
@@ -81,7 +89,9 @@ PEER_MODES = ("eager", "builtin", "compiled_autograd",  # what users run today (
               "eager_bf16", "builtin_bf16", "compiled_autograd_bf16",  # the same with the bf16 hook a user registers
               "eager_powersgd")  # and with PyTorch's PowerSGD hook
 WIRE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per gradient element on the link, by a row's reduce_dtype
-FSDP_PEER_MODES = ("eager", "per_block")  # FSDP2 as is, and torchtitan's per-block compile recipe
+FSDP_PEER_MODES = ("eager", "per_block",  # FSDP2 as is, and torchtitan's per-block compile recipe
+                   "eager_bf16", "per_block_bf16",  # the same with MixedPrecisionPolicy(reduce_dtype=bf16)
+                   "replicate_eager", "replicate_per_block", "replicate_whole")  # FSDP2's replicate, as users run it
 
 
 def wire_kind(row: dict) -> str:
@@ -196,6 +206,12 @@ def _timed(collective, device, repeats: int, at_least: float = 0.0) -> float:
     return median(times)
 
 
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
 def measure_comm(nbytes: int, device, transfer_s, repeats: int, dtype: str = "fp32") -> float:
     """Median seconds of all-reducing one flat tensor of ``nbytes`` in ``dtype`` (a ``WIRE_BYTES``
     name) on the default group; each time at least ``transfer_s(nbytes)`` (a simulated link's
@@ -203,14 +219,15 @@ def measure_comm(nbytes: int, device, transfer_s, repeats: int, dtype: str = "fp
     import torch
     import torch.distributed as dist
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    flat = torch.zeros(max(nbytes // WIRE_BYTES[dtype], 1), dtype=torch_dtype, device=device)
+    flat = torch.zeros(max(nbytes // WIRE_BYTES[dtype], 1), dtype=_torch_dtype(dtype), device=device)
     return _timed(lambda: dist.all_reduce(flat), flat.device, repeats, transfer_s(nbytes))
 
 
-def measure_fsdp_comm(nbytes: int, device, repeats: int) -> tuple[float, float]:
-    """Median seconds of one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor`` of
-    ``nbytes`` of float32 (the whole, gathered size) on the default group."""
+def measure_fsdp_comm(nbytes: int, device, repeats: int, rs_dtypes: Sequence[str] = ("fp32",)
+                      ) -> tuple[float, dict[str, float]]:
+    """Median seconds of one ``all_gather_into_tensor`` of ``nbytes`` of float32 (the whole,
+    gathered size) on the default group, and of one ``reduce_scatter_tensor`` of the same
+    elements in each of ``rs_dtypes`` (``WIRE_BYTES`` names), by dtype."""
     import torch
     import torch.distributed as dist
 
@@ -219,7 +236,10 @@ def measure_fsdp_comm(nbytes: int, device, repeats: int) -> tuple[float, float]:
     full = torch.zeros(shard * world, dtype=torch.float32, device=device)
     part = torch.zeros(shard, dtype=torch.float32, device=device)
     ag = _timed(lambda: dist.all_gather_into_tensor(full, part), full.device, repeats)
-    rs = _timed(lambda: dist.reduce_scatter_tensor(part, full), full.device, repeats)
+    rs = {}
+    for dtype in rs_dtypes:
+        grads, out = full.to(_torch_dtype(dtype)), part.to(_torch_dtype(dtype))
+        rs[dtype] = _timed(lambda: dist.reduce_scatter_tensor(out, grads), full.device, repeats)
     return ag, rs
 
 

@@ -110,3 +110,42 @@ def test_from_json_rewrites_readme_without_running(tmp_path):
     readme.write_text(f"{START}\n{END}\n")
     assert main(["--from-json", str(tmp_path / "rows.json"), "--readme", str(readme)]) == 0
     assert "| eager | eager | 10.0 | 0.900 [0.800, 1.000] | - | - | 0.0 | 100/101 | 0.0e+00 | 2 (0.50 each) | 0 |" in readme.read_text()
+
+
+@pytest.mark.slow
+def test_bf16_and_replicate_modes_get_the_limit_and_peers_of_their_own_reduction(tmp_path):
+    out, readme = tmp_path / "rows.json", tmp_path / "README.md"
+    readme.write_text(f"{START}\n{END}\n")
+    modes = "eager,grouped,eager_bf16,grouped_bf16,replicate_eager,replicate_whole,replicate_grouped"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fsdp_compare", *TINY, "--modes", modes, "--json", str(out),
+         "--readme", str(readme)], cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    by_mode = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert list(by_mode) == modes.split(",")
+    sharded = [by_mode[m] for m in ("eager", "grouped")]
+    bf16 = [by_mode[m] for m in ("eager_bf16", "grouped_bf16")]
+    replicated = [by_mode[m] for m in ("replicate_eager", "replicate_whole", "replicate_grouped")]
+    # sharded in fp32 and in bf16: one all-gather time, a reduce-scatter time per dtype, peers of the same dtype
+    assert {r["reduce_dtype"] for r in bf16} == {"bf16"} and {r["reduce_dtype"] for r in sharded} == {"fp32"}
+    assert {r["limit_allgather_ms"] for r in sharded + bf16} == {sharded[0]["limit_allgather_ms"]}
+    assert {r["best_peer"] for r in sharded} == {"eager"} and {r["best_peer"] for r in bf16} == {"eager_bf16"}
+    assert all(r["best_fp32_peer"] == "eager" and r["ratio_vs_best_fp32_peer"] > 0 for r in bf16)
+    # replicate: DDP's limit over one all-reduce, its own optimizer steps, replicate peers only
+    r0 = replicated[0]
+    assert not any(r["replicate"] for r in sharded + bf16) and all(r["replicate"] for r in replicated)
+    assert "limit_allgather_ms" not in r0 and r0["limit_comm_ms"] > 0
+    assert r0["limit_ms"] == pytest.approx(r0["limit_fwd_ms"] + max(r0["limit_bwd_ms"], r0["limit_comm_ms"])
+                                           + r0["limit_opt_ms"])
+    assert r0["limit_opt_ms"] == pytest.approx(min(r["opt_ms"] for r in replicated))
+    peers = {r["best_peer"] for r in replicated}  # the faster of the two replicate peers that ran
+    assert len(peers) == 1 and peers <= {"replicate_eager", "replicate_whole"}
+    assert by_mode["replicate_grouped"]["units"] == 1 and by_mode["replicate_whole"]["units"] == 2
+    # replicate trains as sharded FSDP2 does; bf16 reduction moves the losses by rounding only
+    assert all(r["loss_max_abs_diff"] < 1e-4 for r in replicated), [r["loss_max_abs_diff"] for r in replicated]
+    assert all(r["loss_max_abs_diff"] < 1e-2 for r in bf16), [r["loss_max_abs_diff"] for r in bf16]
+    assert "physical limit, replicate" in proc.stderr and "physical limit, bf16" in proc.stderr
+    text = readme.read_text()
+    assert "Physical limits fp32: " in text and "reduce-scatter in bf16" in text and "replicate: " in text
+    assert "`replicate_grouped` (ours) = replicate, per-block compile" in text and "`replicate_whole` = " in text
