@@ -8,6 +8,8 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from benchmarks._torch_internals import BuiltinBuckets, cache_counts, graphs_compiled
 from benchmarks.cli import publish
@@ -17,6 +19,7 @@ from benchmarks.ddp_bench import BenchConfig
 from benchmarks.fsdp_bench import FSDP_MODES, FSDPBenchConfig
 from benchmarks.modes_ddp import DDP_MODES, DEFAULT_CAP, build_runner
 from benchmarks.report import cap_label, fmt, markdown_table, with_iqr
+from fsdp_opt import CompileConfig
 
 
 def test_the_traced_mode_reports_the_fused_all_reduces_of_the_synchronised_backward():
@@ -65,9 +68,16 @@ def test_an_unknown_mode_names_the_valid_ones():
 
 def test_fsdp_modes_give_their_apply_keywords():
     cfg = FSDPBenchConfig(backend="aot_eager", shard_unit_mb=3.0, prefetch=2)
-    assert FSDP_MODES["eager"].apply_kwargs(cfg) == dict(compile=None, prefetch=0)
-    assert FSDP_MODES["per_block"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=0)
-    assert FSDP_MODES["grouped"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=2, shard_unit_mb=3.0)
+    assert FSDP_MODES["eager"].apply_kwargs(cfg) == dict(compile=None, prefetch=0, replicate=False)
+    assert FSDP_MODES["per_block"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=0, replicate=False)
+    assert FSDP_MODES["grouped"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=2, shard_unit_mb=3.0,
+                                                           replicate=False)
+    bf16 = FSDP_MODES["grouped_bf16"].apply_kwargs(cfg)
+    assert bf16.pop("mp_policy") == MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    assert bf16 == FSDP_MODES["grouped"].apply_kwargs(cfg)
+    assert FSDP_MODES["replicate_per_block"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=0, replicate=True)
+    whole = FSDP_MODES["replicate_whole"].apply_kwargs(cfg)
+    assert whole["replicate"] and whole["compile"] == CompileConfig(backend="aot_eager", whole_model=True)
     assert FSDP_MODES.describe(FSDP_MODES.default).count("\n") == 2
 
 
