@@ -101,8 +101,46 @@ def test_resume_refuses_another_config_with_what_differs(tmp_path):
     with pytest.raises(ConfigError, match=r"latest checkpoint .*step_000002 was written by a run with another config: "
                                           r"model\.n_layer 4 in the checkpoint, 2 now\. .*train\.resume=false"):
         validate(_cfg(tmp_path, resume=True))
+    fsdp = _fsdp(_cfg(tmp_path, resume=True, model=dict(n_layer=4)))
+    _fake_checkpoint(tmp_path, 3, run_identity(fsdp, 1))
     with pytest.raises(ConfigError, match=r"world_size 1 in the checkpoint, 2 now"):
-        validate(_cfg(tmp_path, resume=True, model=dict(n_layer=4)), world_size=2)
+        plan_resume(fsdp.train, run_identity(fsdp, 2), restarted=False)
+
+
+def _fsdp(cfg: JobConfig) -> JobConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, name="fsdp"))
+
+
+def test_ddp_resumes_on_another_world_size_keeping_the_global_batch(tmp_path):
+    cfg = _cfg(tmp_path, resume=True)
+    _fake_checkpoint(tmp_path, 2, run_identity(cfg, 1, run_id="old"))
+    plan = plan_resume(cfg.train, run_identity(cfg, 2, run_id="new"), restarted=False)
+    assert [c.step for c in plan.candidates] == [2]
+    assert plan.notes == ("resuming a checkpoint written by 1 rank(s) on 2: train.batch_size=4 stays the global "
+                          "batch, 2 per rank (was 4); from here on each rank draws other samples than a run that "
+                          "kept 1 rank(s) would",)
+    # anything else that differs still refuses, and names the world size beside it
+    with pytest.raises(ConfigError, match=r"train\.seed 1337 in the checkpoint, 7 now; world_size 1 in the checkpoint"):
+        plan_resume(cfg.train, run_identity(_cfg(tmp_path, resume=True, seed=7), 2), restarted=False)
+
+
+def test_elastic_restart_on_fewer_ranks_adopts_its_checkpoints_under_ddp_and_says_why_not_under_fsdp(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    cfg = _cfg(tmp_path, checkpoint_every=2, steps=10)
+    _fake_checkpoint(tmp_path, 4, run_identity(cfg, 2, run_id="this-run"))  # before a node was lost
+    plan = plan_resume(cfg.train, run_identity(cfg, 1, run_id="this-run"), restarted=True)
+    assert [c.step for c in plan.candidates] == [4]
+    assert plan.notes == ("torchrun restart (elastic): resuming a checkpoint written by 2 rank(s) on 1: "
+                          "train.batch_size=4 stays the global batch, 4 per rank (was 2); from here on each rank "
+                          "draws other samples than a run that kept 2 rank(s) would",)
+    fsdp = _fsdp(cfg)
+    _fake_checkpoint(tmp_path / "fsdp", 4, run_identity(fsdp, 2, run_id="this-run"))
+    fsdp = dataclasses.replace(fsdp, train=dataclasses.replace(fsdp.train, checkpoint_dir=str(tmp_path / "fsdp")))
+    with pytest.raises(ConfigError, match=r"torchrun restarted this run on 1 rank\(s\) \(an elastic restart\), and "
+                                          r"its checkpoints in .* were written by 2: parallel=fsdp keeps sharded state.*"
+                                          r"Restart on as many ranks, or use parallel=ddp"):
+        plan_resume(fsdp.train, run_identity(fsdp, 1, run_id="this-run"), restarted=True)
 
 
 def test_explicit_resume_adopts_same_config_of_another_invocation_and_legacy_with_warning(tmp_path):

@@ -26,6 +26,11 @@ Algorithm
       invocation (``TORCHELASTIC_RUN_ID``) are this run's; the others are ignored
       with a warning, and refused when this run writes checkpoints there.
 
+    - The world size may differ from the checkpoint's under ``parallel=ddp`` and
+      ``none`` (Note [Checkpoint identity and manifest]), with one line saying so:
+      an elastic restart on fewer or more nodes continues from its last
+      checkpoint. Under FSDP it is refused with what to do.
+
     :func:`resume` then has rank 0 verify the candidates newest first against
     their manifests and broadcast the first intact one (every rank loads the same
     checkpoint); a corrupt one is skipped with a warning. Rank 0 alone reads the
@@ -54,7 +59,8 @@ from torch import nn, optim
 from ..config.schema import ConfigError, TrainConfig
 from ..runtime.dist import print0
 from ..step.schedule import Schedule, resume_note
-from .run_identity import CheckpointError, RunIdentity, differences, read_identity, verify_manifest
+from .run_identity import (CheckpointError, RunIdentity, differences, read_identity, same_trajectory, verify_manifest,
+                           world_size_change)
 from .store import CheckpointInfo, load_checkpoint, published_checkpoints
 
 __all__ = ["ResumePlan", "plan_resume", "resume"]
@@ -129,7 +135,7 @@ def _explicit(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity)
             "resuming it as asked (train.resume=true) without checking that it belongs to this config or is "
             "intact; only parameter names and shapes are checked.",
         ))
-    if saved.digest != now.digest:
+    if not same_trajectory(saved, now):
         raise CheckpointError(
             f"train.resume=true but the latest checkpoint {newest.path} was written by a run with another "
             f"config: {'; '.join(differences(saved, now))}. Resuming it would continue another training "
@@ -145,15 +151,27 @@ def _explicit(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity)
                 f"train.resume=true but {changed}: the resumed run would train on other tokens than the run it "
                 "continues. Restore the file, or set train.allow_data_change=true to resume on the new one.")
         notes.append(f"{changed}; resuming on the new file as asked (train.allow_data_change=true)")
-    return ResumePlan(tuple(i for i, s in found if s is not None and s.digest == now.digest), False, tuple(notes))
+    if change := world_size_change(saved, now):
+        notes.append(change)
+    return ResumePlan(tuple(i for i, s in found if s is not None and same_trajectory(s, now)), False, tuple(notes))
 
 
 def _restart(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity) -> ResumePlan:
     notes: list[str] = []
     found = _identities(published, notes)
-    own = tuple(i for i, s in found if s is not None and s.digest == now.digest and now.run_id is not None
+    own = tuple(i for i, s in found if s is not None and same_trajectory(s, now) and now.run_id is not None
                 and s.run_id == now.run_id)
     others = [i for i, s in found if i not in own]
+    resized = next((s for _, s in found if s is not None and s.run_id == now.run_id
+                    and {d.split(" ")[0] for d in differences(s, now)} == {"world_size"}), None)
+    if resized is not None and not own:
+        raise ConfigError(
+            f"torchrun restarted this run on {now.fields.get('world_size')} rank(s) (an elastic restart), and its "
+            f"checkpoints in {t.checkpoint_dir!r} were written by {resized.fields.get('world_size')}: "
+            f"parallel={now.fields.get('parallel.name')} keeps sharded state, which is resumed only on the number of "
+            "ranks that wrote it (resharding it on load is not tested here). Restart on as many ranks, or use "
+            "parallel=ddp, whose checkpoints resume on any number."
+        )
     if others and not own and t.checkpoint_every > 0:
         raise ConfigError(
             f"torchrun restarted this run (TORCHELASTIC_RESTART_COUNT > 0), and train.checkpoint_dir="
@@ -165,6 +183,9 @@ def _restart(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity) 
         notes.append(f"torchrun restart: ignoring {len(others)} checkpoint(s) in {t.checkpoint_dir} written by "
                      f"another run or torchrun invocation (latest: {others[0].path}); train.resume=true adopts a "
                      "checkpoint of the same config.")
+    saved = next((s for i, s in found if i is own[0]), None) if own else None
+    if saved is not None and (change := world_size_change(saved, now)):
+        notes.append(f"torchrun restart (elastic): {change}")
     return ResumePlan(own, False, tuple(notes))
 
 

@@ -20,6 +20,14 @@ Algorithm
       resumed optimizer takes from the config (``launch.checkpoint.resume``). Trajectory keys
       added later (:data:`ADDED_LATER`: the lr schedule, gradient clipping) are
       left out at their defaults, so older checkpoints keep their digest.
+    - The world size may differ where every rank holds the whole model
+      (``parallel=ddp`` and ``none``: DCP loads the same full tensors on any number
+      of ranks): :func:`same_trajectory` then compares the rest. ``train.batch_size``
+      is the global batch, so the optimizer sees the same batch size; what changes is
+      which samples each rank draws from the step on (the data stream is a function
+      of rank). That is what an elastic restart on fewer or more nodes
+      (``torchrun --nnodes 1:2``) needs to continue at all. FSDP's shards keep the
+      world size in the comparison (resharding on load is not tested here).
     - ``identity.json`` holds the fields, the digest and torchrun's
       ``TORCHELASTIC_RUN_ID`` (not part of the digest: it tells one torchrun
       invocation from another with the same config, so that a restart only
@@ -55,6 +63,8 @@ __all__ = [
     "run_identity",
     "flat_config",
     "digest_of",
+    "same_trajectory",
+    "world_size_change",
     "write_identity",
     "read_identity",
     "differences",
@@ -152,6 +162,36 @@ def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> 
                                            if not _resumable(k) and not (k in ADDED_LATER and v == ADDED_LATER[k])}}
     data = fingerprint(cfg.data.path) if cfg.data.name == "tokens" and cfg.data.path else None
     return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"), data)
+
+
+# Parallel modes whose checkpoints hold every parameter and optimizer state whole on each rank.
+WHOLE_STATE_MODES = ("ddp", "none")
+
+
+def _without_world_size(identity: RunIdentity) -> str:
+    return digest_of({k: v for k, v in identity.fields.items() if k != "world_size"})
+
+
+def same_trajectory(saved: RunIdentity, now: RunIdentity) -> bool:
+    """Whether a checkpoint with identity ``saved`` continues the run ``now``: the same
+    identity, or one that differs only in the world size where every rank holds the whole
+    state (Note [Checkpoint identity and manifest])."""
+    if saved.digest == now.digest:
+        return True
+    return now.fields.get("parallel.name") in WHOLE_STATE_MODES and _without_world_size(saved) == _without_world_size(now)
+
+
+def world_size_change(saved: RunIdentity, now: RunIdentity) -> str | None:
+    """One line on resuming a checkpoint written by another number of ranks (None when the
+    same): the global batch stays, the batch per rank changes."""
+    before, after = saved.fields.get("world_size"), now.fields.get("world_size")
+    if before == after or not isinstance(before, int) or not isinstance(after, int):
+        return None
+    batch = now.fields.get("train.batch_size")
+    per_rank = (f": train.batch_size={batch} stays the global batch, {batch // after} per rank (was "
+                f"{batch // before})" if isinstance(batch, int) else "")
+    return (f"resuming a checkpoint written by {before} rank(s) on {after}{per_rank}; from here on each rank draws "
+            f"other samples than a run that kept {before} rank(s) would")
 
 
 def write_identity(folder: str, identity: RunIdentity) -> None:
