@@ -15,7 +15,7 @@ from launch.checkpoint.resume import plan_resume
 from launch.checkpoint.run_identity import (CheckpointError, RunIdentity, differences, read_identity, run_identity,
                                  verify_manifest, write_identity, write_manifest)
 from launch.checks.validate import validate
-from launch.config.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, TrainConfig
+from launch.config.schema import CompileConfig, ConfigError, JobConfig, ModelConfig, ParallelMode, TrainConfig
 from launch.train import run
 
 
@@ -103,7 +103,9 @@ def test_resume_refuses_another_config_with_what_differs(tmp_path):
         validate(_cfg(tmp_path, resume=True))
     fsdp = _fsdp(_cfg(tmp_path, resume=True, model=dict(n_layer=4)))
     _fake_checkpoint(tmp_path, 3, run_identity(fsdp, 1))
-    with pytest.raises(ConfigError, match=r"world_size 1 in the checkpoint, 2 now"):
+    with pytest.raises(ConfigError, match=r"train\.resume=true on 2 rank\(s\), but the latest checkpoint of this run .* "
+                                          r"was written by 1: parallel=fsdp saves distributed tensors.*Relaunch on 1 "
+                                          r"rank\(s\) to continue.*another train\.checkpoint_dir.*use parallel=ddp"):
         plan_resume(fsdp.train, run_identity(fsdp, 2), restarted=False)
 
 
@@ -120,8 +122,13 @@ def test_ddp_resumes_on_another_world_size_keeping_the_global_batch(tmp_path):
                           "batch, 2 per rank (was 4); from here on each rank draws other samples than a run that "
                           "kept 1 rank(s) would",)
     # anything else that differs still refuses, and names the world size beside it
-    with pytest.raises(ConfigError, match=r"train\.seed 1337 in the checkpoint, 7 now; world_size 1 in the checkpoint"):
+    with pytest.raises(ConfigError, match=r"another config: train\.seed 1337 in the checkpoint, 7 now\. Resuming"):
         plan_resume(cfg.train, run_identity(_cfg(tmp_path, resume=True, seed=7), 2), restarted=False)
+    # a config built in code may carry the enum itself
+    coded = dataclasses.replace(_cfg(tmp_path / "coded", resume=True),
+                                parallel=dataclasses.replace(cfg.parallel, name=ParallelMode.DDP))
+    _fake_checkpoint(tmp_path / "coded", 2, run_identity(coded, 1))
+    assert [c.step for c in plan_resume(coded.train, run_identity(coded, 2), restarted=False).candidates] == [2]
 
 
 def test_elastic_restart_on_fewer_ranks_adopts_its_checkpoints_under_ddp_and_says_why_not_under_fsdp(
@@ -137,10 +144,18 @@ def test_elastic_restart_on_fewer_ranks_adopts_its_checkpoints_under_ddp_and_say
     fsdp = _fsdp(cfg)
     _fake_checkpoint(tmp_path / "fsdp", 4, run_identity(fsdp, 2, run_id="this-run"))
     fsdp = dataclasses.replace(fsdp, train=dataclasses.replace(fsdp.train, checkpoint_dir=str(tmp_path / "fsdp")))
-    with pytest.raises(ConfigError, match=r"torchrun restarted this run on 1 rank\(s\) \(an elastic restart\), and "
-                                          r"its checkpoints in .* were written by 2: parallel=fsdp keeps sharded state.*"
-                                          r"Restart on as many ranks, or use parallel=ddp"):
+    with pytest.raises(ConfigError, match=r"torchrun restarted this run \(an elastic restart\) on 1 rank\(s\), but the "
+                                          r"latest checkpoint of this run .* was written by 2: parallel=fsdp saves "
+                                          r"distributed tensors.*torchrun --nnodes 2:2"):
         plan_resume(fsdp.train, run_identity(fsdp, 1, run_id="this-run"), restarted=True)
+    # its own checkpoints at this world size beside newer ones of another: still refused, none overwritten
+    _fake_checkpoint(tmp_path / "fsdp", 2, run_identity(fsdp, 1, run_id="this-run"))
+    with pytest.raises(ConfigError, match=r"was written by 2: parallel=fsdp"):
+        plan_resume(fsdp.train, run_identity(fsdp, 1, run_id="this-run"), restarted=True)
+    # no torchrun run id: no checkpoint is this run's, and the world size is not what is said
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another run"):
+        plan_resume(cfg.train, run_identity(cfg, 1, run_id=None), restarted=True)
 
 
 def test_explicit_resume_adopts_same_config_of_another_invocation_and_legacy_with_warning(tmp_path):

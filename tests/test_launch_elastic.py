@@ -28,19 +28,21 @@ def test_an_elastic_job_that_loses_a_node_resumes_its_checkpoint_on_the_ranks_le
     port = _dist.free_port()
 
     def agent(name: str) -> subprocess.Popen:
+        host = int(name == "first")  # the first agent hosts the rendezvous store: it is the one that stays
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-             "--rdzv-conf", "last_call_timeout=10", "--max-restarts", "1", "-m", "launch.train", *SMALL,
+             "--rdzv-conf", f"last_call_timeout=10,is_host={host}", "--max-restarts", "1", "-m", "launch.train", *SMALL,
              f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={name}"],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     lines: dict[str, list[str]] = {"first": [], "second": []}
-    agents = {}
+    agents, readers = {}, []
     try:
-        for name in ("first", "second"):  # the first agent hosts the rendezvous store: it is the one that stays
+        for name in ("first", "second"):
             agents[name] = agent(name)
-            threading.Thread(target=lambda n=name: lines[n].extend(agents[n].stdout), daemon=True).start()
+            readers.append(threading.Thread(target=lambda n=name: lines[n].extend(agents[n].stdout), daemon=True))
+            readers[-1].start()
             time.sleep(1)  # the second joins inside the first one's last call: one round of 2 nodes
 
         def steps_done() -> int:
@@ -59,6 +61,8 @@ def test_an_elastic_job_that_loses_a_node_resumes_its_checkpoint_on_the_ranks_le
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
+    for reader in readers:
+        reader.join(timeout=30)  # every line read before the checks
     out = "".join(lines["first"])
     assert agents["first"].returncode == 0, out[-4000:]
     assert "distcompile main job: 1 rank(s)" in out, out[-4000:]

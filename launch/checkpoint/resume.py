@@ -25,11 +25,11 @@ Algorithm
       ``train.resume=true``: only checkpoints of this identity *and* this torchrun
       invocation (``TORCHELASTIC_RUN_ID``) are this run's; the others are ignored
       with a warning, and refused when this run writes checkpoints there.
-
     - The world size may differ from the checkpoint's under ``parallel=ddp`` and
       ``none`` (Note [Checkpoint identity and manifest]), with one line saying so:
       an elastic restart on fewer or more nodes continues from its last
-      checkpoint. Under FSDP it is refused with what to do.
+      checkpoint. Under FSDP, where its newest checkpoint was written by another
+      number of ranks, the run is refused with what to do.
 
     :func:`resume` then has rank 0 verify the candidates newest first against
     their manifests and broadcast the first intact one (every rank loads the same
@@ -59,8 +59,8 @@ from torch import nn, optim
 from ..config.schema import ConfigError, TrainConfig
 from ..runtime.dist import print0
 from ..step.schedule import Schedule, resume_note
-from .run_identity import (CheckpointError, RunIdentity, differences, read_identity, same_trajectory, verify_manifest,
-                           world_size_change)
+from .run_identity import (CheckpointError, RunIdentity, differences, only_world_size_differs, read_identity,
+                           resumes_on_any_world_size, same_trajectory, verify_manifest, world_size_change)
 from .store import CheckpointInfo, load_checkpoint, published_checkpoints
 
 __all__ = ["ResumePlan", "plan_resume", "resume"]
@@ -135,13 +135,17 @@ def _explicit(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity)
             "resuming it as asked (train.resume=true) without checking that it belongs to this config or is "
             "intact; only parameter names and shapes are checked.",
         ))
+    if only_world_size_differs(saved, now) and not resumes_on_any_world_size(now):
+        raise _sharded_elsewhere("train.resume=true", now, saved, t.checkpoint_dir)
     if not same_trajectory(saved, now):
+        any_size = resumes_on_any_world_size(now)  # then the world size may differ: not named
+        diffs = [d for d in differences(saved, now) if not (any_size and d.startswith("world_size "))]
         raise CheckpointError(
             f"train.resume=true but the latest checkpoint {newest.path} was written by a run with another "
-            f"config: {'; '.join(differences(saved, now))}. Resuming it would continue another training "
+            f"config: {'; '.join(diffs)}. Resuming it would continue another training "
             "trajectory. Resume with the checkpoint's values, or start fresh with train.resume=false and another "
             "train.checkpoint_dir. (May change on resume: train.steps, train.lr, train.weight_decay, logging, "
-            "checkpoint cadence, timeouts, compile.*, ddp.*.)"
+            "checkpoint cadence, timeouts, compile.*, ddp.*, and under parallel=ddp or none the number of ranks.)"
         )
     if saved.data is not None and now.data is not None and saved.data != now.data:
         changed = (f"data.path={now.fields.get('data.path')!r} changed since checkpoint {newest.path} was written "
@@ -162,16 +166,9 @@ def _restart(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity) 
     own = tuple(i for i, s in found if s is not None and same_trajectory(s, now) and now.run_id is not None
                 and s.run_id == now.run_id)
     others = [i for i, s in found if i not in own]
-    resized = next((s for _, s in found if s is not None and s.run_id == now.run_id
-                    and {d.split(" ")[0] for d in differences(s, now)} == {"world_size"}), None)
-    if resized is not None and not own:
-        raise ConfigError(
-            f"torchrun restarted this run on {now.fields.get('world_size')} rank(s) (an elastic restart), and its "
-            f"checkpoints in {t.checkpoint_dir!r} were written by {resized.fields.get('world_size')}: "
-            f"parallel={now.fields.get('parallel.name')} keeps sharded state, which is resumed only on the number of "
-            "ranks that wrote it (resharding it on load is not tested here). Restart on as many ranks, or use "
-            "parallel=ddp, whose checkpoints resume on any number."
-        )
+    mine = [s for _, s in found if s is not None and now.run_id is not None and s.run_id == now.run_id]
+    if mine and only_world_size_differs(mine[0], now) and not resumes_on_any_world_size(now):
+        raise _sharded_elsewhere("torchrun restarted this run (an elastic restart)", now, mine[0], t.checkpoint_dir)
     if others and not own and t.checkpoint_every > 0:
         raise ConfigError(
             f"torchrun restarted this run (TORCHELASTIC_RESTART_COUNT > 0), and train.checkpoint_dir="
@@ -187,6 +184,19 @@ def _restart(t: TrainConfig, published: list[CheckpointInfo], now: RunIdentity) 
     if saved is not None and (change := world_size_change(saved, now)):
         notes.append(f"torchrun restart (elastic): {change}")
     return ResumePlan(own, False, tuple(notes))
+
+
+def _sharded_elsewhere(what: str, now: RunIdentity, saved: RunIdentity, folder: str) -> ConfigError:
+    """The refusal to resume FSDP's checkpoint on another number of ranks than wrote it."""
+    before, after = saved.fields.get("world_size"), now.fields.get("world_size")
+    return ConfigError(
+        f"{what} on {after} rank(s), but the latest checkpoint of this run in {folder!r} was written by {before}: "
+        f"parallel={now.fields.get('parallel.name')} saves distributed tensors laid out for the ranks that wrote "
+        "them, and loading them on another number (resharding) is not tested here. Relaunch on "
+        f"{before} rank(s) to continue (torchrun --nnodes {before}:{before} with one rank per node, or "
+        f"--nproc-per-node {before}), or start over with another train.checkpoint_dir; for an elastic job that may "
+        "lose nodes, use parallel=ddp, whose checkpoints resume on any number of ranks."
+    )
 
 
 def _intact(info: CheckpointInfo, legacy: bool) -> str | None:

@@ -50,7 +50,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.schema import ConfigError, JobConfig
+from ..config.schema import ConfigError, JobConfig, ParallelMode
 from ..data.tokens import fingerprint
 
 __all__ = [
@@ -63,7 +63,10 @@ __all__ = [
     "run_identity",
     "flat_config",
     "digest_of",
+    "WHOLE_STATE_MODES",
     "same_trajectory",
+    "resumes_on_any_world_size",
+    "only_world_size_differs",
     "world_size_change",
     "write_identity",
     "read_identity",
@@ -95,6 +98,11 @@ RESUMABLE = frozenset({
 # checkpoint written before the key still resumes and keeps its digest.
 ADDED_LATER = {"train.lr_schedule": "constant", "train.warmup_steps": 0, "train.min_lr": 0.0,
                "train.max_grad_norm": 0.0}
+
+
+# Parallel modes whose checkpoints hold every parameter and optimizer state whole on each rank:
+# they resume on any number of ranks.
+WHOLE_STATE_MODES = (ParallelMode.DDP.value, ParallelMode.NONE.value)
 
 
 class CheckpointError(ConfigError):
@@ -164,21 +172,28 @@ def run_identity(cfg: JobConfig, world_size: int, run_id: str | None = None) -> 
     return RunIdentity(fields, run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"), data)
 
 
-# Parallel modes whose checkpoints hold every parameter and optimizer state whole on each rank.
-WHOLE_STATE_MODES = ("ddp", "none")
-
-
 def _without_world_size(identity: RunIdentity) -> str:
     return digest_of({k: v for k, v in identity.fields.items() if k != "world_size"})
+
+
+def resumes_on_any_world_size(identity: RunIdentity) -> bool:
+    """Whether the run's checkpoints hold the whole state on every rank (``parallel=ddp`` or
+    ``none``), so that they resume on any number of ranks."""
+    mode = identity.fields.get("parallel.name")
+    # a value built in code may be the enum's repr (ParallelMode.DDP); composed configs hold "ddp"
+    return isinstance(mode, str) and mode.rsplit(".", 1)[-1].lower() in WHOLE_STATE_MODES
+
+
+def only_world_size_differs(saved: RunIdentity, now: RunIdentity) -> bool:
+    """Whether the two identities differ, and in the world size alone."""
+    return saved.digest != now.digest and _without_world_size(saved) == _without_world_size(now)
 
 
 def same_trajectory(saved: RunIdentity, now: RunIdentity) -> bool:
     """Whether a checkpoint with identity ``saved`` continues the run ``now``: the same
     identity, or one that differs only in the world size where every rank holds the whole
     state (Note [Checkpoint identity and manifest])."""
-    if saved.digest == now.digest:
-        return True
-    return now.fields.get("parallel.name") in WHOLE_STATE_MODES and _without_world_size(saved) == _without_world_size(now)
+    return saved.digest == now.digest or (resumes_on_any_world_size(now) and only_world_size_differs(saved, now))
 
 
 def world_size_change(saved: RunIdentity, now: RunIdentity) -> str | None:
