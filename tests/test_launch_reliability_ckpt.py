@@ -60,8 +60,8 @@ def test_resume_with_another_model_shape_is_one_message(reference_run, tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert ("error: train.resume=true but the latest checkpoint checkpoints/step_000008 was written by a run with "
-            "another config: model.n_layer 2 in the checkpoint, 1 now; world_size 2 in the checkpoint, 1 now. "
-            "Resuming it would continue another training trajectory.") in proc.stderr
+            "another config: model.n_layer 2 in the checkpoint, 1 now. Resuming it would continue another "
+            "training trajectory.") in proc.stderr  # the world size (2, now 1) may change under parallel=ddp
 
 
 def test_torchrun_restart_does_not_adopt_another_runs_checkpoint(tmp_path, torchrun):
