@@ -188,8 +188,8 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
         compression: None, or ``"powersgd:R"`` (``"powersgd:R:START"``): rank-R PowerSGD
             with error feedback and warm start from step START (default 10), through
             PyTorch's ``powerSGD_hook``, kept across realignment
-            (Note [PowerSGD compression]). Not with ``reduce_dtype``, ``"traced"`` or a comm
-            hook of the user's.
+            (Note [PowerSGD compression]); under ``"traced"`` in the compiled backward
+            (Note [Traced PowerSGD]). Not with ``reduce_dtype`` or a comm hook of the user's.
         step_gate: the ranks meet in the store before each synchronised step's
             first collective (after the forward; under ``"traced"`` inside the
             backward), so that a rank compiling alone (a shape only it saw, a cold

@@ -18,7 +18,7 @@ from compiler.cache import save_on_local_rank0
 from compiler.share import CompileShare
 from compiler.step_gate import StepGate
 
-from ._torch_internals import add_python_reducer_hook, has_rebuilt_buckets, python_comm_hooks, reducer_finalized
+from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
 from .alignment import Alignment
 from .autoplan import Timeline
 from .calibrate import Calibration, calibrate, calibrated_model
@@ -66,6 +66,8 @@ class CompiledDDP:
         own_hook: with ``reduce_dtype`` or ``compression``, the comm hook registered here and kept
             across realignment (Note [Reduced-precision all-reduce], Note [PowerSGD compression]);
             else None.
+        traced_hook: under ``strategy="traced"`` with ``compression``, the traced hooks' state
+            (``ddp_opt.traced_powersgd.TracedPowerSGD``: memories, step count); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
     """
@@ -104,8 +106,9 @@ class CompiledDDP:
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
         self.own_hook = own_hook
+        self.traced_hook = None  # the traced hooks' state, told of each synchronised forward
         if own_hook is not None and traced is not None:
-            add_python_reducer_hook(ddp_model, own_hook.state, own_hook.gradient)
+            self.traced_hook = own_hook.traced(ddp_model, traced)
         elif own_hook is not None:
             self._comm_hooks.append((own_hook.state, own_hook.bucket))
             ddp_model.register_comm_hook(own_hook.state, own_hook.bucket)
@@ -271,6 +274,8 @@ class CompiledDDP:
         self._in_first_call = False
         self._maybe_realign()
         self._check_backward_path()
+        if self.traced_hook is not None and torch.is_grad_enabled() and self.ddp_model.require_backward_grad_sync:
+            self.traced_hook.step_begins()
 
     def after_forward(self) -> None:
         """What runs after each call of the DDP model (a forward hook on it): the realigned

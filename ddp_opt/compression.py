@@ -48,13 +48,15 @@ Numerics
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the bucket hook's
 # annotations with the real types.
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ._torch_internals import functional_all_reduce
+from . import traced_powersgd
+from ._torch_internals import add_python_reducer_hook, functional_all_reduce
 from .powersgd import PowerSGD, forget_buckets, sequenced_powersgd_hook
 
 __all__ = ["REDUCE_DTYPES", "OwnHook", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
@@ -96,7 +98,9 @@ class OwnHook:
     value: str  # its value, normalised: "torch.bfloat16", "'powersgd:4:10'"
     state: Any
     bucket: Callable  # DDP's comm hook (the reducer strategies)
-    gradient: Callable | None  # the python reducer's hook per gradient (traced); None: not built
+    # traced(ddp_model, plan): put on the python reducer (the traced strategy); returns a state with
+    # step_begins() to call at each synchronised forward, or None.
+    traced: Callable[[Any, Any], Any]
 
     @property
     def setting(self) -> str:
@@ -111,10 +115,16 @@ def own_hook(group: dist.ProcessGroup, reduce_dtype: torch.dtype | None,
              compression: PowerSGD | None) -> OwnHook | None:
     """The hook for the (validated) settings, or None when neither is set."""
     if compression is not None:
-        return OwnHook("compression", repr(str(compression)), compression.state(group), sequenced_powersgd_hook, None)
+        return OwnHook("compression", repr(str(compression)), compression.state(group), sequenced_powersgd_hook,
+                       functools.partial(traced_powersgd.attach, compression))
     if reduce_dtype is not None:
-        return OwnHook("reduce_dtype", str(reduce_dtype), ReduceState(group, reduce_dtype), bucket_hook, gradient_hook)
+        state = ReduceState(group, reduce_dtype)
+        return OwnHook("reduce_dtype", str(reduce_dtype), state, bucket_hook, functools.partial(_traced, state))
     return None
+
+
+def _traced(state: "ReduceState", ddp_model: Any, plan: Any) -> None:
+    add_python_reducer_hook(ddp_model, state, gradient_hook)
 
 
 @dataclass(frozen=True)

@@ -155,12 +155,6 @@ class DDPCompileConfig(CompileOptions):
             raise SettingError("compression", f"{given}, reduce_dtype={self.reduce_dtype}): both choose how the "
                                               "gradients cross the link, through one comm hook each, and DDP calls "
                                               "one hook. Pass one of the two.")
-        if spec is not None and self.strategy == "traced":
-            raise SettingError("compression", f"{given}, strategy='traced'): PowerSGD is built for DDP's reducer "
-                                              "only; the traced strategy's python reducer calls a hook per gradient, "
-                                              "and PowerSGD's per-bucket state does not fit it yet. Use "
-                                              "strategy='split' (the default) with compression, or "
-                                              "reduce_dtype=torch.bfloat16 with 'traced'.")
         return spec
 
     @property

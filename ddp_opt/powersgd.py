@@ -35,9 +35,8 @@ Algorithm
       error to another's gradients. With ``start`` past the steps that change the layout
       (DDP rebuilds after step 1; realignment after step 1 and its rebuild after step 2, one
       step later with ``static_graph``), there is nothing to drop.
-    - Traced: not built. The python reducer calls a hook per gradient, and a per-gradient
-      PowerSGD with its state in the compiled backward is future work; ``compile_ddp``
-      refuses the pair.
+    - Traced: the python reducer calls a hook per gradient; PowerSGD there keeps its memories
+      per parameter and is traced into the compiled backward (Note [Traced PowerSGD]).
     - ``bucket_cap_mb="auto"``: the cost model's link probe (:func:`link_probe`) sends a
       bucket as PowerSGD does: one near-square matrix of the probe's bytes, its P and Q
       all-reduced one after the other with the matmuls and the orthogonalisation between,

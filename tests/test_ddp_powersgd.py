@@ -148,8 +148,6 @@ def test_a_compression_that_cannot_work_is_refused(given, needle):
 @pytest.mark.parametrize("more, needle", [
     (dict(reduce_dtype="bf16"), r"compile_ddp\(compression='powersgd:4', reduce_dtype=torch.bfloat16\): both "
                                 r"choose how the gradients cross the link, .* Pass one of the two."),
-    (dict(strategy="traced"), r"compile_ddp\(compression='powersgd:4', strategy='traced'\): PowerSGD is built "
-                              r"for DDP's reducer only; .* Use strategy='split' \(the default\) with compression"),
 ])
 def test_compression_with_a_setting_it_cannot_share_is_refused(more, needle):
     with pytest.raises(SettingError, match=needle):
@@ -194,6 +192,18 @@ def test_the_main_jobs_ddp_compresses_with_powersgd(gloo, clean_dynamo, backend)
     assert state.iter == 3 and state.error_dict, state.iter
 
 
+def test_the_main_jobs_traced_ddp_compresses_in_the_compiled_backward(gloo, clean_dynamo):
+    from _jobs import one_rank_main_model
+
+    wrapped, x = one_rank_main_model("compile=aot_eager", "ddp.strategy=traced", "ddp.compression=powersgd:2:2")
+    for _ in range(3):  # the third step is compressed, in the backward compiled for it
+        with wrapped.backward_context():
+            wrapped.forward(x, x)[1].backward()
+    state = wrapped.compiled_ddp.traced_hook
+    assert wrapped.compiled_ddp.strategy == "traced" and state.steps == 3 and state.layout
+    assert any(e is not None and e.abs().sum() > 0 for e in state.errors)  # what rank 2 left out, kept
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["ddp.compression=topk"], r"ddp\.compression='topk' is not valid: 'topk' names no compression: expected "
                                r"'powersgd:RANK' or 'powersgd:RANK:START'.* In the launcher: ddp\.compression=powersgd:4, "
@@ -202,8 +212,6 @@ def test_the_main_jobs_ddp_compresses_with_powersgd(gloo, clean_dynamo, backend)
     (["ddp.compression=powersgd:4", "ddp.reduce_dtype=bf16"], r"ddp\.compression=powersgd:4 with "
                                                               r"ddp\.reduce_dtype=bf16: both choose how the gradients "
                                                               r"cross the link.* Keep one"),
-    (["ddp.compression=powersgd:4", "ddp.strategy=traced"], r"ddp\.compression=powersgd:4 with ddp\.strategy=traced: "
-                                                            r"PowerSGD is built for DDP's reducer only"),
     (["parallel=fsdp", "ddp.compression=powersgd:4"], r"ddp\.compression is set but parallel=fsdp"),
 ])
 def test_a_compression_the_job_cannot_use_is_refused_before_a_process_group(overrides, needle):

@@ -185,10 +185,6 @@ def check_compression(d: DDPConfig) -> None:
         raise ConfigError(f"ddp.compression={d.compression} with ddp.reduce_dtype={d.reduce_dtype}: both choose how "
                           "the gradients cross the link, through one comm hook each, and DDP calls one hook. Keep "
                           "one: ddp.reduce_dtype=fp32 or ddp.compression=none.")
-    if spec is not None and d.strategy == "traced":
-        raise ConfigError(f"ddp.compression={d.compression} with ddp.strategy=traced: PowerSGD is built for DDP's "
-                          "reducer only, and the traced strategy reduces through PyTorch's python reducer. Use "
-                          "ddp.strategy=split (the default), or ddp.reduce_dtype=bf16 with traced.")
 
 
 def check_ddp(d: DDPConfig, p: ParallelConfig) -> None:

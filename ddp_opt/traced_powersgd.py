@@ -1,0 +1,238 @@
+"""PowerSGD under the traced strategy (``compile_ddp(strategy="traced", compression="powersgd:4")``):
+the power iteration, its all-reduces and its memories traced into the compiled backward.
+
+Note [Traced PowerSGD]
+
+Background
+    The traced strategy's python reducer calls a hook per gradient, with ``(grad, param)``,
+    inside the backward that compiled autograd traces (Note [Traced strategy]); PyTorch's
+    ``powerSGD_hook`` takes a DDP bucket and keeps its memories per bucket index
+    (Note [PowerSGD compression]). Sending each matrix's P and Q alone would cost two round
+    trips per matrix; PowerSGD gains on a slow link by sending few, small messages.
+
+Algorithm
+    - Memories per parameter, made when compiling: for each gradient that PyTorch's rule would
+      compress (viewed as ``shape[0] x rest``, rank ``r = min(n, m, R)``, compressed when
+      ``2 (n + m) r < n m``) an error ``E`` (n x m, zeros) and a ``Q`` (m x r, normal, from a
+      generator seeded 0, the same on every rank). They are the compiled graph's inputs and
+      are written back in place.
+    - Hooks per parameter, with its index (:func:`attach`): compiled autograd traces them in
+      gradient-ready order, so the Python bookkeeping below runs once, while tracing, and
+      leaves a fixed graph. DDP's own hook reduces nothing (a no-op comm hook).
+    - Buckets: gradients gather until their bytes reach the plan's cap for that bucket (the
+      traced plan's caps, ``TracedPlan.caps``: ``bucket_cap_mb`` or the ``auto`` plan), the
+      last one closes with the last gradient. Each bucket goes in three stages, as PyTorch's
+      hook does:
+      1. ``M = grad + E``, ``P = M orth(Q)``; one all-reduce of the bucket's uncompressed
+         gradients and its P's, concatenated (PyTorch sends these two in turn);
+      2. the uncompressed gradients averaged; ``P = orth(P)``, ``Q = M^T P``; one all-reduce
+         of the bucket's Q's;
+      3. ``Q /= world``, ``grad = P Q^T``, ``E = M - grad``, the Q memory ``= Q``.
+      When bucket k closes, it enters stage 1, bucket k-1 stage 2 and bucket k-2 stage 3,
+      so each all-reduce is waited for only after the next bucket's gradients are computed
+      (Inductor's ``schedule_comm_wait`` moves each wait to its first use); the last
+      gradient drains the rest. Every rank traces the same graph: the collectives go in one
+      order on all ranks (the reducer's hook needed a worker thread for that).
+    - ``orth``: Gram-Schmidt for ``r <= 2`` and for half dtypes, else QR, PyTorch's choice.
+    - Start: the first START synchronised steps (counted at each forward with gradients
+      outside ``no_sync``) all-reduce as the python reducer does, fused by the plan; from
+      step START the hooks compress, and the backward compiles once more.
+
+Numerics
+    Per matrix the arithmetic is PyTorch's hook's (tests/test_ddp_traced_powersgd.py, against
+    its hook with the same first Q). Two differences: PyTorch keeps an error for the whole
+    bucket, and so for the uncompressed tensors too (each rank's distance from the mean, which
+    sums to zero over the ranks), where this keeps none for them; and the first Q is drawn per
+    matrix, not per bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ._torch_internals import add_python_reducer_hook, functional_all_reduce, is_ddp_ignored
+from .plan import BucketCaps
+from .powersgd import PowerSGD
+
+__all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "orthogonalize"]
+
+MIN_COMPRESSION_RATE = 2  # PyTorch's PowerSGDState default: compress when (n + m) r * 2 < n m
+SEED = 0  # the first Q's, as PowerSGD.state's random_seed
+
+
+class TracedPowerSGD:
+    """The traced hooks' state: per-parameter memories, the step count, and the bookkeeping of
+    one backward while it is traced (Note [Traced PowerSGD]).
+
+    Args:
+        spec: the rank and the start.
+        ddp_model: the DDP module (its group; its ``require_backward_grad_sync``).
+        params: the parameters DDP reduces, in its order.
+        plan: what holds ``caps`` (a ``TracedPlan``), read when a backward is traced.
+    """
+
+    def __init__(self, spec: PowerSGD, ddp_model: DistributedDataParallel, params: list[torch.nn.Parameter],
+                 plan: Any) -> None:
+        self.spec = spec
+        self.ddp = ddp_model
+        self.group = ddp_model.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self.plan = plan
+        self.expected = len(params)
+        self.steps = 0
+        self.compressing = False
+        self.layout: tuple[int, ...] = ()  # gradients per bucket, as the last compressed backward was traced
+        generator = torch.Generator().manual_seed(SEED)
+        self.errors: list[torch.Tensor | None] = []
+        self.qs: list[torch.Tensor | None] = []
+        for param in params:
+            n, m, rank = _matrix(param, spec.rank)
+            compressed = param.dim() >= 2 and (n + m) * rank * MIN_COMPRESSION_RATE < n * m
+            self.errors.append(torch.zeros(n, m, dtype=param.dtype, device=param.device) if compressed else None)
+            self.qs.append(torch.randn(m, rank, generator=generator).to(param.device, param.dtype)
+                           if compressed else None)
+        self._clear()
+
+    @property
+    def compressed(self) -> int:
+        """How many of the parameters' gradients are sent as P and Q."""
+        return sum(e is not None for e in self.errors)
+
+    def _clear(self) -> None:
+        self._arrived, self._bucket, self._pending_bytes = 0, 0, 0
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._inflight: list[list[Any]] = []
+        self._sizes: list[int] = []
+
+    def step_begins(self) -> None:
+        """A forward whose backward synchronises: count it; compress from step ``spec.start``."""
+        if self._arrived or self._inflight:
+            arrived = self._arrived
+            self._clear()
+            raise RuntimeError(
+                f"compile_ddp(strategy='traced', compression='{self.spec}'): the last backward gave gradients to "
+                f"{arrived} of the {self.expected} parameters DDP reduces, so the compressed all-reduces of its last "
+                "bucket never ran and the ranks' gradients differ. Under the traced strategy with PowerSGD every "
+                "parameter needs a gradient in every synchronised step; freeze the others (requires_grad=False), "
+                "or compile with strategy='split' and find_unused_parameters=True.")
+        self.compressing = self.steps >= self.spec.start
+        self.steps += 1
+
+    def gradient_ready(self, index: int, grad: torch.Tensor) -> None:
+        """The hook of parameter ``index``: its gradient is accumulated."""
+        if not self.compressing:  # the python reducer's own all-reduce, which the plan fuses
+            grad.copy_(functional_all_reduce(grad / self.world_size, self.group))
+            return
+        self._pending.append((index, grad))
+        self._pending_bytes += grad.numel() * grad.element_size()
+        self._arrived += 1
+        last = self._arrived == self.expected
+        caps: BucketCaps = self.plan.caps
+        if last or self._pending_bytes >= caps.cap_for(self._bucket):
+            self._inflight.append([0, self._pending])  # [stages done, entries]
+            self._sizes.append(len(self._pending))
+            self._pending, self._pending_bytes = [], 0
+            self._bucket += 1
+            for bucket in self._inflight:  # the new bucket's stage 1, one stage further for the older ones
+                self._advance(bucket)
+            self._inflight = [b for b in self._inflight if b[0] < 3]
+        if last:
+            while self._inflight:
+                for bucket in self._inflight:
+                    self._advance(bucket)
+                self._inflight = [b for b in self._inflight if b[0] < 3]
+            self.layout = tuple(self._sizes)
+            self._clear()
+
+    def _advance(self, bucket: list[Any]) -> None:
+        stage = bucket[0]
+        if stage == 0:
+            self._send_ps(bucket)
+        elif stage == 1:
+            self._send_qs(bucket)
+        else:
+            self._decompress(bucket)
+        bucket[0] = stage + 1
+
+    def _send_ps(self, bucket: list[Any]) -> None:
+        plain, low = [], []
+        for index, grad in bucket[1]:
+            if self.errors[index] is None:
+                plain.append(grad)
+                continue
+            matrix = grad.view(grad.shape[0], -1) + self.errors[index]
+            low.append((index, grad, matrix, matrix @ orthogonalize(self.qs[index])))
+        flat = torch.cat([g.reshape(-1) for g in plain] + [p.reshape(-1) for *_, p in low])
+        bucket[1] = (plain, low, functional_all_reduce(flat, self.group))
+
+    def _send_qs(self, bucket: list[Any]) -> None:
+        plain, low, reduced = bucket[1]
+        offset = 0
+        for grad in plain:
+            grad.copy_(reduced[offset:offset + grad.numel()].view_as(grad) / self.world_size)
+            offset += grad.numel()
+        sent = []
+        for index, grad, matrix, p in low:
+            p = orthogonalize(reduced[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+            sent.append((index, grad, matrix, p, matrix.t() @ p))
+        qs = functional_all_reduce(torch.cat([q.reshape(-1) for *_, q in sent]), self.group) if sent else None
+        bucket[1] = (sent, qs)
+
+    def _decompress(self, bucket: list[Any]) -> None:
+        sent, reduced = bucket[1]
+        offset = 0
+        for index, grad, matrix, p, q in sent:
+            q = reduced[offset:offset + q.numel()].view_as(q) / self.world_size
+            offset += q.numel()
+            approx = p @ q.t()
+            self.errors[index].copy_(matrix - approx)
+            self.qs[index].copy_(q)
+            grad.copy_(approx.view_as(grad))
+        bucket[1] = None
+
+
+def _matrix(param: torch.Tensor, rank: int) -> tuple[int, int, int]:
+    """A gradient as PyTorch's hook views it: rows, columns and the rank used."""
+    n = param.shape[0] if param.dim() else 1
+    m = param.numel() // max(n, 1)
+    return n, m, min(n, m, rank)
+
+
+def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix``'s columns made orthonormal, as PyTorch's hook does (``_orthogonalize``):
+    Gram-Schmidt for at most 2 columns and for half dtypes, QR otherwise."""
+    if matrix.shape[1] > 2 and matrix.dtype not in (torch.float16, torch.bfloat16):
+        return torch.linalg.qr(matrix).Q
+    cols = []
+    for i in range(matrix.shape[1]):
+        col = matrix[:, i:i + 1]
+        for done in cols:
+            col = col - (done * col).sum(dim=0, keepdim=True) * done
+        cols.append(col / col.norm(dim=0, keepdim=True))
+    return torch.cat(cols, dim=1)
+
+
+def _reduced_elsewhere(state: Any, grad_and_param: tuple[torch.Tensor, torch.nn.Parameter]) -> None:
+    """DDP's python reducer hook: nothing; each parameter's own hook (:func:`attach`) reduces."""
+
+
+def _gradient_ready(state: TracedPowerSGD, index: int, param: torch.nn.Parameter) -> None:
+    if state.ddp.require_backward_grad_sync:  # DDP's hook skips no_sync backwards alike
+        state.gradient_ready(index, param.grad)
+
+
+def attach(spec: PowerSGD, ddp_model: DistributedDataParallel, plan: Any) -> TracedPowerSGD:
+    """PowerSGD on ``ddp_model``'s python reducer (``use_python_reducer`` done): one hook per
+    parameter DDP reduces, DDP's own all-reduce replaced by nothing. Returns the state."""
+    params = [p for _, p in ddp_model.module.named_parameters() if p.requires_grad and not is_ddp_ignored(p)]
+    state = TracedPowerSGD(spec, ddp_model, params, plan)
+    add_python_reducer_hook(ddp_model, None, _reduced_elsewhere)
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, state, index))
+    return state
