@@ -165,7 +165,7 @@ class TracedPowerSGD:
             if self.errors[index] is None:
                 plain.append(grad)
                 continue
-            matrix = grad.view(grad.shape[0], -1) + self.errors[index]
+            matrix = grad.reshape(grad.shape[0], -1) + self.errors[index]
             low.append((index, grad, matrix, matrix @ orthogonalize(self.qs[index])))
         flat = torch.cat([g.reshape(-1) for g in plain] + [p.reshape(-1) for *_, p in low])
         bucket[1] = (plain, low, functional_all_reduce(flat, self.group))
