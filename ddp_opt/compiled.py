@@ -106,7 +106,7 @@ class CompiledDDP:
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
         self.own_hook = own_hook
-        self.traced_hook = None  # the traced hooks' state, told of each synchronised forward
+        self.traced_hook = None  # the traced hooks' state, told of each backward in backward_context
         if own_hook is not None and traced is not None:
             self.traced_hook = own_hook.traced(ddp_model, traced)
         elif own_hook is not None:
@@ -241,6 +241,8 @@ class CompiledDDP:
         if self.traced is None:
             return contextlib.nullcontext()
         self._backward_pending = False
+        if self.traced_hook is not None:  # PowerSGD's steps count these backwards (Note [Traced PowerSGD])
+            return self.traced_hook.backward(self.traced.backward(), self.ddp_model.require_backward_grad_sync)
         return self.traced.backward()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -257,7 +259,8 @@ class CompiledDDP:
             warnings.warn(
                 "compile_ddp(strategy='traced'): a forward ran again without compiled.backward(loss) since the "
                 "last one. If that forward's backward ran as plain loss.backward(), its gradients were all-reduced "
-                "one parameter at a time, eagerly, without overlap: correct, but slow. Call "
+                "one parameter at a time, eagerly, without overlap: correct, but slow (with compression, not counted "
+                "toward its start, and in another bucket order than a compiled backward's). Call "
                 "compiled.backward(loss) (or run it in compiled.backward_context()) instead of loss.backward(), or "
                 "compile with strategy='split'.",
                 stacklevel=3,
@@ -274,8 +277,8 @@ class CompiledDDP:
         self._in_first_call = False
         self._maybe_realign()
         self._check_backward_path()
-        if self.traced_hook is not None and torch.is_grad_enabled() and self.ddp_model.require_backward_grad_sync:
-            self.traced_hook.step_begins()
+        if self.traced_hook is not None:
+            self.traced_hook.check_complete()  # after a plain loss.backward(), which compiled.backward did not see
 
     def after_forward(self) -> None:
         """What runs after each call of the DDP model (a forward hook on it): the realigned

@@ -31,12 +31,18 @@ Algorithm
       When bucket k closes, it enters stage 1, bucket k-1 stage 2 and bucket k-2 stage 3,
       so each all-reduce is waited for only after the next bucket's gradients are computed
       (Inductor's ``schedule_comm_wait`` moves each wait to its first use); the last
-      gradient drains the rest. Every rank traces the same graph: the collectives go in one
+      gradient drains the rest: the last bucket's two all-reduces and the one before it's
+      Q's run after backward, with nothing left to overlap. Every rank traces the same graph: the collectives go in one
       order on all ranks (the reducer's hook needed a worker thread for that).
     - ``orth``: Gram-Schmidt for ``r <= 2`` and for half dtypes, else QR, PyTorch's choice.
-    - Start: the first START synchronised steps (counted at each forward with gradients
-      outside ``no_sync``) all-reduce as the python reducer does, fused by the plan; from
-      step START the hooks compress, and the backward compiles once more.
+    - Start: the first START synchronised steps all-reduce as the python reducer does, fused
+      by the plan; from step START the hooks compress, and the backward compiles once more.
+      A step is a synchronised backward run in ``compiled.backward`` (``backward_context``),
+      counted as it ends, so a forward without a backward (an evaluation on one rank) never
+      moves one rank's switch; a plain ``loss.backward()`` is not counted (it is warned about).
+    - A backward that gives some parameters no gradient leaves its last bucket unsent: it is
+      refused as ``compiled.backward`` ends, before the optimizer step (after a plain
+      ``loss.backward()``, at the next forward).
 
 Numerics
     Per matrix the arithmetic is PyTorch's hook's (tests/test_ddp_traced_powersgd.py, against
@@ -48,8 +54,9 @@ Numerics
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,19 +116,35 @@ class TracedPowerSGD:
         self._inflight: list[list[Any]] = []
         self._sizes: list[int] = []
 
-    def step_begins(self) -> None:
-        """A forward whose backward synchronises: count it; compress from step ``spec.start``."""
-        if self._arrived or self._inflight:
-            arrived = self._arrived
-            self._clear()
-            raise RuntimeError(
-                f"compile_ddp(strategy='traced', compression='{self.spec}'): the last backward gave gradients to "
-                f"{arrived} of the {self.expected} parameters DDP reduces, so the compressed all-reduces of its last "
-                "bucket never ran and the ranks' gradients differ. Under the traced strategy with PowerSGD every "
-                "parameter needs a gradient in every synchronised step; freeze the others (requires_grad=False), "
-                "or compile with strategy='split' and find_unused_parameters=True.")
-        self.compressing = self.steps >= self.spec.start
-        self.steps += 1
+    @contextlib.contextmanager
+    def backward(self, inner: contextlib.AbstractContextManager, sync: bool) -> Iterator[None]:
+        """A backward in ``inner`` (compiled autograd's context), counted as a step when it
+        synchronises: it compresses from step ``spec.start``; one that left a parameter
+        without a gradient is refused as it ends, before the optimizer step."""
+        self.check_complete()
+        if sync:
+            self.compressing = self.steps >= self.spec.start
+        try:
+            with inner:
+                yield
+        except BaseException:
+            self._clear()  # a backward that failed midway leaves no bookkeeping behind
+            raise
+        self.check_complete()
+        self.steps += sync
+
+    def check_complete(self) -> None:
+        """Raise if the last backward gave a gradient to some of the parameters only."""
+        if not (self._arrived or self._inflight):
+            return
+        arrived = self._arrived
+        self._clear()
+        raise RuntimeError(
+            f"compile_ddp(strategy='traced', compression='{self.spec}'): the last backward gave gradients to "
+            f"{arrived} of the {self.expected} parameters DDP reduces, so the compressed all-reduces of its last "
+            "bucket never ran and the ranks' gradients differ. Under the traced strategy with PowerSGD every "
+            "parameter needs a gradient in every synchronised step: freeze the others (requires_grad=False) before "
+            "DDP(...) and compile_ddp, or use strategy='split' with DDP(..., find_unused_parameters=True).")
 
     def gradient_ready(self, index: int, grad: torch.Tensor) -> None:
         """The hook of parameter ``index``: its gradient is accumulated."""

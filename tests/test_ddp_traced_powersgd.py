@@ -16,23 +16,26 @@ from ddp_opt.powersgd import SequencedState, sequenced_powersgd_hook
 from ddp_opt.traced_powersgd import orthogonalize
 
 RANK, START, STEPS = 4, 3, 7
-CAP_MB = 0.05  # 52 KB: about one 96 x 96 layer (36.9 KB) and a half per bucket
+CAP_MB = 0.03  # 31 KB: below one 96 x 96 layer (36.9 KB), so each bucket closes at one such layer
 _ALL_REDUCE = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_reduce}
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    # Compressed at rank 4: the 96 x 64 and the two 96 x 96 weights. Sent whole: the biases, and the
+    # Compressed at rank 4: the 96 x 64 and the three 96 x 96 weights. Sent whole: the biases, and the
     # 4 x 96 head, whose P and Q would be larger than half of it.
-    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 96), torch.nn.Tanh(),
-                               torch.nn.Linear(96, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
+    hidden = [m for _ in range(3) for m in (torch.nn.Linear(96, 96), torch.nn.Tanh())]
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), *hidden, torch.nn.Linear(96, 4))
 
 
-def _train(rank: int, model: torch.nn.Module, call, backward) -> dict:
+def _train(rank: int, ddp: DDP, call, backward) -> dict:
+    model = ddp.module
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     losses, grads = [], []
     for _ in range(STEPS):
+        with ddp.no_sync():  # gradient accumulation: a micro-batch reduced with the next one
+            backward(call(torch.randn(8, 64, generator=data)).square().mean())
         loss = call(torch.randn(8, 64, generator=data)).square().mean()
         backward(loss)
         losses.append(loss.item())
@@ -76,13 +79,13 @@ def _parity_rank(rank: int, world_size: int) -> dict:
     compiled = compile_ddp(ddp, backend=counting, strategy="traced", compression=f"powersgd:{RANK}:{START}")
     state = compiled.traced_hook
     first_qs = [None if q is None else q.clone() for q in state.qs]
-    ours = _train(rank, ddp.module, compiled, compiled.backward)
+    ours = _train(rank, ddp, compiled, compiled.backward)
 
     reference = DDP(_model(), bucket_cap_mb=CAP_MB)
     pytorch = SequencedState(reference.process_group, matrix_approximation_rank=RANK, start_powerSGD_iter=START,
                              use_error_feedback=True, warm_start=True, random_seed=0)
     reference.register_comm_hook(pytorch, _prefilled(first_qs, list(reference.module.parameters())))
-    expected = _train(rank, reference.module, reference, lambda loss: loss.backward())
+    expected = _train(rank, reference, reference, lambda loss: loss.backward())
     return {"ours": ours, "reference": expected, "graphs": traced_graphs, "compressed": state.compressed,
             "steps": state.steps, "layout": state.layout, "errors": [float(e.abs().sum()) for e in state.errors if e is not None]}
 
@@ -90,11 +93,12 @@ def _parity_rank(rank: int, world_size: int) -> dict:
 def test_traced_powersgd_matches_eager_ddp_with_pytorchs_hook(run_ranks):
     results = run_ranks(_parity_rank, timeout=600)
     for r in results:
-        assert r["compressed"] == 3 and r["steps"] == STEPS
-        # Two backward graphs: the first START steps' (8 all-reduces: aot_eager does not fuse them), then,
-        # compiled once more at step START, two buckets of 52 KB (the head, the third and the second
-        # layer; then the first), each one all-reduce of its P's and whole gradients and one of its Q's.
-        assert r["graphs"] == [8, 4] and r["layout"] == (6, 2)
+        assert r["compressed"] == 4 and r["steps"] == STEPS  # the no_sync backwards are not steps
+        # Two synchronised backward graphs: the first START steps' (10 all-reduces: aot_eager does not fuse
+        # them), then, compiled once more at step START, four buckets (the head and the fourth layer, then
+        # one layer each), each one all-reduce of its P's and whole gradients and one of its Q's: up to
+        # three buckets in flight at once.
+        assert r["graphs"] == [10, 8] and r["layout"] == (4, 2, 2, 2)
         assert all(e > 0 for e in r["errors"]), r["errors"]  # the error feedback holds what rank 4 left out
         for step, (ours, ref) in enumerate(zip(r["ours"]["grads"], r["reference"]["grads"])):
             for a, b in zip(ours, ref):
@@ -122,14 +126,19 @@ class _LeavesOneOut(torch.nn.Module):
         return self.used(x)
 
 
-def test_a_backward_that_leaves_a_parameter_out_is_refused_at_the_next_forward(gloo, clean_dynamo):
+_LEFT_OUT = (r"^compile_ddp\(strategy='traced', compression='powersgd:2:2'\): the last backward gave gradients to 2 "
+             r"of the 4 parameters DDP reduces, .* freeze the others \(requires_grad=False\) before DDP\(...\) and "
+             r"compile_ddp, or use strategy='split' with DDP\(..., find_unused_parameters=True\).$")
+
+
+def test_a_backward_that_leaves_a_parameter_out_is_refused_before_the_optimizer_step(gloo, clean_dynamo):
     ddp = DDP(_LeavesOneOut())
     compiled = compile_ddp(ddp, backend="aot_eager", strategy="traced", compression="powersgd:2:2")
     x = torch.randn(4, 32)
-    for _ in range(3):  # two uncompressed steps, then the first compressed one leaves `unused` out
+    for _ in range(2):  # two uncompressed steps
         compiled.backward(compiled(x).sum())
-    with pytest.raises(RuntimeError, match=r"^compile_ddp\(strategy='traced', compression='powersgd:2:2'\): the last "
-                                           r"backward gave gradients to 2 of the 4 parameters DDP reduces, .* freeze "
-                                           r"the others \(requires_grad=False\), or compile with strategy='split' and "
-                                           r"find_unused_parameters=True.$"):
+    with pytest.raises(RuntimeError, match=_LEFT_OUT):  # the first compressed one leaves `unused` out
+        compiled.backward(compiled(x).sum())
+    compiled(x).sum().backward()  # a plain backward: refused at the next forward, which also warns of it
+    with pytest.warns(UserWarning, match="without compiled.backward"), pytest.raises(RuntimeError, match=_LEFT_OUT):
         compiled(x)
