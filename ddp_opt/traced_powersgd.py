@@ -111,10 +111,10 @@ class TracedPowerSGD:
         return sum(e is not None for e in self.errors)
 
     def _clear(self) -> None:
-        self._arrived, self._bucket, self._pending_bytes = 0, 0, 0
+        self._arrived, self._pending_bytes = 0, 0
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._inflight: list[list[Any]] = []
-        self._sizes: list[int] = []
+        self._sizes: list[int] = []  # gradients per bucket closed so far in this backward
 
     @contextlib.contextmanager
     def backward(self, inner: contextlib.AbstractContextManager, sync: bool) -> Iterator[None]:
@@ -156,21 +156,22 @@ class TracedPowerSGD:
         self._arrived += 1
         last = self._arrived == self.expected
         caps: BucketCaps = self.plan.caps
-        if last or self._pending_bytes >= caps.cap_for(self._bucket):
+        if last or self._pending_bytes >= caps.cap_for(len(self._sizes)):
             self._inflight.append([0, self._pending])  # [stages done, entries]
             self._sizes.append(len(self._pending))
             self._pending, self._pending_bytes = [], 0
-            self._bucket += 1
-            for bucket in self._inflight:  # the new bucket's stage 1, one stage further for the older ones
-                self._advance(bucket)
-            self._inflight = [b for b in self._inflight if b[0] < 3]
+            self._advance_all()  # the new bucket's stage 1, one stage further for the older ones
         if last:
             while self._inflight:
-                for bucket in self._inflight:
-                    self._advance(bucket)
-                self._inflight = [b for b in self._inflight if b[0] < 3]
+                self._advance_all()
             self.layout = tuple(self._sizes)
             self._clear()
+
+    def _advance_all(self) -> None:
+        """Every bucket in flight one stage further, oldest first; the finished ones dropped."""
+        for bucket in self._inflight:
+            self._advance(bucket)
+        self._inflight = [b for b in self._inflight if b[0] < 3]
 
     def _advance(self, bucket: list[Any]) -> None:
         stage = bucket[0]
