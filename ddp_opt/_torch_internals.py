@@ -190,6 +190,13 @@ def no_builtin_ddp_splitter() -> Any:
     return torch._dynamo.config.patch(optimize_ddp=False)
 
 
+def builtin_splitter_on() -> bool:
+    """Whether dynamo hands a graph captured under DDP to PyTorch's splitter now
+    (``convert_frame`` reads ``get_optimize_ddp_mode()`` as the frame compiles)."""
+    value = torch._dynamo.config.optimize_ddp  # as torch._dynamo.utils.get_optimize_ddp_mode reads it
+    return value is True or value == "ddp_optimizer"
+
+
 def graph_slot() -> int | None:
     """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile).
 

@@ -29,6 +29,7 @@ from .cost import CostModel, DeviceRates, measure_link, measure_rates
 from .optimizer import DDPOptimizer
 from .plan import BucketCaps
 from .powersgd import link_probe as powersgd_probe
+from .realign import never_rebuilds, no_rebuild_warning
 from .regional import find_ddp_blocks, plan_block_buckets
 from .traced import TracedPlan, fallback_reason
 
@@ -267,6 +268,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     align = config.align_buckets and not traced  # the traced strategy leaves DDP's reducer out
     if align and not REALIGN_SUPPORTED:
         realign_unsupported_warning()
+        align = False
+    if align and strategy != "whole" and never_rebuilds(ddp_model):
+        warnings.warn(no_rebuild_warning("compile_ddp"), stacklevel=3)
         align = False
     if hook is not None and align and strategy != "whole":
         raise ValueError(

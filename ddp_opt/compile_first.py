@@ -32,6 +32,7 @@ Notes
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any, Callable
@@ -45,11 +46,13 @@ from compiler import SettingError, produces_gradients
 from compiler.share import backward_with_forward, share_for_group
 from compiler.step_gate import gate_for_group
 
-from ._torch_internals import REALIGN_SUPPORTED, active_ddp_module, python_comm_hooks, registered_hook_name
+from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, no_builtin_ddp_splitter,
+                               python_comm_hooks, registered_hook_name)
 from .api import keep_builtin_splitter_out, own_hook_for, splitter_for
 from .compiled import CompiledDDP
 from .compression import hook_conflict
 from .config import DDPCompileConfig
+from .realign import never_rebuilds, no_rebuild_warning
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +106,33 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
     compiled = torch.compile(model, backend=backend, dynamic=config.dynamic, fullgraph=config.fullgraph,
                              **dict(config.torch_compile_kwargs))
     keep_builtin_splitter_out(compiled)
+    # Lightning's from_compiled (and any wrapper like it) keeps only dynamo_ctx and re-wraps the
+    # module's methods with it, dropping the hooks above: the context keeps the splitter out too.
+    compiled.dynamo_ctx = _SplitterOutContext(compiled.dynamo_ctx)
     compiled._ddp_opt_backend = backend
     return compiled
+
+
+class _SplitterOutContext:
+    """``torch.compile``'s context for :func:`compile_for_ddp`'s module, whose wrapped functions
+    run with PyTorch's DDP splitter switched off (Note [Compile before wrap]); every other
+    attribute is the context's own."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def __call__(self, fn: Callable) -> Callable:
+        compiled_fn = self.ctx(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with no_builtin_ddp_splitter():
+                return compiled_fn(*args, **kwargs)
+
+        return run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["ctx"], name)
 
 
 def compiled_ddp_of(compiled: nn.Module) -> CompiledDDP | None:
@@ -125,11 +153,22 @@ class _DeferredBackend:
         self.ddp_model: DistributedDataParallel | None = None
         self.controller: CompiledDDP | None = None
         self._backend: Callable | None = None
+        self._warned_builtin = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         ddp_model = active_ddp_module()
         if ddp_model is None:  # called outside DDP: compiled whole, as torch.compile would
             return self.plain(gm, example_inputs)
+        if builtin_splitter_on() and not self._warned_builtin:
+            self._warned_builtin = True
+            warnings.warn(
+                "compile_for_ddp: a graph captured under DDP reached this backend with PyTorch's own DDP splitter "
+                "switched on (torch._dynamo.config.optimize_ddp), so PyTorch split it at its own bucket caps first "
+                "and this graph is one of its pieces: the plan is PyTorch's, not ddp_opt's, and DDP's buckets are "
+                "not realigned with it. Something called the model through torch.compile's context without the "
+                "module compile_for_ddp returned (a wrapper that keeps only its dynamo_ctx). Call the module "
+                "compile_for_ddp returned, or wrap in DDP first and call compile_ddp(ddp_model); under Lightning "
+                "use ddp_opt.frameworks.lightning's strategy.", stacklevel=2)
         if self.ddp_model is None:
             self._attach(ddp_model)
         elif ddp_model is not self.ddp_model:
@@ -149,6 +188,9 @@ class _DeferredBackend:
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:
             align = False  # compile_ddp warns about it; realignment's internals are missing on this torch
+        if align and never_rebuilds(ddp_model):
+            warnings.warn(no_rebuild_warning("compile_for_ddp"), stacklevel=2)
+            align = False
         if hook is not None and align and not python_comm_hooks(ddp_model):  # a built-in hook: not kept, not seen
             warnings.warn(
                 f"compile_for_ddp: the comm hook {hook!r} registered on the DDP module cannot be registered again "

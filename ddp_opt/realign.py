@@ -50,7 +50,25 @@ from .plan import Bucket, main_kind, param_kind, realign_caps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_realignment", "registered_hook_name", "realign_reducer", "reducer_finalized"]
+__all__ = ["check_realignment", "never_rebuilds", "no_rebuild_warning", "registered_hook_name", "realign_reducer",
+           "reducer_finalized"]
+
+
+def never_rebuilds(ddp_model: DistributedDataParallel) -> bool:
+    """Whether DDP will never rebuild its buckets: its reducer rebuilds them once, after the
+    first iteration, only with ``static_graph=True`` or ``find_unused_parameters=False``."""
+    return bool(getattr(ddp_model, "find_unused_parameters", False)) and not getattr(ddp_model, "static_graph", False)
+
+
+def no_rebuild_warning(entry: str) -> str:
+    """What :func:`never_rebuilds` costs and how to fix it, said once at compile time by ``entry``."""
+    return (f"{entry}: this DDP module was built with find_unused_parameters=True and without static_graph, and "
+            "such a DDP never rebuilds its gradient buckets, so they keep DDP's parameter-order layout instead of "
+            "the graph partitions (bucket realignment cannot take effect): an all-reduce then waits for gradients "
+            "of a later partition, and part of the overlap of communication with backward is lost; training stays "
+            "correct. If every parameter gets a gradient at every step, build DDP with "
+            "find_unused_parameters=False (HF Trainer: TrainingArguments(ddp_find_unused_parameters=False)); if "
+            "the graph is static, static_graph=True. align_buckets=False silences this.")
 
 
 def realign_reducer(ddp_model: DistributedDataParallel, buckets: list[Bucket],

@@ -72,3 +72,62 @@ def test_writes_of_ddps_attributes_reach_ddp(gloo):
     assert compiled.auto_save_cache is False and not hasattr(ddp, "auto_save_cache")
     compiled.my_note = "mine"  # a new name is the handle's, as on any object
     assert compiled.my_note == "mine" and not hasattr(ddp, "my_note")
+
+
+def test_a_wrapper_that_keeps_only_dynamo_ctx_still_splits_at_ddp_opts_plan(gloo, recwarn):
+    # Lightning's from_compiled keeps the compiled module's dynamo_ctx and re-wraps the LightningModule's
+    # methods with it; the forward hooks that keep PyTorch's splitter out are not called on that route.
+    model, ref = _model(), _model()
+    compiled = compile_for_ddp(model, backend="aot_eager")
+    model.forward = compiled.dynamo_ctx(model.forward)  # from_compiled's own line
+    ddp = DDP(model, bucket_cap_mb=64 / 2**20)  # below PyTorch's 1 MiB first bucket: its splitter asserts there
+    ref_ddp = DDP(ref, bucket_cap_mb=64 / 2**20)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        ddp(x).sum().backward()
+        ref_ddp(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} {name}: {m}")
+    state = compiled_ddp_of(compiled)
+    assert [b.params for b in state.buckets] == [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+    assert state.aligned_caps is not None and state.realignment.fraction == 1.0
+    assert not [w for w in recwarn if "compile_for_ddp" in str(w.message)]
+
+
+def test_a_graph_that_pytorchs_splitter_split_first_is_said_once(gloo):
+    model = _model()
+    compiled = compile_for_ddp(model, backend="aot_eager")
+    model.forward = torch._dynamo.optimize(compiled._ddp_opt_backend)(model.forward)  # no ddp_opt context around it
+    ddp = DDP(model)
+    with pytest.warns(UserWarning, match=r"compile_for_ddp: a graph captured under DDP reached this backend with "
+                                         r"PyTorch's own DDP splitter switched on .* the plan is PyTorch's, not "
+                                         r"ddp_opt's.* Call the module compile_for_ddp returned, or wrap in DDP first "
+                                         r"and call compile_ddp\(ddp_model\)") as caught:
+        for _ in range(2):
+            ddp(torch.randn(4, 8)).sum().backward()
+    assert sum("PyTorch's own DDP splitter" in str(w.message) for w in caught) == 1
+
+
+_NO_REBUILD = (r"{entry}: this DDP module was built with find_unused_parameters=True and without static_graph, and "
+               r"such a DDP never rebuilds its gradient buckets.*part of the overlap of communication with backward "
+               r"is lost; training stays correct. If every parameter gets a gradient at every step, build DDP with "
+               r"find_unused_parameters=False \(HF Trainer: TrainingArguments\(ddp_find_unused_parameters=False\)\).*"
+               r"align_buckets=False silences this")
+
+
+def test_find_unused_parameters_is_said_at_compile_time(gloo):
+    with pytest.warns(UserWarning, match=_NO_REBUILD.format(entry="compile_ddp")):
+        compiled = compile_ddp(DDP(_model(), find_unused_parameters=True), backend="aot_eager")
+    assert compiled.align_buckets is False  # realignment could not take effect: not attempted
+
+
+def test_find_unused_parameters_is_said_when_compile_for_ddp_meets_its_ddp(gloo):
+    ddp = DDP(compile_for_ddp(_model(), backend="aot_eager"), find_unused_parameters=True)
+    with pytest.warns(UserWarning, match=_NO_REBUILD.format(entry="compile_for_ddp")):
+        ddp(torch.randn(4, 8)).sum().backward()
+
+
+def test_find_unused_parameters_with_static_graph_rebuilds_and_is_not_warned_about(gloo, recwarn):
+    compiled = compile_ddp(DDP(_model(), find_unused_parameters=True, static_graph=True), backend="aot_eager")
+    assert compiled.align_buckets is True
+    assert not [w for w in recwarn if "compile_ddp" in str(w.message)]
