@@ -27,6 +27,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from launch import prepare_data
@@ -116,11 +117,13 @@ def test_the_pages_show_the_commands_this_test_checks():
 def user_folder(tmp_path, monkeypatch):
     """A folder prepared as the pages' earlier commands leave it: ``input.txt`` (a copy of
     the README, as in docs/main-job.md), ``data/input.bin`` from ``launch.prepare_data``,
-    and ``data/cut.bin``, its first 1001 bytes (``head -c 1001``)."""
+    ``data/cut.bin``, its first 1001 bytes (``head -c 1001``), and ``data/input32.bin``, its
+    ids written as uint32 with no sidecar."""
     monkeypatch.chdir(tmp_path)
     shutil.copy(REPO / "README.md", tmp_path / "input.txt")
     assert prepare_data.main(["input.txt", "data/input.bin"]) == 0
     (tmp_path / "data" / "cut.bin").write_bytes((tmp_path / "data" / "input.bin").read_bytes()[:1001])
+    np.fromfile(tmp_path / "data" / "input.bin", np.uint16).astype(np.uint32).tofile(tmp_path / "data" / "input32.bin")
     return tmp_path
 
 

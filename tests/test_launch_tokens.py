@@ -155,6 +155,51 @@ def test_a_dtype_the_sidecar_contradicts_is_refused(tmp_path):
         validate(_tokens(path, "data.dtype=uint32"), world_size=2)
 
 
+# --- a file whose dtype nothing declares (Note [Undeclared dtype]) ---------------------------
+
+UNDECLARED = (r"does not say its dtype \(no sidecar .*\.json, data\.dtype=null\) and looks like uint32 ids, not "
+              r"nanoGPT's uint16: read as uint16, {sign}, so the job would train on garbage\. Set data\.dtype=uint32 "
+              r"\(or data\.dtype=uint16 if it does hold 16-bit ids\), or prepare it again with python -m "
+              r"launch\.prepare_data, which writes the sidecar with its dtype\.$")
+
+
+def _gpt2_ids(n: int) -> np.ndarray:
+    """Ids shaped like GPT-2 text: mostly common (small) ids, some up to 50,256."""
+    rng = np.random.default_rng(0)
+    return np.minimum(rng.zipf(1.3, n) + rng.integers(0, 200, n), 50_256)
+
+
+@pytest.mark.parametrize("n,vocab,sign", [
+    (N, 50_304, r"every other id is 0 \(the high halves of uint32 ids below 65,536\)"),
+    (2_200_000, 50_304, r"every other id is 0 \(the high halves of uint32 ids below 65,536\)"),  # sampled blocks
+    (N, 100_277, r"every other id is at most 1 \(the high halves of uint32 ids below 131,072\)"),
+])
+def test_a_uint32_file_without_a_sidecar_is_refused_not_read_as_uint16(tmp_path, n, vocab, sign):
+    ids = _gpt2_ids(n) if vocab < 65_536 else _gpt2_ids(n) + 50_000  # a 100k tokenizer's ids past 65,535
+    path = _write(tmp_path / "t.bin", ids, "uint32")
+    with pytest.raises(ConfigError, match=rf"^data\.path='{path}' " + UNDECLARED.format(sign=sign)):
+        validate(_tokens(path, f"model.vocab_size={vocab}"), world_size=2)
+    with pytest.raises(ConfigError, match=UNDECLARED.format(sign=sign)):  # also where the ranks build it
+        build_data(_tokens(path).data, seed=0, vocab_size=vocab)
+    validate(_tokens(path, f"model.vocab_size={vocab}", "data.dtype=uint32"), world_size=2)  # the fix
+
+
+@pytest.mark.parametrize("n", [N, 2_200_000])  # 4.4 MB: judged on the sampled blocks
+def test_a_nanogpt_uint16_file_without_a_sidecar_still_trains(tmp_path, n):
+    path = _write(tmp_path / "train.bin", _gpt2_ids(n), "uint16")
+    validate(_tokens(path, "model.vocab_size=50304"), world_size=2)
+    f = build_data(_tokens(path).data, seed=0, vocab_size=50_304)
+    assert f.dtype == "uint16" and f.tokens == n
+
+
+def test_a_tiny_or_mostly_zero_uint16_file_is_not_taken_for_uint32(tmp_path):
+    ids = np.zeros(N)
+    ids[[10, 12_344, 12_346]] = 300  # even positions: the high halves are all 0, but too few low halves say so
+    validate(_tokens(_write(tmp_path / "zeros.bin", ids), "model.vocab_size=512"), world_size=2)
+    short = _write(tmp_path / "short.bin", np.array([464, 0, 2068, 0, 7586, 0, 21831, 0]))  # 4 pairs: too few to tell
+    assert TokenFile(str(short), seed=0).dtype == "uint16"
+
+
 @pytest.mark.parametrize("val,world,match", [
     (0.5, 2, r"holds 200 ids: its train region \(100, with data\.val_fraction=0\.5\) gives each of 2 rank\(s\) a slice "
              r"of 50, shorter than one window of train\.seq_len \+ 1 = 65\. Use a longer file"),

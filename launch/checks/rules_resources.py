@@ -2,6 +2,38 @@
 memory, and whether the folders the job writes can be created. Both run in the
 launching process, before any process group starts, so that a job that cannot run
 stops with one message instead of a traceback (or the OOM killer) later.
+
+
+Note [Memory a rank can use]
+
+Background
+    ``/proc/meminfo``'s MemAvailable is the host's. A job in a container or a
+    Slurm/systemd slice runs under a memory cgroup whose limit can be far below it:
+    the check let a batch through that the host had room for, and the kernel's OOM
+    killer SIGKILLed the ranks in their first step, with no word from the job.
+
+Algorithm
+    - The host: MemAvailable.
+    - cgroup v1: the memory hierarchy's line in ``/proc/self/cgroup``
+      (``N:memory:/path``); under the v1 mount (``/sys/fs/cgroup/memory``) that
+      folder's ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``.
+    - cgroup v2: the ``0::/path`` line; under the unified mount (``/sys/fs/cgroup``,
+      or ``/sys/fs/cgroup/unified`` on a hybrid system: the first that holds
+      ``cgroup.controllers``) that folder's ``memory.max`` and ``memory.current``.
+    - Both: the folder and every folder above it up to the mount, since each
+      ancestor's limit holds for everything below it. No limit (``max`` in v2,
+      the largest page-aligned 64-bit value in v1) is skipped. The room under a
+      limit is the limit less the usage, the usage less the inactive file cache
+      (``memory.stat``: ``total_inactive_file`` in v1, ``inactive_file`` in v2),
+      which the kernel drops before it kills anything.
+    - The smallest room wins, shared by the ranks on this machine; the refusal
+      names it (MemAvailable, or the cgroup's limit, usage and folder).
+
+Notes
+    A path in ``/proc/self/cgroup`` that is not under the mount (a cgroup namespace,
+    or a container that mounts its own cgroup as the root) is read at the mount's
+    root, which is then this process's cgroup. Anything unreadable counts as no
+    limit: the check is a guard against a clear mistake, not a promise.
 """
 
 from __future__ import annotations
@@ -14,9 +46,12 @@ import torch
 
 from ..config.schema import ConfigError, JobConfig, ModelName, ParallelMode
 
-__all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_memory", "check_folders"]
+__all__ = ["MemoryEstimate", "CgroupLimit", "estimate_memory", "available_memory", "cgroup_memory_limits",
+           "check_memory", "check_folders"]
 
 GiB = 1024**3
+CGROUP_V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")  # the unified mount: pure v2, then hybrid
+_NO_LIMIT = 1 << 60  # v1 writes "no limit" as 9223372036854771712; no machine has an exbibyte
 
 
 @dataclass(frozen=True)
@@ -59,22 +94,118 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> MemoryEstimate:
     return MemoryEstimate(params, states, acts, b)
 
 
-def available_memory(on_gpu: bool) -> tuple[int, str] | None:
+def available_memory(on_gpu: bool, *, meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",
+                     cgroup_v1: str = "/sys/fs/cgroup/memory", cgroup_v2: tuple[str, ...] = CGROUP_V2_ROOTS
+                     ) -> tuple[int, str] | None:
     """Bytes one rank of this machine can use, and where that number comes from; None
-    when unknown. CPU: MemAvailable (``/proc/meminfo``) over the ranks on this machine;
-    GPU: the smallest GPU's total memory over the ranks that share it."""
+    when unknown. CPU: the smaller of MemAvailable and the room left under this
+    process's memory cgroup limits (Note [Memory a rank can use]), over the ranks on this
+    machine; GPU: the smallest GPU's total memory over the ranks that share it. The
+    paths are arguments so that tests can point them at fake trees."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if on_gpu:
         gpus = torch.cuda.device_count()
         total = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
         share = -(-local // gpus)
         return total // share, f"{total / GiB:.1f} GiB per GPU, {share} rank(s) per GPU"
-    try:
-        with open("/proc/meminfo") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+    rooms: list[tuple[int, str]] = []
+    host = _mem_available(meminfo)
+    if host is not None:
+        rooms.append((host, f"MemAvailable {host / GiB:.1f} GiB shared by {local} rank(s) on this machine"))
+    for limit in cgroup_memory_limits(proc_cgroup, cgroup_v1, cgroup_v2):
+        rooms.append((limit.room, f"cgroup memory limit {limit.limit / GiB:.1f} GiB of {limit.path}, "
+                                  f"{limit.usage / GiB:.1f} GiB in use, shared by {local} rank(s)"))
+    if not rooms:
         return None
-    return kb * 1024 // local, f"MemAvailable {kb * 1024 / GiB:.1f} GiB shared by {local} rank(s) on this machine"
+    room, where = min(rooms, key=lambda r: r[0])
+    return room // local, where
+
+
+def _mem_available(meminfo: str) -> int | None:
+    try:
+        with open(meminfo) as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kb * 1024
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """A memory cgroup limit over this process (Note [Memory a rank can use])."""
+
+    path: str  # the cgroup's folder
+    limit: int  # bytes
+    usage: int  # bytes in use, less the inactive file cache
+
+    @property
+    def room(self) -> int:
+        return max(0, self.limit - self.usage)
+
+
+def cgroup_memory_limits(proc_cgroup: str = "/proc/self/cgroup", cgroup_v1: str = "/sys/fs/cgroup/memory",
+                         cgroup_v2: tuple[str, ...] = CGROUP_V2_ROOTS) -> list[CgroupLimit]:
+    """Every memory limit over this process, v1 and v2, its cgroup's and each ancestor's
+    (Note [Memory a rank can use]); empty when there is none or nothing can be read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found: list[CgroupLimit] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            root = next((r for r in cgroup_v2 if os.path.isfile(os.path.join(r, "cgroup.controllers"))), None)
+            if root is not None:
+                found += _limits_along(root, path, "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            found += _limits_along(cgroup_v1, path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                   "total_inactive_file")
+    return found
+
+
+def _limits_along(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[CgroupLimit]:
+    """The limits of the cgroup ``path`` under the mount ``root`` and of each folder above it."""
+    root = os.path.abspath(root)
+    folder = os.path.normpath(os.path.join(root, path.lstrip("/")))
+    if not (folder == root or folder.startswith(root + os.sep)) or not os.path.isdir(folder):
+        folder = root  # a cgroup namespace, or the container's own cgroup mounted as the root
+    found = []
+    while True:
+        limit = _read_bytes(os.path.join(folder, limit_file))
+        usage = _read_bytes(os.path.join(folder, usage_file))
+        if limit is not None and limit < _NO_LIMIT and usage is not None:
+            found.append(CgroupLimit(folder, limit, max(0, usage - _stat(folder, inactive_key))))
+        if folder == root:
+            return found
+        folder = os.path.dirname(folder)
+
+
+def _read_bytes(path: str) -> int | None:
+    """The number in a cgroup file; None when absent, unreadable or ``max``."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat(folder: str, key: str) -> int:
+    """One value of the cgroup's ``memory.stat``; 0 when absent."""
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return 0
 
 
 def check_memory(cfg: JobConfig, world_size: int) -> None:
@@ -88,14 +219,16 @@ def check_memory(cfg: JobConfig, world_size: int) -> None:
     if have is None or need.total <= have[0]:
         return
     t = cfg.train
+    cgroup = have[1].startswith("cgroup")
+    more = ", or raise the memory limit of the job's cgroup (its container's or allocation's)" if cgroup else ""
     raise ConfigError(
         f"the job needs about {_size(need.total)} per rank (parameters {_size(need.parameters)}, "
         f"gradients and optimizer state {_size(need.states)}, activations {_size(need.activations)} "
         f"for a micro-batch of {need.micro_batch} x {t.seq_len} tokens) but a rank here has about "
         f"{_size(have[0])} ({have[1]}): it would run out of memory. Lower train.batch_size (or raise "
         "train.grad_accum), train.seq_len or the model sizes (model.n_layer, model.n_embd, model.vocab_size), "
-        "or run on more ranks. The estimate is rough (float32, no activation checkpointing): if you know the job "
-        "fits, set train.memory_check=false."
+        f"or run on more ranks{more}. The estimate is rough (float32, no activation checkpointing): if you know the "
+        "job fits, set train.memory_check=false."
     )
 
 

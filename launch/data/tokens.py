@@ -39,11 +39,42 @@ Notes
       (missing, empty, a size that is not a whole number of ids of the dtype, too
       short for one window in a rank's train slice or in the validation region,
       ids past ``model.vocab_size``, a sidecar that disagrees with the settings).
+    - A file whose dtype nothing declares (no sidecar, ``data.dtype`` null) is read as
+      nanoGPT's ``uint16``, unless it looks like ``uint32`` (Note [Undeclared dtype]):
+      then it is refused with the fix instead of guessed.
     - The id scan reads the whole file up to :data:`SCAN_LIMIT` ids; a larger file
       is checked on :data:`SAMPLE_CHUNKS` evenly spaced chunks (the first and last
       included). Every batch checks its own ids too, so an id past the vocabulary
       outside the sample stops the step that reads it, with the same message,
       instead of indexing out of the embedding.
+
+Note [Undeclared dtype]
+
+Background
+    A token file has no header: nanoGPT's ``.bin`` files are ``uint16`` with no
+    sidecar, and the same bytes read with the wrong width are valid ids of garbage.
+    A little-endian ``uint32`` file read as ``uint16`` gives each id's low half, then
+    its high half: for ids below 65,536 every other id is 0, all ids fit the
+    vocabulary, and the job trained on it with exit 0.
+
+Algorithm
+    Only when neither a sidecar nor ``data.dtype`` names the dtype. A size that is
+    not a multiple of 4 cannot be ``uint32``: ``uint16``. Else the file is sampled
+    the way :func:`fingerprint` is (:data:`SAMPLE_CHUNKS` evenly spaced 64 KiB blocks,
+    the first and last included, the whole file when smaller) as pairs of ``uint16``
+    (low, high), and refused as ``uint32`` when every high half is at most
+    ``max(3, (model.vocab_size - 1) >> 16)`` while at least :data:`MIN_PAIRS` low
+    halves are larger. The high half of a ``uint32`` id is its id over 65,536: 0 for
+    vocabularies that fit ``uint16``, at most 3 for tokenizers up to 262,144 ids (so
+    a 100k-id file is caught whatever ``model.vocab_size`` says).
+
+Notes
+    False positives: text tokenized to ``uint16`` has ids spread over the
+    vocabulary, so every odd-indexed id being 3 or less while the even ones are
+    larger does not happen; a file of mostly zeros with a few other ids (a test's,
+    not text) shows fewer than :data:`MIN_PAIRS` larger low halves and stays
+    ``uint16``. So does a ``uint32`` file that short: it is read as before. A
+    refusal names both fixes, so a rare false one costs one setting.
 """
 
 from __future__ import annotations
@@ -59,12 +90,14 @@ import torch
 from ..config.schema import ConfigError, JobConfig
 from .source import stream_seed
 
-__all__ = ["DTYPES", "SCAN_LIMIT", "SAMPLE_CHUNKS", "TokenFile", "TokenFileChanged", "fingerprint", "read_sidecar",
-           "max_id", "check_token_data"]
+__all__ = ["DTYPES", "SCAN_LIMIT", "SAMPLE_CHUNKS", "MIN_PAIRS", "TokenFile", "TokenFileChanged", "fingerprint",
+           "read_sidecar", "max_id", "check_token_data"]
 
 DTYPES = ("uint16", "uint32")
 SCAN_LIMIT = 1 << 28  # ids scanned in full (512 MiB of uint16); past it, a sample
 SAMPLE_CHUNKS = 64
+MIN_PAIRS = 8  # pairs with a low half above the bound before small high halves count as a uint32 sign
+_HIGH_HALF = 3  # the high halves of uint32 ids of tokenizers up to 262,144 ids
 _CHUNK = 1 << 22  # ids per read of the scan
 _EVAL_SALT = 0x5DEECE66D  # keeps the validation draws apart from the training draws of the same step
 _BLOCK = 1 << 16  # bytes per sampled block of the fingerprint
@@ -113,20 +146,22 @@ class TokenFile:
     Args:
         path: the flat file of ids.
         seed: ``train.seed``.
-        dtype: ``uint16`` or ``uint32``; None: the sidecar's, else ``uint16``.
+        dtype: ``uint16`` or ``uint32``; None: the sidecar's, else ``uint16`` unless the
+            file looks like ``uint32`` (Note [Undeclared dtype]).
         val_fraction: the share of the file, at its end, kept for validation.
         vocab_size: when given, every batch is checked to hold ids below it.
 
     Raises:
         ConfigError: the file is missing or empty, its size is not a whole number of
-            ids, or the dtype disagrees with the sidecar or is not one of :data:`DTYPES`.
+            ids, the dtype disagrees with the sidecar or is not one of :data:`DTYPES`, or
+            nothing declares it and the file looks like ``uint32``.
     """
 
     def __init__(self, path: str, *, seed: int, dtype: str | None = None, val_fraction: float = 0.1,
                  vocab_size: int | None = None) -> None:
         self.path, self.seed, self.vocab_size = path, seed, vocab_size
         self.meta = read_sidecar(path)
-        self.dtype = _dtype(path, dtype, self.meta)
+        self.dtype = _dtype(path, dtype, self.meta) or _undeclared_dtype(path, vocab_size)
         self.tokens = _count(path, self.dtype)
         self.val_tokens = int(self.tokens * val_fraction)
         self.train_tokens = self.tokens - self.val_tokens
@@ -187,7 +222,8 @@ class TokenFile:
         return np.frombuffer(data, dtype=self.dtype)
 
 
-def _dtype(path: str, dtype: str | None, meta: dict[str, Any] | None) -> str:
+def _dtype(path: str, dtype: str | None, meta: dict[str, Any] | None) -> str | None:
+    """The dtype the settings or the sidecar declare; None when neither does."""
     side = (meta or {}).get("dtype")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(DTYPES)}: a token file holds unsigned "
@@ -196,11 +232,45 @@ def _dtype(path: str, dtype: str | None, meta: dict[str, Any] | None) -> str:
     if dtype is not None and side is not None and dtype != side:
         raise ConfigError(f"data.dtype={dtype} but the sidecar {path}.json says the file holds {side} ids: read "
                           f"with the wrong dtype every id is garbage. Set data.dtype={side}, or leave it null.")
-    chosen = dtype or side or "uint16"
-    if chosen not in DTYPES:
+    chosen = dtype or side
+    if chosen is not None and chosen not in DTYPES:
         raise ConfigError(f"the sidecar {path}.json says dtype {chosen!r}, not one of {', '.join(DTYPES)}. Write the "
                           "file again with python -m launch.prepare_data.")
     return chosen
+
+
+def _undeclared_dtype(path: str, vocab_size: int | None) -> str:
+    """``uint16`` for a file whose dtype nothing declares, unless it looks like ``uint32``
+    (Note [Undeclared dtype]): then :class:`ConfigError` with the fix."""
+    _count(path, "uint16")  # missing, empty, an odd size: refused as before
+    size = os.path.getsize(path)
+    if size % 4:
+        return "uint16"  # not whole uint32 ids
+    pairs = _sample(path, size).reshape(-1, 2).astype(np.int64)  # little-endian uint32: (low, high)
+    low, high = pairs[:, 0], pairs[:, 1]
+    bound = max(_HIGH_HALF, 0 if vocab_size is None else (vocab_size - 1) >> 16)
+    top = int(high.max())
+    if top > bound or int(np.count_nonzero(low > bound)) < MIN_PAIRS:
+        return "uint16"
+    sign = ("every other id is 0 (the high halves of uint32 ids below 65,536)" if top == 0 else
+            f"every other id is at most {top} (the high halves of uint32 ids below {(top + 1) << 16:,})")
+    raise ConfigError(f"data.path={path!r} does not say its dtype (no sidecar {path}.json, data.dtype=null) and looks "
+                      f"like uint32 ids, not nanoGPT's uint16: read as uint16, {sign}, so the job would train on "
+                      "garbage. Set data.dtype=uint32 (or data.dtype=uint16 if it does hold 16-bit ids), or prepare it "
+                      "again with python -m launch.prepare_data, which writes the sidecar with its dtype.")
+
+
+def _sample(path: str, size: int) -> np.ndarray:
+    """The file as uint16, or SAMPLE_CHUNKS evenly spaced blocks of it (the first and the
+    last included, each a whole number of uint32 ids) when it is larger than their sum."""
+    with open(path, "rb") as f:
+        if size <= SAMPLE_CHUNKS * _BLOCK:
+            return np.frombuffer(f.read(), dtype=np.uint16)
+        blocks = []
+        for i in range(SAMPLE_CHUNKS):
+            f.seek((size - _BLOCK) * i // (SAMPLE_CHUNKS - 1) // 4 * 4)
+            blocks.append(f.read(_BLOCK))
+    return np.frombuffer(b"".join(blocks), dtype=np.uint16)
 
 
 def _count(path: str, dtype: str) -> int:
@@ -264,7 +334,7 @@ def check_token_data(cfg: JobConfig, world_size: int) -> None:
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} is not in (0, 1): it is the share of the file, at its "
                           "end, kept for validation, and both regions need tokens. Use e.g. data.val_fraction=0.1.")
-    f = TokenFile(d.path, seed=t.seed, dtype=d.dtype, val_fraction=d.val_fraction)
+    f = TokenFile(d.path, seed=t.seed, dtype=d.dtype, val_fraction=d.val_fraction, vocab_size=vocab)
     need = t.seq_len + 1
     per_rank = f.train_tokens // world_size
     if per_rank < need:
