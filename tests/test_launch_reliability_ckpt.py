@@ -39,7 +39,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one_with_same_losses
     shard.write_bytes(bytes(raw))
     proc = torchrun(tmp_path, *REFERENCE_RUN, "train.resume=true", "hydra.run.dir=second", timeout=120)
     _ok(proc)
-    assert (f"warning: checkpoint checkpoints/step_000004 is corrupt ({shard.name} does not match its sha256 in "
+    assert (f"warning: checkpoint checkpoints/step_000004 is corrupt ({shard.name} does not match its crc32 in "
             "the manifest (the bytes changed after writing)): falling back to an earlier one") in proc.stdout
     assert "resumed from checkpoints/step_000002 at step 2" in proc.stdout
     ref, got = _metrics(reference / "run"), _metrics(tmp_path / "second")

@@ -57,7 +57,7 @@ def _holder(text: str) -> str:
 
 def _take(path: str) -> tuple[int | None, str]:
     """Rank 0: the lock's file descriptor, or None and why the folder is busy."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)  # private: Note [Checkpoint integrity]
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -19,8 +19,14 @@ Algorithm
       write checkpoints there too.
     - ``train.resume=true``: the newest checkpoint must have this run's identity
       (else one message lists what differs); older ones of the same identity are
-      the fall-backs. A legacy checkpoint (no identity) is accepted with a
-      warning: the user asked for it, and the shapes are still checked.
+      the fall-backs. A legacy checkpoint (neither identity nor manifest) is
+      accepted with a warning: the user asked for it, and the shapes are still
+      checked.
+    - Whatever the case, a published checkpoint that lacks a file (DCP's
+      ``.metadata``, ``train_state.json``, or one of identity and manifest) is
+      damaged: it is named and skipped with one line, never taken for a legacy
+      one, and the newest checkpoint left decides (Note [Checkpoint integrity] in
+      ``launch.checkpoint.integrity``).
     - torchrun restart (``TORCHELASTIC_RESTART_COUNT > 0``) without
       ``train.resume=true``: only checkpoints of this identity *and* this torchrun
       invocation (``TORCHELASTIC_RUN_ID``) are this run's; the others are ignored
@@ -42,8 +48,9 @@ Algorithm
     optimizer's param groups, with one line when they differ from the checkpoint's.
 
 Notes
-    Rank 0 hashes every file while the other ranks wait in a broadcast bounded by
-    ``train.timeout_s``; at about 0.5 GB/s that is ~150 GB for the default 300 s.
+    Rank 0 checksums every file while the other ranks wait in a broadcast bounded by
+    ``train.timeout_s``: the checkpoint must be read within it. CRC-32 costs little
+    next to reading the bytes, so the disk sets the pace (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from torch import nn, optim
 from ..config.schema import ConfigError, TrainConfig
 from ..runtime.dist import print0
 from ..step.schedule import Schedule, resume_note
+from .integrity import missing_files
 from .run_identity import (CheckpointError, RunIdentity, differences, only_world_size_differs, read_identity,
                            resumes_on_any_world_size, same_trajectory, verify_manifest, world_size_change)
 from .store import CheckpointInfo, load_checkpoint, published_checkpoints
@@ -108,13 +116,17 @@ def plan_resume(t: TrainConfig, now: RunIdentity, *, restarted: bool) -> ResumeP
 
 
 def _identities(published: list[CheckpointInfo], notes: list[str]) -> list[tuple[CheckpointInfo, RunIdentity | None]]:
-    """Each checkpoint with its identity; one whose identity.json is damaged is left out, with a note."""
+    """Each checkpoint with its identity (None: legacy, Note [Checkpoint integrity]); one that lacks
+    a file or whose identity.json is damaged is left out, with a note naming it and why."""
     out = []
     for info in published:
         try:
+            if problem := missing_files(info.path):
+                raise CheckpointError(problem)
             out.append((info, read_identity(info.path)))
         except CheckpointError as e:
-            notes.append(f"skipping checkpoint {info.path}: {e}")
+            notes.append(f"skipping checkpoint {info.path}: {e}; a damaged checkpoint is never loaded (delete the "
+                         "folder to silence this)")
     return out
 
 

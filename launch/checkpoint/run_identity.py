@@ -32,13 +32,16 @@ Algorithm
       ``TORCHELASTIC_RUN_ID`` (not part of the digest: it tells one torchrun
       invocation from another with the same config, so that a restart only
       adopts checkpoints its own invocation wrote).
-    - ``manifest.json`` holds the size and sha256 of every other file in the
+    - ``manifest.json`` holds the size and checksum of every other file in the
       folder. Rank 0 writes it last, before publishing (Note [Write, then
-      publish] in ``launch.checkpoint.store``); :func:`verify_manifest` recomputes it.
+      publish] in ``launch.checkpoint.store``); ``verify_manifest`` recomputes it
+      (Note [Checkpoint integrity] in ``launch.checkpoint.integrity``).
 
 Notes
     A checkpoint written before this change has neither file (a *legacy*
-    checkpoint); ``launch.checkpoint.resume`` decides what to do with one.
+    checkpoint); one with only one of them is damaged, not legacy
+    (``launch.checkpoint.integrity.missing_files``). ``launch.checkpoint.resume``
+    decides what to do with either.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 
 from ..config.schema import ConfigError, JobConfig, ParallelMode
 from ..data.tokens import fingerprint
+from .integrity import IDENTITY_FILE, MANIFEST_FILE, verify_manifest, write_manifest  # re-exported here too
 
 __all__ = [
     "RESUMABLE",
@@ -75,8 +79,6 @@ __all__ = [
     "verify_manifest",
 ]
 
-IDENTITY_FILE = "identity.json"
-MANIFEST_FILE = "manifest.json"
 _VERSION = 1
 
 # Dotted keys (or whole sections, ending in ".") that may differ between a checkpoint
@@ -244,55 +246,6 @@ def differences(saved: RunIdentity, now: RunIdentity) -> list[str]:
         if a != b:
             out.append(f"{key} {json.dumps(a)} in the checkpoint, {json.dumps(b)} now")
     return out
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(folder: str) -> list[str]:
-    out = []
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            rel = os.path.relpath(os.path.join(dirpath, name), folder)
-            if rel != MANIFEST_FILE:
-                out.append(rel)
-    return sorted(out)
-
-
-def write_manifest(folder: str) -> None:
-    """Record the size and sha256 of every file in ``folder`` (rank 0, after every rank wrote)."""
-    files = {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)), "sha256": _sha256(os.path.join(folder, rel))}
-             for rel in _files(folder)}
-    _write_json(os.path.join(folder, MANIFEST_FILE), {"version": _VERSION, "files": files})
-
-
-def verify_manifest(folder: str) -> str | None:
-    """Check ``folder`` against its manifest. Returns None when every file is intact, else
-    what is wrong (a missing manifest included: a legacy checkpoint)."""
-    path = os.path.join(folder, MANIFEST_FILE)
-    if not os.path.exists(path):
-        return f"it has no {MANIFEST_FILE}"
-    try:
-        with open(path) as f:
-            files = json.load(f)["files"]
-        expected = {str(rel): (int(e["bytes"]), str(e["sha256"])) for rel, e in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"its {MANIFEST_FILE} cannot be read ({type(e).__name__}: {e})"
-    for rel, (size, digest) in sorted(expected.items()):
-        full = os.path.join(folder, rel)
-        if not os.path.isfile(full):
-            return f"{rel} is missing"
-        actual = os.path.getsize(full)
-        if actual != size:
-            return f"{rel} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
-        if _sha256(full) != digest:
-            return f"{rel} does not match its sha256 in the manifest (the bytes changed after writing)"
-    return None
 
 
 def _write_json(path: str, data: Any) -> None:

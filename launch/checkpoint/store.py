@@ -15,10 +15,12 @@ Algorithm
       all the position there is; the schedule's settings are recorded too), then
       renames the folder to ``step_NNNNNN`` (atomic on POSIX) and
       replaces the ``latest`` marker (written to a temporary file, then
-      ``os.replace``d). A barrier on either side keeps ranks in step.
+      ``os.replace``d). A barrier on either side keeps ranks in step (after
+      the save, an all-reduce that also tells every rank whether rank 0 published).
     - Before the rename, rank 0 also writes ``identity.json`` and, last,
-      ``manifest.json`` with the sha256 of every file (Note [Checkpoint identity
-      and manifest] in ``launch.checkpoint.run_identity``); ``launch.checkpoint.resume`` checks both.
+      ``manifest.json`` with the size and checksum of every file (Note [Checkpoint
+      identity and manifest] in ``launch.checkpoint.run_identity``, Note [Checkpoint
+      integrity] in ``launch.checkpoint.integrity``); ``launch.checkpoint.resume`` checks both.
     - Older published checkpoints beyond ``keep_last`` are removed.
     - Only a finite model is published: before writing, every rank checks its
       parameters and one all-reduce agrees (``launch.runtime.guard.model_finite``); a
@@ -27,6 +29,9 @@ Algorithm
       last finite one (Note [Finite-loss guard] in ``launch.runtime.guard``).
     - :func:`latest_checkpoint` only returns a published folder holding DCP's
       ``.metadata`` and ``train_state.json``; ``*.tmp`` folders are never read.
+      :func:`published_checkpoints` returns every published folder, complete or
+      not: a published folder lacking a file was damaged after publishing, and the
+      resume names it and says why it is skipped rather than passing over it.
 
 Notes
     On several machines, ``train.checkpoint_dir`` must be on a filesystem that
@@ -49,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..runtime.guard import model_finite, nonfinite_model
 from .run_identity import RunIdentity, write_identity, write_manifest
-from .space import room_everywhere, write_error
+from .space import CheckpointWriteError, agree, room_everywhere, write_error
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +75,13 @@ def _complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, _TRAIN_STATE))
 
 
-def _published(root: str) -> list[CheckpointInfo]:
+def _published(root: str, *, complete: bool = True) -> list[CheckpointInfo]:
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
-        if m and _complete(os.path.join(root, name)):
+        if m and os.path.isdir(os.path.join(root, name)) and (not complete or _complete(os.path.join(root, name))):
             found.append(CheckpointInfo(int(m.group(1)), os.path.join(root, name)))
     return sorted(found, key=lambda c: c.step)
 
@@ -138,23 +143,21 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
     if not model_finite(model):
         raise nonfinite_model(step, last)
     rank = dist.get_rank()
+    device = next(model.parameters()).device
     name = f"step_{step:06d}"
     tmp, final = os.path.join(root, name + ".tmp"), os.path.join(root, name)
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
+
+    def prepare() -> None:
+        os.makedirs(root, mode=0o700, exist_ok=True)  # private whatever the umask: Note [Checkpoint integrity]
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a job killed while writing
-    dist.barrier()
-    room_everywhere(root, step, last, next(model.parameters()).device)  # Note [Checkpoint write errors]
+
+    _on_rank_0(prepare, root, step, last, tmp, device)  # every rank waits for it
+    room_everywhere(root, step, last, device)  # Note [Checkpoint write errors]
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         dist.barrier()  # every rank's shards are written
-        if rank == 0:
-            _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({**(train_state or {}), "step": step}))
-            if identity is not None:
-                write_identity(tmp, identity)
-            write_manifest(tmp)  # last: the sha256 of every file above
     except (OSError, RuntimeError, dcp.CheckpointException) as e:  # DCP's is a BaseException, on every rank
         error = write_error(root, step, last, e, tmp)
         if rank == 0:
@@ -162,16 +165,44 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: optim.Opt
         if error is None:
             raise
         raise error from e
-    if rank == 0:
+
+    def publish() -> None:
+        _write_atomic(os.path.join(tmp, _TRAIN_STATE), json.dumps({**(train_state or {}), "step": step}))
+        if identity is not None:
+            write_identity(tmp, identity)
+        write_manifest(tmp)  # last: the checksum of every file above
         if os.path.isdir(final):  # published earlier by a run that then died before `latest` moved on
             shutil.rmtree(final)
         os.rename(tmp, final)
         _write_atomic(os.path.join(root, _LATEST), name)
         for old in _published(root)[:-keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
-    dist.barrier()  # nobody reads `latest` before it is published
+
+    _on_rank_0(publish, root, step, last, tmp, device)  # nobody reads `latest` before it is published
     log.debug("checkpoint saved: %s", final)  # the loop prints "checkpoint: PATH" once
     return final
+
+
+def _on_rank_0(work, root: str, step: int, last: str | None, tmp: str, device) -> None:
+    """Run ``work`` on rank 0 while the others wait; every rank raises when it failed
+    (Note [Checkpoint write errors]): rank 0 its one line (or the error itself, for a bug), the
+    others a line pointing at rank 0's."""
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 -- told to every rank below, then re-raised
+            error = e
+    if agree(error is None, device):
+        return
+    if dist.get_rank() == 0:
+        line = write_error(root, step, last, error, tmp) if isinstance(error, OSError) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if line is None:
+            raise error
+        raise line from error
+    raise CheckpointWriteError(f"checkpoint step {step} could not be written to {root}: rank 0 failed (its line "
+                               "says why)")
 
 
 def load_checkpoint(info: CheckpointInfo, model: nn.Module, optimizer: optim.Optimizer) -> int:
@@ -187,5 +218,6 @@ def load_checkpoint(info: CheckpointInfo, model: nn.Module, optimizer: optim.Opt
 
 
 def published_checkpoints(root: str) -> list[CheckpointInfo]:
-    """Every complete, published checkpoint under ``root``, oldest first."""
-    return _published(root)
+    """Every published checkpoint folder under ``root``, oldest first, damaged ones included
+    (``launch.checkpoint.integrity.missing_files`` tells them; ``*.tmp`` folders are not published)."""
+    return _published(root, complete=False)

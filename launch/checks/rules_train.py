@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from compiler.trust import unsafe_folder
+
 from ..checkpoint.resume import plan_resume
 from ..checkpoint.run_identity import run_identity
 from ..config.schema import ConfigError, JobConfig, Lengths, LRSchedule, Padding, ParallelMode, Precision, TrainConfig
@@ -18,7 +20,8 @@ from ..runtime.dist import restarted_by_torchrun
 from ..runtime.guard import OnNonfinite
 from .rules import choice, positive, require_cuda
 
-__all__ = ["check_train", "check_resume", "check_nonfinite", "check_step", "check_schedule", "check_clip_and_eval"]
+__all__ = ["check_train", "check_resume", "check_checkpoint_trust", "check_nonfinite", "check_step", "check_schedule",
+           "check_clip_and_eval"]
 
 
 def check_train(t: TrainConfig, world_size: int) -> None:
@@ -115,8 +118,26 @@ def check_nonfinite(t: TrainConfig) -> None:
 
 def check_resume(cfg: JobConfig, world_size: int) -> None:
     """The checkpoint folder against this run (Note [Resume policy] in ``launch.checkpoint.resume``):
-    a foreign, unreadable or incompatible checkpoint is refused before any process group."""
-    plan_resume(cfg.train, run_identity(cfg, world_size), restarted=restarted_by_torchrun())
+    a folder others can write (:func:`check_checkpoint_trust`), and a foreign, unreadable or incompatible
+    checkpoint, are refused before any process group."""
+    restarted = restarted_by_torchrun()
+    check_checkpoint_trust(cfg.train, restarted=restarted)
+    plan_resume(cfg.train, run_identity(cfg, world_size), restarted=restarted)
+
+
+def check_checkpoint_trust(t: TrainConfig, *, restarted: bool) -> None:
+    """``train.checkpoint_dir`` must not be writable by others when the job writes or loads checkpoints
+    there: loading one unpickles (Note [Trusted folders] in ``compiler.trust``)."""
+    if not (t.checkpoint_every or t.resume or restarted):
+        return  # the folder is neither written nor read
+    why = unsafe_folder(t.checkpoint_dir)
+    if why is not None:
+        raise ConfigError(
+            f"train.checkpoint_dir={t.checkpoint_dir!r} is not private: {why}. Loading a checkpoint unpickles "
+            "(DCP's torch.load(weights_only=False)), so whoever can write there can run code in this job. Run "
+            "chmod go-w on that folder, or choose a folder of your own that others cannot write (or set "
+            "train.checkpoint_every=0 and train.resume=false to use no checkpoints)."
+        )
 
 
 def check_step(cfg: JobConfig, world_size: int) -> None:
