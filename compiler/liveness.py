@@ -32,12 +32,34 @@ Algorithm
     30 s after forwarding a SIGTERM: a compile that ends within the grace still lets
     the step finish and the preemption save its checkpoint, and a longer one ends
     with a line said instead of a silent SIGKILL.
+
+    A rank blocked inside a collective (gloo, NCCL) for a peer that stopped reads no
+    counter: its main thread is in C++ until the collective's own timeout, and then
+    fails with the backend's error, which names no rank. :class:`PeerMonitor` is the
+    watchdog for that case: a daemon thread of its own reads every peer's counter
+    (one ``multi_get`` per check) and notes when each last moved; a caller's
+    ``on_silent`` is called once, from that thread, when a peer has been silent for
+    ``dead_after_s``. It defers to a store wait in progress (a :class:`PeerWatch`
+    checked in the last few seconds), which raises :class:`PeerLost` itself, so one
+    silent peer is reported once. After a collective failed, :meth:`PeerMonitor.find_lost`
+    tells which peer went silent (a dead peer's socket closes, so the failure comes
+    at once, and its counter stops moving within a few beats). Each heartbeat also
+    publishes where its process runs (boot id, pid namespace, pid): a peer on the
+    same machine is then seen directly, stopped (``T`` in ``/proc/<pid>/stat``) or
+    gone (:func:`process_state`).
+
+Notes
+    A stopped process stops all its threads, its heartbeat's too: that is what makes
+    it detectable. A live rank that compiles for an hour still beats (the heartbeat
+    thread runs during compiles), so it is never taken for dead.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
+import socket
 import threading
 import time
 import weakref
@@ -46,15 +68,17 @@ from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerLost", "WaitInterrupted", "Heartbeat", "PeerWatch", "request_stop", "stop_requested",
-           "clear_stop", "dead_after_s", "on_default_store"]
+__all__ = ["PeerLost", "WaitInterrupted", "Heartbeat", "PeerWatch", "PeerMonitor", "request_stop", "stop_requested",
+           "clear_stop", "dead_after_s", "on_default_store", "process_identity", "process_state"]
 
 KEY = "distcompile/alive"
+PROC_KEY = "distcompile/proc"  # where each rank's process runs: process_identity()
 DEFAULT_DEAD_AFTER_S = 300.0  # a store without a timeout of its own
 CHECK_S = 1.0  # how often a waiter reads its peers' heartbeats
 STOP_GRACE_S = 10.0  # how long a wait goes on after a stop request (torchrun's agent SIGKILLs after 30 s)
 
 _stop: tuple[str, float] | None = None  # the reason, and when (monotonic)
+_store_wait_checked = -1e9  # when a PeerWatch last checked (monotonic): a store wait is in progress
 
 
 class PeerLost(RuntimeError):
@@ -116,6 +140,7 @@ class Heartbeat:
             if beat is None or not beat._thread.is_alive() or beat.source is not store:
                 beat = cls(store, rank, beat_s if beat_s is not None else min(1.0, dead_after_s(store) / 10))
                 beat._beat()  # the first beat before anyone waits for it
+                beat.store.set(f"{PROC_KEY}/{rank}", process_identity())
                 cls._running[key] = beat
                 beat.owners.append(weakref.ref(owner))
                 beat._thread.start()
@@ -198,6 +223,8 @@ class PeerWatch:
     def check(self, peers: Sequence[int], what: str) -> None:
         """Called in a wait loop: raises :class:`WaitInterrupted` when a stop was requested, and
         :class:`PeerLost` when one of ``peers`` has been silent for ``dead_after_s``."""
+        global _store_wait_checked
+        _store_wait_checked = time.monotonic()  # a PeerMonitor leaves this wait to report a silent peer
         reason = stop_requested()
         if reason is not None:
             raise WaitInterrupted(f"rank {self.rank} stopped waiting for {what}: {reason}.")
@@ -222,3 +249,142 @@ class PeerWatch:
                     "train.timeout_s in the launcher). Restart the job; with checkpoints, resume with "
                     "train.resume=true (Note [Peer liveness] in compiler/liveness.py)."
                 )
+
+
+# --- the watchdog of a rank blocked in a collective -----------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def process_identity(proc: str = "/proc") -> str:
+    """Where this process runs, as ``boot_id:pid_namespace:pid@host``: a peer with the same boot id and
+    pid namespace can look the pid up (:func:`process_state`)."""
+    try:
+        pidns = os.readlink(f"{proc}/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return f"{_read(f'{proc}/sys/kernel/random/boot_id') or ''}:{pidns}:{os.getpid()}@{socket.gethostname()}"
+
+
+def process_state(identity: str, proc: str = "/proc") -> str | None:
+    """What a peer's process (its :func:`process_identity`) is doing, seen from this one: ``"stopped"``
+    (SIGSTOP, a debugger), ``"gone"`` (it ended; a zombie not yet reaped counts), ``"running"``; None
+    when it runs on another machine or in another pid namespace, where nothing can be seen."""
+    where, _, pid = identity.rpartition("@")[0].rpartition(":")
+    here = process_identity(proc).rpartition("@")[0].rpartition(":")[0]
+    if not where or where != here or where.startswith(":") or not pid.isdigit():
+        return None
+    stat = _read(f"{proc}/{pid}/stat")
+    if stat is None:
+        return "gone"
+    state = stat.rpartition(")")[2].split()[:1]  # the field after "(comm)", which may hold spaces
+    if state and state[0] in ("T", "t"):
+        return "stopped"
+    if state and state[0] in ("Z", "X"):
+        return "gone"
+    return "running"
+
+
+class PeerMonitor:
+    """Every peer's heartbeat, read by a daemon thread of its own while the monitor runs (Note [Peer
+    liveness]): ``on_silent(peer, silent_s)`` is called once, from that thread, when a peer has been
+    silent for ``dead_after_s`` and no store wait is reporting it already.
+
+    Args:
+        store, rank, ranks: the store every rank beats in, this rank, and the group's ranks.
+        dead_after_s: the silence after which ``on_silent`` is called (default: the store's timeout).
+        on_silent: called from the monitor's thread; None: the monitor only records.
+        check_s: how often the counters are read (default: about once a second, less often
+            beyond 64 peers, so that the store's load stays bounded).
+    """
+
+    def __init__(self, store: Any, rank: int, ranks: Sequence[int], dead_after_s: float | None = None,
+                 on_silent: Callable[[int, float], None] | None = None, check_s: float | None = None) -> None:
+        self.rank, self.peers = rank, [r for r in ranks if r != rank]
+        self.dead_after_s = dead_after_s if dead_after_s is not None else globals()["dead_after_s"](store)
+        self.on_silent = on_silent
+        self.check_s = check_s if check_s is not None else CHECK_S * max(1.0, len(self.peers) / 64)
+        self.beat = Heartbeat.start(store, rank, self)
+        self.store = _own_client(store)
+        self._moved: dict[int, tuple[bytes | None, float]] = {}
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._fired = False
+        self._thread = threading.Thread(target=self._run, name=f"distcompile-peer-monitor-{rank}", daemon=True)
+
+    def start(self) -> "PeerMonitor":
+        self.poll()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def poll(self) -> None:
+        """Read every peer's counter once and note, on this clock, those that moved."""
+        keys = [f"{KEY}/{p}" for p in self.peers]
+        if self.store.check(keys):
+            multi = getattr(self.store, "multi_get", None)
+            values = multi(keys) if multi is not None else [self.store.get(k) for k in keys]
+        else:  # a peer that has not beaten yet: get() would wait for its key
+            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
+        now = time.monotonic()
+        with self._lock:
+            for peer, value in zip(self.peers, values):
+                seen = self._moved.get(peer)
+                if seen is None or seen[0] != value:
+                    self._moved[peer] = (value, now)
+
+    def silent(self, at_least_s: float) -> list[tuple[int, float]]:
+        """``(peer, seconds)`` for the peers whose counter has not moved for ``at_least_s``, longest first."""
+        now = time.monotonic()
+        with self._lock:
+            found = [(p, now - t) for p, (_, t) in self._moved.items() if now - t >= at_least_s]
+        return sorted(found, key=lambda f: -f[1])
+
+    def state_of(self, peer: int) -> str | None:
+        """:func:`process_state` of ``peer``'s process (None: unknown, or on another machine)."""
+        try:
+            key = f"{PROC_KEY}/{peer}"
+            return process_state(self.store.get(key).decode()) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store is gone: nothing seen
+            return None
+
+    def find_lost(self, within_s: float) -> tuple[int, float, str | None] | None:
+        """After a collective failed: ``(peer, silent_s, state)`` for a peer that is gone or stopped
+        (seen on this machine) or whose counter has not moved for three beats and a check; reads for
+        up to ``within_s`` (a dead peer's counter stops at once, but is seen so only after a few
+        beats); None when every peer still beats."""
+        confirm_s = 3 * self.beat.beat_s + CHECK_S
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the store is gone too: the silence so far decides
+                pass
+            for peer, silent_s in self.silent(1.5 * self.beat.beat_s):
+                state = self.state_of(peer)
+                if state in ("gone", "stopped") or silent_s >= confirm_s:
+                    return peer, silent_s, state
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(0.2, self.beat.beat_s / 4))
+
+    def _run(self) -> None:
+        while not self._done.wait(self.check_s) and not _EXITING.is_set():
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - the store is unreachable: the silence so far stands
+                log.debug("rank %d could not read its peers' heartbeats: %s", self.rank, e)
+            if self.on_silent is None or self._fired:
+                continue
+            lost = self.silent(self.dead_after_s)
+            if lost and time.monotonic() - _store_wait_checked > 3 * CHECK_S:  # else the wait reports it
+                self._fired = True
+                self.on_silent(*lost[0])

@@ -56,6 +56,7 @@ from .runtime.parallel import Wrapped, apply_parallel, build_model
 from .runtime.precision import grad_scaler
 from .runtime.preempt import Preempted, Preemption
 from .runtime.recompiles import CompileCounter
+from .runtime.watchdog import PeerWatchdog
 from .step.evaluate import Evaluator, build_evaluator
 from .step.optim import OptimizerStep, build_optimizer
 from .step.schedule import Schedule
@@ -125,9 +126,10 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
     with Preemption() as preemption, process_group(cfg.parallel, cfg.train.timeout_s) as env:
         try:
             configure_logging(env.rank)
-            check_same_config(cfg)  # ranks given different configs stop here, with the keys that differ
-            with checkpoint_folder_lock(cfg.train, env):  # one job per checkpoint folder
-                metrics = train(cfg, env, step_callbacks, preemption, output_dir)
+            with PeerWatchdog(env, cfg.train.timeout_s, exit_on_silence=exit_on_error) as watchdog:
+                check_same_config(cfg)  # ranks given different configs stop here, with the keys that differ
+                with checkpoint_folder_lock(cfg.train, env):  # one job per checkpoint folder
+                    metrics = train(cfg, env, (watchdog.at_step, *step_callbacks), preemption, output_dir)
             if env.is_main and output_dir:
                 write_metrics(output_dir, metrics)
             if env.is_main and metrics.get("diagnosis") is not None and (cfg.diagnose_json or output_dir):
@@ -279,7 +281,6 @@ def _check_finite(job: Job, step: int, loss: float, skipped_in_a_row: int, eval_
         print0(f"step {step}: the evaluation loss is {eval_loss}, not finite (train.on_nonfinite=skip: training "
                "goes on; an evaluation has no update to skip)")
     return skipped_in_a_row
-
 
 
 def _save(job: Job, step: int) -> str:

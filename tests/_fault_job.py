@@ -7,7 +7,11 @@ or 0), through the loop's step callbacks, RANK (default 0) does ACTION: KILL (th
 default) SIGKILLs itself, TERM or INT sends itself that signal, PAUSE prints
 "paused at step STEP" and waits until the process is signalled (for a test to
 signal the agent or the process group at a known step; 120 s at most), RAISE
-raises a RuntimeError (an error on one rank while the others go on);
+raises a RuntimeError (an error on one rank while the others go on),
+BACKWARD_STOP or BACKWARD_KILL sends itself SIGSTOP or SIGKILL inside that step's backward
+(when the gradient of the model's first parameter, the last one backward makes, is computed:
+its peers wait for it inside the gradient all-reduce), after printing
+"fault ...: SIG<STOP|KILL> in backward at step STEP (pid PID)";
 everything else is ``python -m launch.train [overrides]``.
 
     python tests/_fault_job.py compile:RANK:ACTION compile.backend=fault_aot_eager [overrides]
@@ -50,11 +54,29 @@ def kill_at(spec: str):
             return
         if action == "RAISE":
             raise RuntimeError(f"fault {spec}: injected error on rank {rank} at step {step}")
+        if action.startswith("BACKWARD_"):
+            _in_backward(job, spec, step, action.removeprefix("BACKWARD_"))
+            return
         what = "killing myself" if action == "KILL" else f"sending myself SIG{action}"
         print(f"[rank {rank}] fault {spec}: {what} at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), getattr(signal, f"SIG{action}"))
 
     return fault
+
+
+def _in_backward(job: Job, spec: str, step: int, sig: str) -> None:
+    """SIG``sig`` to this process when backward computes the first parameter's gradient, once."""
+    first = next(job.wrapped.module.parameters())
+    handle = None
+
+    def hook(grad):
+        handle.remove()
+        print(f"[rank {job.env.rank}] fault {spec}: SIG{sig} in backward at step {step} (pid {os.getpid()})",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
+        return grad
+
+    handle = first.register_hook(hook)
 
 
 def register_compile_fault(spec: str) -> None:

@@ -161,3 +161,66 @@ def test_a_rank_killed_or_stopped_in_its_first_compile_ends_the_survivor_within_
     status, text, seconds = pickle.loads(result.read_bytes())
     assert status == "raised" and "PeerLost" in text, text[-3000:]
     assert "but rank 1 has been silent for" in text and "it died or was stopped" in text, text[-3000:]
+
+
+# --- the watchdog of a rank blocked in a collective: PeerMonitor -----------------------------------
+
+
+def _monitor(store, silent, **kw):
+    from compiler.liveness import PeerMonitor
+
+    return PeerMonitor(store, 0, [0, 1], dead_after_s=DEAD_AFTER_S, check_s=0.1,
+                       on_silent=lambda peer, s: silent.append((peer, s)), **kw)
+
+
+def _beating(store, rank: int):
+    """A peer's heartbeat in a thread, until the returned event is set."""
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            store.add(f"distcompile/alive/{rank}", 1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
+
+
+def test_the_monitor_names_a_peer_silent_for_the_limit_once():
+    import time
+
+    store, silent = _store(), []
+    store.add("distcompile/alive/1", 1)  # rank 1 beat once, then stopped
+    monitor = _monitor(store, silent).start()
+    deadline = time.monotonic() + 30  # the call comes DEAD_AFTER_S after the last beat seen
+    while not silent and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    monitor.stop()
+    assert len(silent) == 1 and silent[0][0] == 1 and silent[0][1] >= DEAD_AFTER_S, silent
+
+
+def test_the_monitor_never_names_a_peer_that_beats():
+    import time
+
+    store, silent = _store(), []
+    stop = _beating(store, 1)
+    monitor = _monitor(store, silent).start()
+    time.sleep(2.5 * DEAD_AFTER_S)
+    monitor.stop(), stop.set()
+    assert silent == [] and monitor.find_lost(within_s=0.0) is None
+
+
+def test_the_monitor_leaves_a_silent_peer_to_a_store_wait_that_watches_it():
+    import time
+
+    store, silent = _store(), []
+    store.add("distcompile/alive/1", 1)
+    monitor = _monitor(store, silent).start()
+    watch = PeerWatch(store, 0)
+    with pytest.raises(PeerLost, match=r"rank 0 waited for a compile, but rank 1 has been silent"):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # a store wait, as the step gate's
+            watch.check([1], "a compile")
+            time.sleep(0.05)
+    monitor.stop()
+    assert silent == []  # the wait said it: the monitor did not

@@ -5,6 +5,7 @@ on or was told of, this rank's traceback and exit code 1 for anything else."""
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from typing import Iterator
 
@@ -15,9 +16,16 @@ from ..config.schema import ConfigError
 from .dist import DistEnv, exit_now
 from .preempt import EXIT_PREEMPTED, Preempted
 
-__all__ = ["leave", "EXIT_PEER_LOST"]
+__all__ = ["leave", "claim_exit", "EXIT_PEER_LOST"]
 
 EXIT_PEER_LOST = 1  # a failure: a peer died or stopped; torchrun's --max-restarts may restart the group
+_LEAVING = threading.Lock()  # held by whoever prints this process's last line: leave(), or the peer watchdog
+
+
+def claim_exit() -> bool:
+    """True for the first caller in this process, which then prints its line and ends the process;
+    the peer watchdog's thread (``launch.runtime.watchdog``) and :func:`leave` never both speak."""
+    return _LEAVING.acquire(blocking=False)
 
 
 def _chain(e: BaseException) -> Iterator[BaseException]:
@@ -36,6 +44,8 @@ def leave(e: BaseException, env: DistEnv) -> None:
     a wait for a peer's compile that ended because the peer died or stopped
     (:class:`compiler.liveness.PeerLost`) or on SIGTERM/SIGINT (``WaitInterrupted``) one
     line from every rank that saw it, with code 1 or 75 (Note [Peer liveness])."""
+    if not claim_exit():  # the peer watchdog said why this rank ends, and ends it now
+        threading.Event().wait()
     if isinstance(e, ConfigError):  # found in the group (ranks' configs, the checkpoint): as before it
         exit_now(report_config_error(str(e)))
     code = getattr(e, "exit_code", None)
