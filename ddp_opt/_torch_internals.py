@@ -90,8 +90,7 @@ def bucket_settings(ddp_model: DistributedDataParallel) -> DDPBucketSettings:
         # torch >= 2.13: DDP._bucket_config (bucket_bytes_cap, first_bucket_bytes_cap, per_bucket_bytes_caps).
         return DDPBucketSettings(int(config.bucket_bytes_cap), int(config.first_bucket_bytes_cap),
                                  tuple(int(c) for c in config.per_bucket_bytes_caps))
-    # Older torch: DDP.bucket_bytes_cap_default says whether the user left bucket_cap_mb unset, in which
-    # case the first bucket is capped at torch.distributed._DEFAULT_FIRST_BUCKET_BYTES.
+    # Older torch: DDP.bucket_bytes_cap_default: bucket_cap_mb unset, the first bucket capped at 1 MiB.
     cap = int(ddp_model.bucket_bytes_cap)
     uses_default = bool(getattr(ddp_model, "bucket_bytes_cap_default", False))
     first = min(default_first_bucket_bytes(), cap) if uses_default else cap
@@ -120,13 +119,13 @@ def reducer_finalized(ddp_model: DistributedDataParallel) -> bool:
     return True
 
 
-def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int, ...]) -> None:
+def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int, ...] | None) -> None:
     """Re-create DDP's reducer, as DDP does when it is unpickled, with ``rebuild_caps``
-    as the per-bucket caps of its next bucket rebuild (gradient-ready order)."""
-    if _rebuild_caps_kind() == "bucket_config":
+    as the per-bucket caps of its next bucket rebuild (gradient-ready order); None keeps DDP's caps."""
+    if rebuild_caps is not None and _rebuild_caps_kind() == "bucket_config":
         # DDP._bucket_config is a dataclass whose per_bucket_bytes_caps the reducer's rebuild reads.
         ddp_model._bucket_config = dataclasses.replace(ddp_model._bucket_config, per_bucket_bytes_caps=rebuild_caps)
-    else:
+    elif rebuild_caps is not None:
         # torch 2.11: DDP.bucket_bytes_cap_list (bytes), which _ddp_init_helper passes to the reducer as its
         # bucket limits and rebuild limits (bucket_cap_mb_list's storage before 2.12's _bucket_config).
         ddp_model.bucket_bytes_cap_list = list(rebuild_caps)
@@ -138,12 +137,10 @@ def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int,
     names = ddp_model._build_debug_param_to_name_mapping(params)
     ddp_model._ddp_init_helper(params, expect_sparse, names, ddp_model.static_graph)
     if ddp_model.static_graph:
-        # As DDP.__setstate__ does: Reducer._set_static_graph() / Logger._set_static_graph() mark the new
-        # reducer static (without it, it is a dynamic reducer under a static DDP, and never rebuilds). Its
-        # first iteration is then a static graph's first iteration again: gradients are reduced together at
-        # its end by Reducer._delay_all_reduce, which DDP enqueues (through DDPSink) only while
-        # DDP._static_graph_delay_allreduce_enqueued is False; that iteration records the order the next
-        # rebuild follows.
+        # As DDP.__setstate__ does: Reducer/Logger._set_static_graph() mark the new reducer static (else it
+        # never rebuilds). Its first iteration reduces every gradient at its end (Reducer._delay_all_reduce,
+        # enqueued through DDPSink while DDP._static_graph_delay_allreduce_enqueued is False) and records
+        # the order the next rebuild follows.
         ddp_model.reducer._set_static_graph()
         ddp_model.logger._set_static_graph()
         ddp_model._static_graph_delay_allreduce_enqueued = False
@@ -152,6 +149,13 @@ def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int,
     # DDP._comm_hooks: the (hook, state) pairs register_comm_hook appended; the new reducer has none of them.
     if hasattr(ddp_model, "_comm_hooks"):
         ddp_model._comm_hooks = []
+
+
+def stop_finding_unused_parameters(ddp_model: DistributedDataParallel) -> None:
+    """``find_unused_parameters`` off before DDP's first iteration (its forward reads the attribute, its reducer
+    took the flag when built: re-created)."""
+    ddp_model.find_unused_parameters = False
+    rebuild_reducer(ddp_model, None)
 
 
 def python_comm_hooks(ddp_model: DistributedDataParallel) -> list[tuple[Any, Any]] | None:
@@ -179,29 +183,24 @@ def runtime_buckets(ddp_model: DistributedDataParallel) -> list[list[tuple[int, 
 
 def is_compiled(module: torch.nn.Module) -> bool:
     """True when ``module`` (or its forward) was already given to torch.compile."""
-    # Module._compiled_call_impl is set by Module.compile(); torch.compile's wrapper of a function
-    # carries _torchdynamo_orig_callable.
+    # Module._compiled_call_impl: set by Module.compile(); _torchdynamo_orig_callable: on torch.compile's wrapper.
     return (getattr(module, "_compiled_call_impl", None) is not None
             or hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"))
 
 
+# torch._dynamo.config.optimize_ddp: dynamo hands graphs captured under DDP to PyTorch's splitter when True
+# or "ddp_optimizer" (convert_frame reads get_optimize_ddp_mode() as the frame compiles).
 def no_builtin_ddp_splitter() -> Any:
-    # torch._dynamo.config.optimize_ddp: dynamo hands graphs captured under DDP to PyTorch's splitter when on.
     return torch._dynamo.config.patch(optimize_ddp=False)
 
 
 def builtin_splitter_on() -> bool:
-    """Whether dynamo hands a graph captured under DDP to PyTorch's splitter now
-    (``convert_frame`` reads ``get_optimize_ddp_mode()`` as the frame compiles)."""
-    value = torch._dynamo.config.optimize_ddp  # as torch._dynamo.utils.get_optimize_ddp_mode reads it
-    return value is True or value == "ddp_optimizer"
+    return torch._dynamo.config.optimize_ddp is True or torch._dynamo.config.optimize_ddp == "ddp_optimizer"
 
 
 def graph_slot() -> int | None:
-    """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile).
-
-    A graph break ends one frame's graph and resumes in a new frame, so each graph of a
-    model has its own frame id; a recompile of the same graph keeps it."""
+    """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile);
+    a graph break resumes in a new frame, a recompile of the same graph keeps it."""
     # torch._guards.CompileContext.current_compile_id(): a CompileId(frame_id, frame_compile_id, ...)
     # while dynamo compiles a frame, None otherwise.
     compile_id = torch._guards.CompileContext.current_compile_id()
@@ -315,8 +314,7 @@ def functional_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
 
 def add_python_reducer_hook(ddp_model: DistributedDataParallel, state: Any, hook: Any) -> None:
     """The python reducer calls ``hook(state, (param.grad, param))`` per gradient instead of its all-reduce."""
-    # DDP._comm_hooks: (hook, state) pairs, each called with (param.grad, param) when not empty (not register_comm_hook:
-    # that would also put it on the detached C++ reducer).
+    # DDP._comm_hooks: (hook, state) pairs called with (param.grad, param) (register_comm_hook: the C++ reducer's).
     ddp_model._comm_hooks.append((hook, state))
 
 
@@ -341,18 +339,14 @@ def traced_backward(compiler_fn: Any, fusion_passes: list | None = None,
 
 
 def python_reducer_ddp() -> contextlib.AbstractContextManager:
-    """Where a DDP made inside takes PyTorch's python reducer instead of the C++ one, and a
-    backward traced inside traces the reducer's hooks.
-
-    Relies on: ``torch._dynamo.config.optimize_ddp = "python_reducer"`` read by
-    ``DistributedDataParallel.__init__`` (``_use_python_reducer``), which then registers
-    AccumulateGrad hooks that all-reduce each gradient with functional collectives."""
+    """Where a DDP made inside takes the python reducer, and a backward traced inside traces its hooks."""
+    # torch._dynamo.config.optimize_ddp = "python_reducer": read by DDP.__init__ (_use_python_reducer), which then
+    # registers AccumulateGrad hooks that all-reduce each gradient with functional collectives.
     return torch._dynamo.config.patch(optimize_ddp="python_reducer")
 
 
 def has_all_reduce(gm: fx.GraphModule) -> bool:
-    """Whether a dynamo-captured graph all-reduces (the python reducer's hooks, traced into a
-    synchronised backward; a ``no_sync`` backward has none)."""
+    """Whether a captured graph all-reduces (the python reducer's hooks in a synchronised backward)."""
     # torch.ops._c10d_functional.all_reduce(_): the functional collectives the hooks call.
     packets = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce_)
     ops = {*packets, *(packet.default for packet in packets)}
@@ -360,9 +354,8 @@ def has_all_reduce(gm: fx.GraphModule) -> bool:
 
 
 def memory_reorder_off() -> contextlib.AbstractContextManager:
-    """Inductor compiles in graph order: its peak-memory reordering (``reorder_for_peak_memory``,
-    the scheduler's last pass, on by default) off. In a traced backward it moved each bucket's wait
-    up to its all-reduce, or every all-reduce after the last gradient (Note [Traced strategy])."""
+    """Inductor compiles in graph order: its peak-memory reordering (``reorder_for_peak_memory``) off; in a
+    traced backward it moved each bucket's wait up to its all-reduce (Note [Traced strategy])."""
     return torch._inductor.config.patch(reorder_for_peak_memory=False)
 
 

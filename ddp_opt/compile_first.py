@@ -103,8 +103,10 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
             "DDP wraps it meets its DDP module only then. Wrap first and call "
             "compile_ddp(DistributedDataParallel(model), ...) to use it, or drop it here.")
     backend = _DeferredBackend(model, config)
-    compiled = torch.compile(model, backend=backend, dynamic=config.dynamic, fullgraph=config.fullgraph,
-                             **dict(config.torch_compile_kwargs))
+    # A plain function as the backend: importing Lightning wraps torch.compile to deep-copy the keywords
+    # of each call on a module, and the backend holds the model (a copy would double its memory).
+    compiled = torch.compile(model, backend=lambda gm, example_inputs: backend(gm, example_inputs),
+                             dynamic=config.dynamic, fullgraph=config.fullgraph, **dict(config.torch_compile_kwargs))
     keep_builtin_splitter_out(compiled)
     # Lightning's from_compiled (and any wrapper like it) keeps only dynamo_ctx and re-wraps the
     # module's methods with it, dropping the hooks above: the context keeps the splitter out too.

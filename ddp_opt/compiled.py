@@ -1,6 +1,30 @@
 """CompiledDDP: what the training loop calls in place of the DDP model that
 ``compile_ddp`` compiled, and what it keeps: the plan, bucket realignment, the
-compile cache and, under ``strategy="traced"``, the backward context."""
+compile cache and, under ``strategy="traced"``, the backward context.
+
+Note [Looking like DDP]
+
+Background
+    Frameworks find the model inside a DDP wrapper by ``isinstance(model,
+    DistributedDataParallel)`` and then ``model.module``: Accelerate's
+    ``unwrap_model`` (``extract_model_from_parallel``) and ``trigger_sync_in_backward``,
+    the HF Trainer's save path. ``model = compile_ddp(accelerator.prepare(model))``
+    hands them a CompiledDDP, which they did not recognise: ``unwrap_model`` returned
+    it whole, and its ``state_dict`` keys kept DDP's ``module.`` prefix.
+
+Algorithm
+    ``CompiledDDP.__class__`` returns the DDP model's class. ``isinstance`` consults
+    ``__class__`` when ``type()`` does not match (as ``unittest.mock``'s ``spec`` relies
+    on), so ``isinstance(compiled, DistributedDataParallel)`` (and ``nn.Module``) holds,
+    and every attribute such code reads next (``module``, ``no_sync``,
+    ``require_backward_grad_sync``, ``reducer``, ``state_dict``) is DDP's own, forwarded.
+
+Notes
+    - ``type(compiled)`` is still CompiledDDP, and ``isinstance(compiled, CompiledDDP)``
+      still holds; nothing about the DDP model changes.
+    - ``compile_ddp(compiled)`` now passes the DDP type check and stops at the
+      "already compiled" error, which names the fix.
+"""
 
 from __future__ import annotations
 
@@ -309,6 +333,11 @@ class CompiledDDP:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp_model(*args, **kwargs)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """DDP's class, for ``isinstance`` (Note [Looking like DDP]); ``type()`` still says CompiledDDP."""
+        return type(self.__dict__["ddp_model"])
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set in __init__.

@@ -221,7 +221,10 @@ class TracedPlan:
 
     def compile_backward(self, gm: fx.GraphModule) -> Callable:
         """compiled autograd's compiler: the whole backward graph, our fusion pass in Inductor."""
-        return torch.compile(gm, backend=self._backward_backend, fullgraph=True)
+        # A plain function, not the bound method: Lightning wraps torch.compile at import and deep-copies
+        # the keywords of each call on a module, and this plan holds the step gate's store, which cannot be copied.
+        return torch.compile(gm, backend=lambda g, inputs, **kw: self._backward_backend(g, inputs, **kw),
+                             fullgraph=True)
 
     def _backward_backend(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
         if not has_all_reduce(gm):  # a no_sync backward: Inductor's memory order, nothing to overlap

@@ -131,3 +131,15 @@ def test_find_unused_parameters_with_static_graph_rebuilds_and_is_not_warned_abo
     compiled = compile_ddp(DDP(_model(), find_unused_parameters=True, static_graph=True), backend="aot_eager")
     assert compiled.align_buckets is True
     assert not [w for w in recwarn if "compile_ddp" in str(w.message)]
+
+
+def test_lightnings_wrapped_torch_compile_keeps_no_copy_of_the_model():
+    # Importing Lightning wraps torch.compile to deep-copy the keywords of each call on a module
+    # (lightning/fabric/wrappers.py); a backend that holds the model would be copied whole.
+    pytest.importorskip("lightning", reason="Lightning is not installed (pip install distcompile[lightning])")
+    import lightning.pytorch  # noqa: F401
+
+    compiled = compile_for_ddp(_model(), backend="aot_eager")
+    kept = getattr(compiled, "_compile_kwargs", None)
+    assert kept is not None, "Lightning no longer records torch.compile's keywords: drop this test"
+    assert kept["backend"].__closure__[0].cell_contents is compiled._ddp_opt_backend  # the same object, no copy

@@ -1,0 +1,155 @@
+"""``compile_trainer``: the HF Trainer route. A ``TrainerCallback`` that compiles the DDP
+module the Trainer builds with ``compile_ddp`` and keeps DDP's buckets aligned with the
+partitions under the Trainer's defaults. The route is one line after the Trainer is made:
+``compile_trainer(trainer, backend=...)``.
+
+This module imports ``transformers`` and is imported only by its users; ``ddp_opt`` and
+``ddp_opt.frameworks`` never import it.
+
+Note [HF Trainer route]
+
+Background
+    The Trainer wraps the model in DDP inside ``train()`` (through Accelerate's
+    ``prepare``), after its callbacks exist; from ``on_train_begin`` on,
+    ``trainer.model_wrapped`` is that DDP module and ``trainer.model`` the user's model.
+    Its own recipe, ``TrainingArguments(torch_compile=True)``, hands the graph to
+    PyTorch's splitter; ``compile_for_ddp(model)`` before ``Trainer(...)`` gives the
+    Trainer an ``OptimizedModule``, whose ``forward`` signature its column check cannot
+    read and whose ``save_model`` writes ``_orig_mod.`` keys that ``from_pretrained``
+    silently ignores. And the Trainer's default ``ddp_find_unused_parameters=None``
+    builds DDP with ``find_unused_parameters=True`` for every model without gradient
+    checkpointing: such a DDP never rebuilds its buckets, so they could never be
+    realigned with the partitions.
+
+Algorithm
+    1. ``compile_trainer`` checks the arguments (not with ``torch_compile=True``) and
+       adds a :class:`DDPCompileCallback` that knows the Trainer (callbacks are not
+       given it).
+    2. ``on_train_begin``: when the Trainer chose ``find_unused_parameters=True`` by
+       its default (``ddp_find_unused_parameters`` unset) and no comm hook is
+       registered, turn it off before the first step, re-creating DDP's reducer with
+       the flag (one INFO line says so). Then ``compile_ddp(trainer.model_wrapped)``:
+       the user's model's ``forward`` is compiled in place, so ``trainer.model`` keeps
+       its class and its own keys, and ``save_model`` + ``from_pretrained`` round-trip.
+    3. ``on_pre_optimizer_step``, while the flag is off by our choice: if DDP's reducer
+       did not finish the step's reduction (a parameter got no gradient), stop before
+       the optimizer applies gradients that were not all-reduced, with the setting that
+       keeps DDP's search for unused parameters.
+
+Notes
+    - Why turn the flag off rather than realign under it: a reducer built with
+      ``find_unused_parameters=True`` never rebuilds, so realigning under it means
+      choosing its initial buckets through the reducer's constructor, one more private
+      interface; and with no unused parameter the flag only costs a walk of the
+      autograd graph every step. The Trainer's True is a default for any model without
+      gradient checkpointing, not a fact about this one, and a model that does leave
+      a parameter unused is stopped at that step, before its optimizer step, with the fix.
+    - ``ddp_find_unused_parameters=True`` given by the user is kept: ``compile_ddp``
+      then says once that DDP's buckets cannot be realigned.
+    - With one process (or FSDP, DeepSpeed) there is no DDP module: the callback warns
+      and leaves the model uncompiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+from transformers import Trainer, TrainerCallback
+
+from .._torch_internals import reducer_finalized, registered_hook_name, stop_finding_unused_parameters
+from ..api import compile_ddp
+from ..compiled import CompiledDDP
+from ..config import DDPCompileConfig
+from ..realign import never_rebuilds
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DDPCompileCallback", "compile_trainer"]
+
+
+class DDPCompileCallback(TrainerCallback):
+    """Compiles ``trainer.model_wrapped`` with ``compile_ddp`` when training begins
+    (Note [HF Trainer route]); made and added by :func:`compile_trainer`.
+
+    Attributes:
+        compiled: the :class:`ddp_opt.CompiledDDP` once training began (its ``buckets``,
+            ``realignment``, ``register_comm_hook``), else None.
+        stopped_finding_unused: True when this callback turned DDP's
+            ``find_unused_parameters`` off.
+    """
+
+    def __init__(self, trainer: Trainer, config: DDPCompileConfig) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.compiled: CompiledDDP | None = None
+        self.stopped_finding_unused = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ddp = self.trainer.model_wrapped
+        if self.compiled is not None and self.compiled.ddp_model is ddp:
+            return  # train() again, on the DDP module compiled the first time
+        if not isinstance(ddp, DistributedDataParallel):
+            warnings.warn(
+                f"compile_trainer: the Trainer's model_wrapped is a {type(ddp).__name__}, not a DDP module (one "
+                "process, or FSDP/DeepSpeed), so there are no DDP buckets to split at and the model trains "
+                "uncompiled. Launch several processes with torchrun to train under DDP, or, for one process, use "
+                "TrainingArguments(torch_compile=True) instead of compile_trainer.", stacklevel=2)
+            return
+        if (args.ddp_find_unused_parameters is None and never_rebuilds(ddp) and self.config.align_buckets
+                and registered_hook_name(ddp) is None):
+            stop_finding_unused_parameters(ddp)
+            self.stopped_finding_unused = True
+            log.info("compile_trainer: turned DDP's find_unused_parameters off (the Trainer turns it on by default, "
+                     "and such a DDP never rebuilds its buckets, so they could not follow the partitions); a step "
+                     "in which a parameter gets no gradient stops with an error. "
+                     "TrainingArguments(ddp_find_unused_parameters=True) keeps it on.")
+        self.compiled = compile_ddp(ddp, config=self.config)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.stopped_finding_unused or self.compiled is None:
+            return
+        ddp = self.compiled.ddp_model
+        if not reducer_finalized(ddp):
+            missing = [n for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
+            listed = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+            raise RuntimeError(
+                f"compile_trainer: at step {state.global_step + 1} DDP did not receive a gradient for every "
+                f"parameter ({listed or 'unnamed'}), and compile_trainer had turned DDP's find_unused_parameters "
+                "off (the Trainer's default turns it on), so this step's gradients were not all all-reduced. Pass "
+                "TrainingArguments(ddp_find_unused_parameters=True) to keep DDP's search for unused parameters "
+                "(DDP's buckets then stay unaligned with the partitions).")
+
+
+def compile_trainer(trainer: Trainer, *, config: DDPCompileConfig | None = None,
+                    **settings: Any) -> DDPCompileCallback:
+    """Compile the DDP module ``trainer`` builds with ``compile_ddp`` when training begins
+    (Note [HF Trainer route]).
+
+    Args:
+        trainer: the ``transformers.Trainer``, made and not yet training.
+        config: a :class:`ddp_opt.DDPCompileConfig`, instead of keyword settings; not both.
+        **settings: ``compile_ddp``'s keywords (``backend``, ``mode``, ``bucket_cap_mb``, ...);
+            DDP's own cap is ``TrainingArguments(ddp_bucket_cap_mb=...)``.
+
+    Returns:
+        The callback, added to the trainer; ``callback.compiled`` once training began.
+
+    Raises:
+        ValueError: ``torch_compile=True`` in the arguments, or both ``config`` and keywords.
+        SettingError: a bad setting, before training starts.
+    """
+    if trainer.args.torch_compile:
+        raise ValueError(
+            "compile_trainer: TrainingArguments(torch_compile=True) makes the Trainer compile the model itself, "
+            "with PyTorch's own DDP splitter, and compiling it again would nest two compilers. Pass "
+            "torch_compile=False (and the backend to compile_trainer(trainer, backend=...)), or drop compile_trainer.")
+    if config is not None and settings:
+        raise ValueError(
+            f"compile_trainer(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every "
+            "setting, so keywords given beside it would be silently dropped. Put them into the config or drop config=.")
+    callback = DDPCompileCallback(trainer, config or DDPCompileConfig.from_keywords("compile_ddp", settings))
+    trainer.add_callback(callback)
+    return callback
