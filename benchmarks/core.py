@@ -49,7 +49,7 @@ from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 from ._torch_internals import cache_counts, inductor_cache_at, room_for_compiled_copies
 from .device import device_label

@@ -58,7 +58,7 @@ def _ddp(*runs: tuple[str, str | None, str | None]) -> Callable[[], str]:
 # Where the Notes live: the long comments on one design decision each (STYLE.md), cited
 # elsewhere by the word Note and the title in brackets. A Note is defined where that
 # citation stands alone on a line.
-SOURCES = ("compiler", "ddp_opt", "fsdp_opt", "launch", "benchmarks", "models", "tests", "tools")
+SOURCES = ("compiler", "ddp_opt", "fsdp_opt", "launch", "benchmarks", "tests", "tools")
 _NOTE = re.compile(r'^\s*(?:#\s*|"""|)Note \[([^]]+)\]\s*$')
 
 

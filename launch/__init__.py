@@ -23,7 +23,37 @@ contract in ``pyproject.toml``):
   ``precision``, ``preempt``, ``guard``, ``recompiles``, ``compile_stats``, and
   ``_torch_internals``, every private torch name the launcher uses;
 - ``launch.config``: typed config schemas and their ConfigStore registration
-  (``schema``), the Hydra shell (``shell``), config errors under torchrun (``bad_input``).
+  (``schema``), the Hydra shell (``shell``), config errors under torchrun (``bad_input``),
+  where the job's configs are (``location``);
+- ``launch.models``: the example GPT the default config builds (``GPT``, ``GPTConfig``).
+
+Note [Install layout]
+
+Background: ``pip install`` puts a wheel's top-level packages beside everyone else's, and
+``python -m`` puts the current folder first on ``sys.path``. ML projects often have their
+own ``models`` and ``configs`` packages, and ROS 2 ships a ``launch``: generic top-level
+names shadow, or are shadowed by, the user's.
+
+Algorithm:
+
+- The wheel's top-level packages are the libraries only: ``compiler``, ``ddp_opt``,
+  ``fsdp_opt``, ``launch``. ``benchmarks`` and ``tools`` run from a checkout and are not
+  installed.
+- The example GPT lives in the launcher (``launch.models``, the bottom room beside
+  ``config``): only the launcher, the benchmarks and the tests use it.
+- The Hydra configs stay in the repository's top-level ``configs/`` and ship inside the
+  launcher as ``launch/configs`` (setup.cfg's ``package_dir``). ``launch.config.location``
+  finds them from its own file (the shipped folder first, then the checkout's), and Hydra
+  gets that absolute path: never a package name (``pkg://configs``) that a ``configs``
+  in the current folder would win.
+- The console script ``distcompile-train`` runs ``launch.train.main`` with the script's
+  folder first on ``sys.path``, not the current one, so a ``launch`` (or ``compiler``) of
+  the current folder does not shadow the toolkit; ``python -m launch.train`` stays the
+  way to run from a checkout.
+
+Notes: a config of one's own builds the example model as ``_target_: launch.models.GPT``.
+The repository keeps ``configs/`` at its top level (where users look for it); only the
+wheel moves it, so a checkout and an editable install read the same files.
 
 The names below are the public surface. They are imported on first use, not
 here: ``python -m launch.train`` imports this package first, and a ``launch.train``

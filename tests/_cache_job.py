@@ -29,7 +29,7 @@ def run_job(cache_dir: Path, inductor_dir: Path, device: str = "cpu", *, then_se
 def main(cache_dir: str, device: str = "cpu") -> None:
     from _dist import single_rank_group
     from ddp_opt import compile_ddp
-    from models import GPT, GPTConfig
+    from launch.models import GPT, GPTConfig
     from torch._dynamo.utils import counters
 
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 STEPS = 3
 

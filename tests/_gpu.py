@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 NO_CUDA = ("needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
            "run `pytest -m gpu` on a GPU machine (docs/gpu.md: the GPU check)")

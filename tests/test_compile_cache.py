@@ -16,7 +16,7 @@ from _dist import single_rank_group
 from _jobs import TINY_GPT as TINY
 from compiler.cache import MAGIC, CacheKey, CompileCache
 from ddp_opt import compile_ddp
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 
 

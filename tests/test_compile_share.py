@@ -224,7 +224,7 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
 
     from compiler._torch_internals import aot_counts
     from ddp_opt import compile_ddp
-    from models import GPT, GPTConfig
+    from launch.models import GPT, GPTConfig
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(inductor_dir, f"rank{rank}") if per_rank else inductor_dir
     torch._dynamo.reset()

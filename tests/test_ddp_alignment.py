@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp, measure_alignment
 from ddp_opt.alignment import alignment_fraction
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 from tests._torch_range import needs_realignment
 
 

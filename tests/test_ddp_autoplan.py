@@ -18,7 +18,7 @@ from ddp_opt.autoplan import UnitCost, simulate, solve
 from ddp_opt.cost import measure_link
 from ddp_opt.cost import fit_link, node_backward_costs
 from ddp_opt.graph_plan import _unit_counts, unit_costs
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 # --- the DP on hand-built tables ---------------------------------------------------
 

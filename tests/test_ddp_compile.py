@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from ddp_opt import BucketCaps, DDPOptimizer, caps_from_ddp, compile_ddp
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 MiB = 2**20
 

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp, measure_alignment
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 STEPS = 4
 

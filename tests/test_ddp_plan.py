@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _capture import plan_captured
 from ddp_opt import BucketCaps, caps_from_ddp, format_buckets, plan_buckets
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 MiB = 2**20
 

@@ -254,7 +254,7 @@ def _fsdp_rank(rank: int, world_size: int, reduce: str) -> list[bool]:
     import fsdp_opt
     from launch.config.schema import CompileConfig, FSDPOptions
     from launch.runtime.parallel import fsdp_config
-    from models import GPT, GPTConfig
+    from launch.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))

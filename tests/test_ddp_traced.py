@@ -14,7 +14,7 @@ from compiler import SettingError
 from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
 from ddp_opt.plan import group_by_caps
 from ddp_opt.traced import TracedPlan
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 STEPS = 4
 

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_opt
 from _fsdp_helpers import TitanArgs, Transformer, batch
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=4, n_embd=32, n_head=2, vocab_size=128, block_size=16)
 

@@ -5,7 +5,7 @@ import pytest
 
 from _fsdp_helpers import STEPS, train_fsdp_vs_reference
 from fsdp_opt import CompileConfig
-from models import Block, GPTConfig
+from launch.models import Block, GPTConfig
 
 SMALL = GPTConfig(n_layer=4, n_embd=64, n_head=2, vocab_size=256, block_size=16)
 TINY = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=16)

@@ -11,7 +11,7 @@ from torch import nn
 from _fsdp_helpers import Lin, Other, TitanArgs, Transformer, named
 from fsdp_opt import (CompileConfig, FSDPConfig, block_containers, block_lists, find_blocks, format_units, plan_fsdp,
                       plan_shard_units)
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 MiB = 1024 * 1024
 QUARTER = MiB // 16  # numel of a 0.25 MiB float32 block

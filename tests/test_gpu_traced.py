@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from _gpu import GPU, cuda0, one_rank_nccl
-from models import GPTConfig
+from launch.models import GPTConfig
 from test_ddp_traced import (_check_fused_by_caps, _check_overlap_scheduled, _check_parity, _collective_orders,
                              _traced_rank)
 

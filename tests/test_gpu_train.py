@@ -15,7 +15,7 @@ import torch
 from _cache_job import run_job
 from _gpu import CFG, GPU, batch, cuda0, one_rank_nccl
 from _torchrun import metrics, ok
-from models import GPT
+from launch.models import GPT
 
 pytestmark = [*GPU, pytest.mark.usefixtures("clean_dynamo")]
 

@@ -18,7 +18,7 @@ from launch.data.source import SyntheticTokens
 from launch.step.evaluate import Evaluator
 from launch.step.optim import OptimizerStep
 from launch.step.train_step import StepRunner, micro_batches
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 STEPS = 3
 LR = 1e-2

@@ -16,7 +16,7 @@ from launch.config.schema import CompileConfig, DataConfig, JobConfig, ParallelC
 from launch.data.source import SyntheticTokens
 from launch.step.optim import OptimizerStep
 from launch.train import run
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 from _jobs import ONE_BLOCK, tiny_job
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")

@@ -16,7 +16,7 @@ from _dist import single_rank_group
 from ddp_opt import compile_ddp
 from launch.runtime.precision import autocast
 from launch.step.optim import OptimizerStep, build_optimizer
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 

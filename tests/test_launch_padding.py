@@ -15,7 +15,7 @@ from launch.runtime.recompiles import CompileCounter, RecompileAfterWarmupError
 from launch.step.optim import OptimizerStep
 from launch.step.train_step import StepRunner
 from launch.train import run
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")
 

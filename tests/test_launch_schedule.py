@@ -16,7 +16,7 @@ from launch.config.schema import CompileConfig, JobConfig, ModelConfig, Parallel
 from launch.step.optim import OptimizerStep, build_optimizer
 from launch.step.schedule import Schedule
 from launch.train import run
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 from _jobs import ONE_BLOCK, tiny_job
 
 pytestmark = pytest.mark.usefixtures("one_thread", "clean_dynamo")

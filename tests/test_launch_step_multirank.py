@@ -14,7 +14,7 @@ from ddp_opt import compile_ddp
 from launch.data.source import SyntheticTokens
 from launch.step.optim import OptimizerStep
 from launch.step.train_step import StepRunner, micro_batches
-from models import GPT, GPTConfig
+from launch.models import GPT, GPTConfig
 
 STEPS = 3
 LR = 1e-3

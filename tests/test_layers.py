@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARIES = ("compiler", "ddp_opt", "fsdp_opt", "launch", "models", "benchmarks", "tools")
+LIBRARIES = ("compiler", "ddp_opt", "fsdp_opt", "launch", "benchmarks", "tools")
 
 
 def test_import_contracts_hold(capsys, monkeypatch):

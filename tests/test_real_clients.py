@@ -86,7 +86,7 @@ def _outcome(ddp, compiled, watched, **measured):
 def _nanogpt_flow(rank, how, evaluate=True):
     """nanoGPT's train.py loop in small; ``how`` is the one line a user changes."""
     from ddp_opt import compile_ddp, compile_for_ddp, compiled_ddp_of
-    from models import GPT, GPTConfig
+    from launch.models import GPT, GPTConfig
 
     torch._dynamo.reset()
     torch.manual_seed(1337)

@@ -134,12 +134,13 @@ def _probe_model(cfg: JobConfig, idx: torch.Tensor, targets: torch.Tensor) -> No
 
 
 def _example_kwargs_left(cfg: JobConfig) -> str:
-    """configs/model/custom.yaml's example builds models.GPT from kwargs.cfg; a user's
+    """configs/model/custom.yaml's example builds launch.models.GPT from kwargs.cfg; a user's
     own model given with '+model.kwargs={...}' still gets that cfg merged in."""
     example = cfg.model.kwargs.get("cfg")
-    if cfg.model._target_ != "models.GPT" and isinstance(example, dict) and example.get("_target_") == "models.GPTConfig":
-        return (" model.kwargs still holds cfg, the example's models.GPTConfig from configs/model/custom.yaml (a "
-                "+model.kwargs={...} override is merged into it); drop it with '~model.kwargs.cfg'.")
+    if (cfg.model._target_ != "launch.models.GPT" and isinstance(example, dict)
+            and example.get("_target_") == "launch.models.GPTConfig"):
+        return (" model.kwargs still holds cfg, the example's launch.models.GPTConfig from configs/model/custom.yaml "
+                "(a +model.kwargs={...} override is merged into it); drop it with '~model.kwargs.cfg'.")
     return ""
 
 

@@ -14,7 +14,7 @@ Note [Command line before Hydra]
 - ``--config-path DIR``: Hydra replaces the job's config directory with DIR, so the
   job's own groups (``model``, ``train``, ...) and ``config.yaml`` were not found
   (``Could not load 'config'``). The job's configs are added to the search path
-  (``hydra.searchpath=[pkg://configs]``), so a config of one's own can list them in its
+  (``hydra.searchpath=['file://<the job's configs>']``), so a config of one's own can list them in its
   defaults, as Hydra documents for ``--config-dir``.
 - ``-v`` (``--verbose``) is the shorthand of ``log.verbose=true``.
 """
@@ -28,11 +28,12 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from .location import CONFIG_DIR, searchpath_override
 from .schema import JobConfig
 
 __all__ = ["check_argv", "GROUPS_DIR"]
 
-GROUPS_DIR = Path(__file__).resolve().parents[2] / "configs"
+GROUPS_DIR = CONFIG_DIR
 _FLAGS = {"--config-path": "path", "-cp": "path", "--config-dir": "dir", "-cd": "dir", "--config-name": "name",
           "-cn": "name"}
 
@@ -134,5 +135,5 @@ def check_argv(argv: Sequence[str]) -> tuple[list[str], str | None]:
     if "path" in flags and not any(a.startswith("hydra.searchpath=") for a in argv):
         # next to the other overrides: Hydra's parser takes them as one run of arguments
         at = next((i + 1 for i, a in enumerate(argv) if a in overrides), len(argv))
-        argv.insert(at, "hydra.searchpath=[pkg://configs]")
+        argv.insert(at, searchpath_override())
     return argv, None

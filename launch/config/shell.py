@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from .argv import check_argv
 from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_config_error
+from .location import CONFIG_DIR
 from .schema import ConfigError, register_configs, to_job_config
 
 __all__ = ["main", "run_cli"]
@@ -52,7 +53,7 @@ def run_cli(argv: Sequence[str], run: RunJob, step_callbacks: Sequence[Any] = ()
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "launch.train", *argv]
     try:
-        hydra.main(version_base="1.3", config_path="../../configs", config_name="config")(task)()
+        hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)()
         return codes[-1] if codes else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -84,7 +84,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             use_cache=False, **cfg.kwargs,
         )
         return CausalLM(GPT2LMHeadModel(hf_cfg))
-    from models import GPT, GPTConfig
+    from ..models import GPT, GPTConfig
 
     return GPT(GPTConfig(
         vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
