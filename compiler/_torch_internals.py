@@ -276,6 +276,84 @@ def merge_artifact_payloads(*payloads: bytes) -> tuple[bytes, set[tuple[str, str
     return out.to_bytes(), {(kind, key) for kind, by_key in merged.items() for key in by_key}
 
 
+def artifact_format_known() -> bool:
+    """Whether ``save_cache_artifacts`` payloads are in the format :func:`artifact_entries` reads."""
+    # torch.utils._appending_byte_serializer._ENCODING_VERSION: the payload's format version (1 since it
+    # exists); torch.compiler._cache._serialize_single_cache: how one item of artifacts is written.
+    try:
+        from torch.compiler import _cache
+        from torch.utils import _appending_byte_serializer as serializer
+    except ImportError:
+        return False
+    return getattr(serializer, "_ENCODING_VERSION", None) == 1 and hasattr(_cache, "_serialize_single_cache")
+
+
+def artifact_entries(payload: bytes) -> list[tuple[str, str]]:
+    """The (artifact type, key) of every artifact in a ``save_cache_artifacts`` payload, read without
+    creating or unpickling anything. Raises ValueError when the bytes are not in that format."""
+    # torch.utils._appending_byte_serializer: 4 bytes of CRC32 over the rest, a uint64 format version,
+    # then items; torch.compiler._cache._serialize_single_cache writes an item as str(type), uint64
+    # count, then str(key) and bytes(content) per artifact. A uint64 is 8 bytes big-endian; bytes are a
+    # uint64 length and the bytes; a str is the bytes of its utf-8 text in base64. torch's own reader
+    # does not check lengths (a short payload can make it loop); this one does.
+    import base64
+    import binascii
+    import zlib
+
+    data = memoryview(payload)
+    if len(data) < 12 or zlib.crc32(data[4:]).to_bytes(4, "big") != bytes(data[:4]):
+        raise ValueError("not a torch compile-artifact payload (too short, or its CRC does not match)")
+    pos = 4
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if n < 0 or pos + n > len(data):
+            raise ValueError(f"truncated at byte {pos} (wants {n} more of {len(data)})")
+        pos += n
+        return bytes(data[pos - n:pos])
+
+    def uint64() -> int:
+        return int.from_bytes(take(8), "big")
+
+    def text() -> str:
+        try:
+            return base64.b64decode(take(uint64()), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError) as e:
+            raise ValueError(f"a name that is not base64 text ({e})") from None
+
+    if (version := uint64()) != 1:
+        raise ValueError(f"format version {version}, not 1")
+    entries = []
+    while pos < len(data):
+        kind, count = text(), uint64()
+        for _ in range(count):
+            entries.append((kind, text()))
+            take(uint64())  # the artifact's content
+    return entries
+
+
+def artifact_target(kind: str, key: str) -> str | None:
+    """Where ``load_cache_artifacts`` writes an artifact of type ``kind`` (a folder or a file, in the
+    current Inductor cache directory); None for a type the toolkit does not produce."""
+    # InductorCacheArtifact.populate_cache: FxGraphCache._write_to_local_cache -> a file in
+    # FxGraphCache._get_tmp_dir_for_key(key) (<dir>/fxgraph/<key[1:3]>/<key>); AOTAutogradCacheArtifact:
+    # a file in AOTAutogradCache._get_tmp_dir_for_key(key) (<dir>/aotautograd/<key>);
+    # AutotuneCacheArtifact (Triton kernels' best configs, on GPU): the file <cache_dir()>/<key>.
+    if kind == "inductor":
+        from torch._inductor.codecache import FxGraphCache
+
+        return FxGraphCache._get_tmp_dir_for_key(key)
+    if kind == "aot_autograd":
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+        return AOTAutogradCache._get_tmp_dir_for_key(key)
+    if kind == "autotune":
+        import os
+
+        return os.path.join(inductor_cache_dir(), key)
+    return None
+
+
 # --- shared compile (Note [Shared compile]) ---------------------------------------------------
 
 

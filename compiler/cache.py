@@ -33,10 +33,13 @@ Algorithm
     - An entry is ``<cache_dir>/<label>-<key[:16]>.pt2cache``: a magic line, a JSON
       header (format version, the key and its parts, payload length and sha256)
       and the payload from ``save_cache_artifacts``.
-    - :meth:`CompileCache.load` checks, in order: magic and header parse
+    - :meth:`CompileCache.load` checks, in order: the folder (unsafe: another
+      user could write it, ``compiler.trust.unsafe_folder``), magic and header parse
       (corrupt), format/torch/python/device (stale), the key (foreign: an entry
-      for another model or config), payload length and checksum (corrupt), and
-      only then hands the payload to ``load_cache_artifacts``. Any failure gives
+      for another model or config), payload length and checksum (corrupt), every
+      artifact's key and kernel's path (unsafe: it would be written outside
+      Inductor's cache directory, Note [Checked artifact keys]), and only then hands
+      the payload to ``load_cache_artifacts``. Any failure gives
       one warning naming the file and the reason, and the job compiles from
       scratch; the entry is overwritten at the next save. It never raises.
     - :meth:`CompileCache.save` writes atomically: a temporary file in the same
@@ -45,9 +48,11 @@ Algorithm
 
 Notes
     - Loading a cache is loading code: Inductor's artifacts are Python and
-      compiled kernels that run in the training process. The cache directory must
-      be as trusted as the training code itself (not world-writable, not shared
-      with untrusted jobs). The checksum detects corruption, not tampering.
+      compiled kernels that run in the training process. So an entry is loaded only
+      from a folder no other user can write (nor any folder above it, but for a
+      sticky one such as ``/tmp``); the checksum detects corruption, not tampering,
+      and the key check keeps even a tampered entry from writing outside Inductor's
+      cache directory (docs/trust.md).
     - Our key decides which file is read; Inductor's and AOTAutograd's own keys
       (over the graph, its inputs and configs) decide which artifact a graph uses.
       An entry that passed our checks but holds other graphs only adds unused
@@ -93,9 +98,11 @@ from typing import Any
 import torch
 
 from ._torch_internals import cpp_kernel_keys, inductor_default_cache_dir, merge_artifact_payloads
+from .artifact_keys import artifact_problem
 from .artifacts import inductor_cache_dir, remove_damaged_kernels
 from .cache_key import FORMAT_VERSION, CacheKey, model_fingerprint, runtime_fingerprint
 from .kernels import KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot, merge_kernels
+from .trust import unsafe_folder
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +116,7 @@ SUFFIX = ".pt2cache"
 @dataclass
 class LoadResult:
     """What :meth:`CompileCache.load` did. ``status``: loaded, missing, stale,
-    foreign or corrupt; ``reason``: the detail the warning gave."""
+    foreign, corrupt or unsafe; ``reason``: the detail the warning gave."""
 
     status: str
     path: Path
@@ -183,17 +190,30 @@ class CompileCache:
         """Load the entry into torch's local compile caches if it is valid, and install
         its kernels into Inductor's cache directory (existing files are kept).
 
-        Never raises: a stale, foreign or corrupt entry gives one warning that
-        names the file and the reason, and the job compiles from scratch.
+        Never raises: a stale, foreign, corrupt or unsafe entry gives one warning
+        that names the file and the reason, and the job compiles from scratch.
         """
-        status, reason, payload = self._check()
         self.installed = []
+        unsafe = unsafe_folder(self.dir)
+        if unsafe is not None:
+            log.warning("Compile cache: not loading %s: %s, so another user could put code there that this job "
+                        "would run. Run chmod go-w on that folder, or choose another compile.cache_dir "
+                        "(compile.cache_dir=null turns the cache off); compiling from scratch.", self.path, unsafe)
+            with contextlib.suppress(OSError):
+                self._before = kernel_snapshot(inductor_cache_dir())
+            self.last_load = LoadResult("unsafe", self.path, unsafe)
+            return self.last_load
+        status, reason, payload = self._check()
         if status == "ok":
             artifacts, kernels = payload[:self._split], payload[self._split:]
             try:
-                kernel_names(kernels)  # the format, before anything is written
-                torch.compiler.load_cache_artifacts(artifacts)
-                status = "loaded"
+                kernel_names(kernels)  # the format and the paths, before anything is written
+                problem = artifact_problem(artifacts)
+                if problem is not None:
+                    status, reason = "unsafe", f"it holds {problem}"
+                else:
+                    torch.compiler.load_cache_artifacts(artifacts)
+                    status = "loaded"
             except KernelBlobError as e:
                 status, reason = "corrupt", f"bad kernel section ({e})"
             except Exception as e:  # noqa: BLE001 - a bad entry must never fail the job
@@ -211,7 +231,7 @@ class CompileCache:
                 self.installed += install_kernels(payload[self._split:], inductor_cache_dir())
         with contextlib.suppress(OSError):
             self._before = kernel_snapshot(inductor_cache_dir())
-        if status in ("stale", "foreign", "corrupt"):
+        if status in ("stale", "foreign", "corrupt", "unsafe"):
             log.warning(
                 "Compile cache entry %s is %s: %s. Ignoring it and compiling from scratch; the entry will be "
                 "overwritten after the first step.", self.path, status, reason,
@@ -234,7 +254,7 @@ class CompileCache:
     def write(self, artifacts: bytes, kernels: bytes = b"") -> Path:
         """Write ``artifacts`` and ``kernels`` as this key's entry, atomically (tmp file,
         fsync, os.replace)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o755, parents=True, exist_ok=True)  # not group-writable under umask 002: load refuses that
         payload = artifacts + kernels
         data = MAGIC + json.dumps(self.header(payload, len(artifacts)), sort_keys=True).encode() + b"\n" + payload
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.path.name}.", suffix=".tmp")

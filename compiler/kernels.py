@@ -29,7 +29,9 @@ Algorithm
 
 Notes
     Installing kernels is installing code that the training process will load:
-    a blob must come from a trusted place (Note [Compile cache]).
+    a blob is installed only from a compile-cache folder no other user can write
+    (Note [Compile cache]) or from a publication signed by a rank of this job
+    (Note [Share secret]), and its paths are checked before anything is written.
 """
 
 from __future__ import annotations

@@ -17,14 +17,17 @@ Algorithm
       with. A compile is named in the store by the digest of its graph and
       inputs and by how often this rank has met that digest before, so ranks
       that compile the same graph use the same key, whatever else each compiles.
-      The first rank to reach a key claims it (the store's atomic ``add``),
-      compiles, and publishes what it compiled under that key:
-      ``torch.compiler.save_cache_artifacts()`` (Inductor's FX graph cache and
-      AOTAutograd's cache entries) with a sha256. Every other rank that reaches
+      The key holds the scope of the job's share secret too (Note [Share
+      secret]): only ranks with the same secret meet at it. The first rank to
+      reach a key claims it (the store's atomic ``add``), compiles, and
+      publishes under that key ``torch.compiler.save_cache_artifacts()``
+      (Inductor's FX graph cache and AOTAutograd's cache entries) with a sha256
+      and a MAC made with the secret (``compiler.publication``). Every other rank that reaches
       the key gets a :class:`Pending` at once and goes on to its next compile,
       so ranks that start together share a graph's compiles between them. At the
       end of the graph (``resolve_pending``) a rank waits for each publication
-      (progress logged), loads it (``load_cache_artifacts``) and calls the
+      (progress logged), checks it (the MAC, then every artifact's key, Note
+      [Checked artifact keys]), loads it (``load_cache_artifacts``) and calls the
       backend, which is now served from AOTAutograd's cache: no joint trace, no
       partitioner, no Inductor lowering. Backward graphs are compiled together
       with their forward (``force_non_lazy_backward_lowering``), so one
@@ -53,7 +56,10 @@ Why it cannot deadlock
 Failure handling (a rank compiles for itself, with one warning, when)
     - the claiming rank's publication does not come within ``timeout_s``;
     - the publication is damaged (checksum mismatch);
+    - its MAC does not verify (another client of the store wrote it), or an
+      artifact key or kernel path would write outside Inductor's cache directory;
     - loading the artifacts raises.
+    A rank with no secret (Note [Share secret]) shares nothing, with one warning.
     A compile with nothing to publish (a backend without Inductor, such as
     ``aot_eager``) publishes an empty payload and the other ranks compile quietly.
     A peer that dies or stops while others wait for it ends every wait with
@@ -63,8 +69,10 @@ Failure handling (a rank compiles for itself, with one warning, when)
 Notes
     - Published payloads are freed once every rank that compiles the graph is
       past it; a rank that reaches the key later finds it freed and compiles.
-    - Loading artifacts is loading code from another rank: the same trust as
-      the training code that rank runs.
+    - Loading artifacts is loading code: a rank loads only what a rank of this
+      job made (the MAC), only into Inductor's cache directory (the key check);
+      the store, open to the network, is never trusted with code (docs/trust.md).
+      Without a cluster secret each node shares within itself (one INFO line).
     - On one machine with one Inductor directory (the default), ranks that
       compile the same graph at once already share the C++ kernel builds through
       the directory's file locks: what sharing saves there is the Python side
@@ -93,13 +101,14 @@ from .barrier import POLL_S, GraphBarrier, key_label
 from .kernels import collect_kernels, install_kernels, kernel_snapshot
 from .liveness import Heartbeat, on_default_store
 from .pending import Pending
+from .publication import publish, receive
+from .share_secret import ENV_FILE, ENV_VALUE, ShareSecret, announce_scope, job_secret, note_other_scopes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CompileShare", "Pending", "ShareStats", "backward_with_forward", "graph_digest", "share_for_group"]
 
 _instances: dict[str, Iterator[int]] = {}
-CHUNK = 4 << 20  # a publication goes in parts: TCPStore's server refuses values over 8 MiB
 
 
 def graph_digest(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
@@ -121,6 +130,7 @@ class ShareStats:
     """What one rank's compiles did: counts, and seconds spent compiling and waiting."""
 
     compiled: int = 0  # compiled here, from scratch
+    rejected: int = 0  # publications refused unloaded: not signed by a rank of this job, or unsafe keys
     loaded: int = 0  # served from another rank's artifacts
     fell_back: int = 0  # another rank's compile that this rank had to compile itself
     kernels_installed: int = 0  # C++ kernel files received from other ranks that this rank's Inductor dir lacked
@@ -146,17 +156,29 @@ class CompileShare:
         name: names the entry point in store keys (``ddp``, ``fsdp``); ``prefix``
             replaces the keys' prefix (default: name, group and creation index,
             equal across ranks in SPMD code).
+        secret: signs and checks publications (Note [Share secret]); None: the job's,
+            from the environment or made by this node's ranks.
+
+    Raises:
+        ShareSecretError: ``DISTCOMPILE_SHARE_SECRET_FILE`` names a file that cannot be used.
     """
 
     def __init__(self, store: Any, rank: int, ranks: Sequence[int], *, share: bool = True,
                  timeout_s: float = 7200.0, grace_s: float = 10.0, progress_s: float = 30.0,
-                 name: str = "compile", prefix: str | None = None) -> None:
+                 name: str = "compile", prefix: str | None = None, secret: ShareSecret | None = None) -> None:
         self.store, self.rank, self.ranks = store, rank, list(ranks)
         self.share, self.timeout_s, self.progress_s = share, timeout_s, progress_s
         tag = "-".join(map(str, self.ranks)) if len(self.ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}x{len(ranks)}"
         instance = next(_instances.setdefault(f"{name}/{tag}", itertools.count()))
         self.prefix = prefix or f"distcompile/share/{name}/{tag}/{instance}"
         self.stats = ShareStats()
+        self.secret = (secret or job_secret(store)) if share else None
+        if share and self.secret is None:  # job_secret said why
+            self.share = False
+            self._warn("no share secret (see the line above): this rank compiles every graph itself, sharing none")
+        self._scopes_seen = not self.share or self.secret.cluster  # set once every peer's scope was compared
+        if self.share:
+            announce_scope(store, self.prefix, rank, self.secret)
         self._seen: dict[str, int] = {}  # how often this rank has met each key (graph digest) so far
         self._published: list[str] = []
         self._pending: list[Pending] = []
@@ -169,6 +191,8 @@ class CompileShare:
     def _key(self, kind: str, digest: str) -> str:
         """The store key of this rank's next occurrence of a graph: ranks that compile the same
         graphs get the same keys, in whatever order and however many other graphs they compile."""
+        if kind == "c" and self.secret is not None:  # only ranks of one secret meet at a compile (Note [Share secret])
+            kind = f"c/{self.secret.scope}"
         n = self._seen.get(f"{kind}/{digest}", 0)
         self._seen[f"{kind}/{digest}"] = n + 1
         return f"{self.prefix}/{kind}/{digest}/{n}"
@@ -181,6 +205,8 @@ class CompileShare:
         def shared_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
             if not self.share:
                 return self._compile(backend, gm, example_inputs)
+            if not self._scopes_seen:
+                self._scopes_seen = note_other_scopes(self.store, self.prefix, self.rank, self.ranks, self.secret)
             key = self._key("c", graph_digest(gm, example_inputs))
             if self.store.add(f"{key}/claim", 1) == 1:  # atomic: exactly one rank claims each compile
                 self.store.set(f"{key}/owner", str(self.rank))
@@ -236,26 +262,16 @@ class CompileShare:
     def _publish(self, key: str, kernels: bytes = b"", failed: bool = False) -> None:
         artifacts = None if failed else torch.compiler.save_cache_artifacts()
         artifacts = artifacts[0] if artifacts is not None and artifacts[0] else b""
-        payload = artifacts + kernels if artifacts else b""  # kernels without the code that loads them are no use
-        parts = [payload[i:i + CHUNK] for i in range(0, len(payload), CHUNK)]
-        header = {"failed": failed, "bytes": len(payload), "artifacts": len(artifacts),
-                  "sha256": hashlib.sha256(payload).hexdigest(), "parts": len(parts)}
-        try:
-            for n, part in enumerate(parts):
-                self._published.append(f"{key}/part{n}")
-                self.store.set(f"{key}/part{n}", part)
-        except Exception as e:  # noqa: BLE001 - the others must still hear from this rank
-            self._warn(f"could not publish compile {key_label(key)} ({len(payload)} bytes) in the store "
-                       f"({type(e).__name__}: {e}); the other ranks compile it themselves")
-            header.update(failed=True, parts=0)
-        self.store.set(key, json.dumps(header))  # last: a rank that sees it finds every part
-        self._published.append(key)
-        log.debug("shared compile: published %s (%d bytes in %d part(s)%s)", key, len(payload), len(parts),
-                  ", failed" if header["failed"] else "")
+        written, error = publish(self.store, key, artifacts, kernels, self.secret, failed)
+        self._published += written
+        if error is not None:
+            self._warn(f"could not publish compile {key_label(key)} ({len(artifacts) + len(kernels)} bytes) in the "
+                       f"store ({type(error).__name__}: {error}); the other ranks compile it themselves")
+        log.debug("shared compile: published %s (%d part(s)%s)", key, len(written) - 1, ", failed" * bool(failed or error))
 
     def _owner(self, p: Pending) -> str:
-        owner = self.store.get(f"{p.key}/owner").decode() if self.store.check([f"{p.key}/owner"]) else "?"
-        return f"rank {owner}"
+        owner = self.store.get(k).decode(errors="replace") if self.store.check([k := f"{p.key}/owner"]) else "?"
+        return f"rank {owner if owner.isdigit() else '?'}"  # what the store says: any client may have written it
 
     def _receive(self, p: Pending) -> tuple[bytes, bytes] | None:
         """The claiming rank's (artifacts, kernels) for a compile, or None when this rank must compile it."""
@@ -265,27 +281,24 @@ class CompileShare:
                        "compiling it on this rank")
             self.stats.fell_back += 1
             return None
-        try:
-            header = json.loads(self.store.get(p.key))
-        except ValueError:
-            header = {}
-        if header.get("failed") or header.get("freed"):
+        got = receive(self.store, p.key, self.secret)
+        if got.status in ("failed", "freed"):
             log.info("rank %d: %s's compile of %s %s; compiling it here too", self.rank, self._owner(p), p.label,
-                     "failed" if header.get("failed") else "was freed (every rank was past it)")
+                     "failed" if got.status == "failed" else "was freed (every rank was past it)")
             return None
-        part_keys = [f"{p.key}/part{n}" for n in range(int(header.get("parts", 0)))]
-        present = not part_keys or self.store.check(part_keys)  # not freed in the meantime
-        payload = b"".join(self.store.get(k) for k in part_keys) if present else None
-        if payload is None or len(payload) != header.get("bytes") or hashlib.sha256(
-                payload).hexdigest() != header.get("sha256"):
-            self._warn(f"{self._owner(p)}'s compile artifacts for {p.label} are damaged (checksum "
-                       "mismatch); compiling it on this rank instead")
+        owner, what = self._owner(p), f"compile artifacts for {p.label}"
+        why = {"damaged": f"{owner}'s {what} are damaged (checksum mismatch); compiling it on this rank instead",
+               "unsigned": f"the {what}, claimed by {owner}, are not signed by a rank of this job (their MAC does not "
+                           f"verify: another client of the store wrote them, or the ranks hold different {ENV_FILE} "
+                           f"or {ENV_VALUE} secrets); nothing loaded, compiling it on this rank",
+               "refused": f"{owner}'s {what} are refused: they hold {got.problem}; nothing loaded, compiling it on "
+                          "this rank"}
+        if got.status != "ok":
+            self._warn(why[got.status])
             self.stats.fell_back += 1
+            self.stats.rejected += got.status in ("unsigned", "refused")
             return None
-        if not payload:
-            return None
-        split = header.get("artifacts", len(payload))
-        return payload[:split], payload[split:]
+        return (got.artifacts, got.kernels) if got.artifacts else None
 
     def _free_published(self) -> None:
         """Every rank that compiles the graph is past it: free what this rank published (a rank
@@ -349,7 +362,8 @@ class CompileShare:
         try:
             while not self.store.check(keys):
                 if not owner and owner_key is not None and self.store.check([owner_key]):
-                    owner = [int(self.store.get(owner_key))]
+                    claimed = self.store.get(owner_key).decode()
+                    owner = [int(claimed)] if claimed.isdigit() and int(claimed) in self.ranks else []
                 self.watch.check(owner, what)
                 waited = time.perf_counter() - t0
                 if waited >= timeout_s:

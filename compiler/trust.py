@@ -43,12 +43,13 @@ Notes
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["UnsafePath", "read_private", "runtime_dir", "unsafe_folder", "write_private"]
+__all__ = ["UnsafePath", "read_private", "read_secret", "runtime_dir", "unsafe_folder", "write_private"]
 
 
 class UnsafePath(OSError):
@@ -131,6 +132,32 @@ def read_private(path: str | os.PathLike) -> bytes | None:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022:
             return None
+        return f.read()
+
+
+def read_secret(path: str | os.PathLike) -> bytes:
+    """The bytes of ``path``, a file only this user may read: :func:`read_private`'s rules, and
+    no permission bits for group or others at all (a secret others can read is no secret).
+
+    Raises:
+        UnsafePath: it is a link, not a regular file, another user's, or open to others.
+        OSError: it cannot be opened.
+    """
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePath(f"{path} is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"{path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise UnsafePath(f"{path} is owned by uid {st.st_uid}, not this user ({os.getuid()})")
+        if st.st_mode & 0o077:
+            raise UnsafePath(f"{path} has mode {stat.S_IMODE(st.st_mode):o}, which lets its group or others "
+                             f"read or write it (want 600)")
         return f.read()
 
 

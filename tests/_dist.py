@@ -58,15 +58,16 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
 
 def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0,
-              pg_timeout_s: float | None = None) -> list[Any]:
+              pg_timeout_s: float | None = None, port: int | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks
-    (``pg_timeout_s``: the process group's collective timeout; default torch's).
+    (``pg_timeout_s``: the process group's collective timeout; default torch's; ``port``: the
+    store's, for a store the test started, with ``TORCHELASTIC_USE_AGENT_STORE=True`` set).
 
     Returns each rank's return value; raises with a rank's traceback if one failed,
     or if the ranks did not finish within ``timeout`` seconds (a hang)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _rank_main, args=(world_size, free_port(), fn, args, out_dir, pg_timeout_s),
+            _rank_main, args=(world_size, port or free_port(), fn, args, out_dir, pg_timeout_s),
             nprocs=world_size, join=False, start_method="spawn",
         )
         import time

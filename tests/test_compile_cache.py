@@ -20,6 +20,21 @@ from launch.models import GPT, GPTConfig
 
 
 
+def artifact_payload(*keys: str, kind: str = "inductor", content: bytes | None = None) -> bytes:
+    """A ``save_cache_artifacts`` payload in torch's format: one artifact of ``kind`` per key, its
+    content ``content`` or the key (these tests stub the load, so nothing is unpickled)."""
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    out.extend([(kind, [CacheArtifactFactory.create(kind, k, content or k.encode()) for k in keys])])
+    return out.to_bytes()
+
+
+ARTIFACTS = artifact_payload("fartifacts")
+
+
 def _key(**settings):
     return CacheKey.for_model(GPT(GPTConfig(**TINY)), {"backend": "inductor", **settings})
 
@@ -39,10 +54,10 @@ def _warnings(caplog):
 def test_an_entry_round_trips_and_a_missing_entry_is_silent(tmp_path, loaded, caplog):
     cache = CompileCache(tmp_path, _key())
     assert cache.load().status == "missing" and loaded == []
-    cache.write(b"artifacts")
+    cache.write(ARTIFACTS)
     assert cache.path.name.startswith("GPT-") and cache.path.suffix == ".pt2cache"
     assert CompileCache(tmp_path, _key()).load().status == "loaded"
-    assert loaded == [b"artifacts"]
+    assert loaded == [ARTIFACTS]
     assert _warnings(caplog) == []
 
 
@@ -65,14 +80,14 @@ def _corrupt_header(path):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (_corrupt_truncated, "is corrupt: truncated payload (6 of 9 bytes)"),
+    (_corrupt_truncated, f"is corrupt: truncated payload ({len(ARTIFACTS) - 3} of {len(ARTIFACTS)} bytes)"),
     (_corrupt_flipped, "is corrupt: payload checksum mismatch"),
     (_corrupt_garbage, "is corrupt: not a compile-cache file (bad magic line)"),
     (_corrupt_header, "is corrupt: unreadable header"),
 ])
 def test_a_corrupt_entry_gives_one_warning_and_is_not_loaded(tmp_path, loaded, caplog, damage, reason):
     cache = CompileCache(tmp_path, _key())
-    cache.write(b"artifacts")
+    cache.write(ARTIFACTS)
     damage(cache.path)
     result = CompileCache(tmp_path, _key()).load()
     assert result.status == "corrupt" and loaded == []
@@ -86,7 +101,7 @@ def test_a_stale_entry_from_another_torch_version_gives_one_warning(tmp_path, lo
     old = dataclasses.replace(key, runtime={**key.runtime, "torch": "2.0.0"})
     stale = CompileCache(tmp_path, old)
     stale.path = CompileCache(tmp_path, key).path  # the same file name, as after a torch upgrade in place
-    stale.write(b"artifacts")
+    stale.write(ARTIFACTS)
     assert CompileCache(tmp_path, key).load().status == "stale" and loaded == []
     (msg,) = _warnings(caplog)
     assert f"is stale: written for torch '2.0.0', this job has '{torch.__version__}'" in msg
@@ -97,7 +112,7 @@ def test_a_foreign_entry_for_another_model_gives_one_warning(tmp_path, loaded, c
     other_model = GPT(GPTConfig(**{**TINY, "n_embd": 64}))
     foreign = CompileCache(tmp_path, CacheKey.for_model(other_model, {"backend": "inductor"}))
     foreign.path = ours.path  # another model's entry where ours should be (copied, or a name clash)
-    foreign.write(b"other model's artifacts")
+    foreign.write(artifact_payload("fother"))
     assert ours.load().status == "foreign" and loaded == []
     (msg,) = _warnings(caplog)
     assert "is foreign: written for another model or config" in msg and "differs in model" in msg
@@ -120,7 +135,7 @@ def test_an_entry_of_graphs_free_of_the_world_size_loads_on_another_world_size(t
     assert CacheKey.for_model(model, {}, world_size=None).parts["world_size"] == "any"
     written = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=2, any_world_size=True)
     assert written.last_load.status == "missing"
-    written.write(b"artifacts of 2 ranks")
+    written.write(ARTIFACTS)
     caplog.set_level(logging.INFO, logger="compiler.cache")
     for world_size in (1, 4):
         cache = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=world_size, any_world_size=True)
@@ -130,28 +145,28 @@ def test_an_entry_of_graphs_free_of_the_world_size_loads_on_another_world_size(t
     # Keyed by the world size (the traced strategy's graphs hold the group's all-reduces): another entry.
     keyed = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=4)
     assert keyed.path != written.path and keyed.last_load.status == "missing"
-    assert loaded == [b"artifacts of 2 ranks"] * 2
+    assert loaded == [ARTIFACTS] * 2
 
 
 def test_a_write_that_fails_before_the_rename_leaves_the_old_entry(tmp_path, loaded, monkeypatch):
     cache = CompileCache(tmp_path, _key())
-    cache.write(b"old artifacts")
+    cache.write(old := artifact_payload("fold"))
 
     def crash(src, dst):
         raise OSError("simulated crash before the rename")
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
-        cache.write(b"new artifacts that never land")
+        cache.write(artifact_payload("fnew"))
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [cache.path.name]  # no partial or temporary file
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda payload: loaded.append(payload))
-    assert CompileCache(tmp_path, _key()).load().loaded and loaded == [b"old artifacts"]
+    assert CompileCache(tmp_path, _key()).load().loaded and loaded == [old]
 
 
 def test_save_does_not_fail_the_job_when_the_write_fails(tmp_path, monkeypatch, caplog):
     cache = CompileCache(tmp_path / "cache", _key())
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (ARTIFACTS, None))
     monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("disk full")))
     assert cache.save() is None
     (msg,) = _warnings(caplog)
@@ -160,7 +175,7 @@ def test_save_does_not_fail_the_job_when_the_write_fails(tmp_path, monkeypatch, 
 
 def test_a_payload_torch_rejects_is_reported_as_corrupt(tmp_path, monkeypatch, caplog):
     cache = CompileCache(tmp_path, _key())
-    cache.write(b"valid checksum, not torch's format")
+    cache.write(ARTIFACTS)
 
     def reject(payload):
         raise RuntimeError("unpickling failed")
@@ -176,7 +191,7 @@ def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_pa
                                                                           handle):
     # aot_eager records no cache artifacts, so the saved payload is stubbed; the
     # compile and its parity with eager are real.
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"fresh artifacts", None))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (artifact_payload("ffresh"), None))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "placeholder")  # restored after the test
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     with single_rank_group():

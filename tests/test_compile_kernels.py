@@ -12,6 +12,7 @@ import torch
 from compiler.cache import MAGIC, CacheKey, CompileCache
 from compiler.kernels import (KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot,
                               merge_kernels)
+from test_compile_cache import ARTIFACTS, artifact_payload
 
 ELF = open(_bisect.__file__, "rb").read()  # a real shared library, to pass the damaged-kernel check
 K1, K2 = "cabcdef0123", "cxyz9876543"
@@ -99,14 +100,14 @@ def inductor(tmp_path, monkeypatch):
 
 def test_a_load_installs_the_entry_kernels_into_the_fresh_inductor_dir(tmp_path, inductor):
     kernels = collect_kernels(_inductor_dir(tmp_path / "machine_a"))
-    CompileCache(tmp_path / "cache", _key()).write(b"artifacts", kernels)
+    CompileCache(tmp_path / "cache", _key()).write(ARTIFACTS, kernels)
     cache = CompileCache(tmp_path / "cache", _key())
     assert cache.load().loaded
     assert sorted(p.relative_to(inductor).as_posix() for p in cache.installed) == sorted(kernel_names(kernels))
 
 
 def test_a_kernel_section_that_is_not_a_blob_is_corrupt_and_installs_nothing(tmp_path, inductor, caplog):
-    CompileCache(tmp_path / "cache", _key()).write(b"artifacts", b"not kernels")
+    CompileCache(tmp_path / "cache", _key()).write(ARTIFACTS, b"not kernels")
     assert CompileCache(tmp_path / "cache", _key()).load().status == "corrupt"
     (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "is corrupt: bad kernel section (not a kernel blob" in msg and "compiling from scratch" in msg
@@ -122,8 +123,8 @@ def test_an_entry_of_format_1_is_stale(tmp_path, inductor, caplog):
 
 def test_a_save_after_a_load_writes_only_when_this_process_has_something_new(tmp_path, inductor, monkeypatch):
     kernels = collect_kernels(_inductor_dir(tmp_path / "machine_a", keys=(K1,)))
-    CompileCache(tmp_path / "cache", _key()).write(b"artifacts", kernels)
-    produced = [b"artifacts"]
+    CompileCache(tmp_path / "cache", _key()).write(ARTIFACTS, kernels)
+    produced = [ARTIFACTS]
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (produced[0], None))
     cache = CompileCache(tmp_path / "cache", _key())
     assert cache.load().loaded
@@ -135,7 +136,7 @@ def test_a_save_after_a_load_writes_only_when_this_process_has_something_new(tmp
     raw = cache.path.read_bytes()
     assert {f"ab/{K1}.main.so", f"xy/{K2}.main.so"} <= kernel_names(raw[raw.index(b"distcompile-kernels"):])
     assert cache.save() is None  # nothing new since
-    produced[0] = b"other artifacts"
+    produced[0] = artifact_payload("fother")
     assert cache.save() == cache.path
 
 

@@ -20,6 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import run_ranks
 from _jobs import TINY_GPT as TINY
 from compiler.share import CompileShare, Pending
+from test_compile_cache import artifact_payload
+
+ARTIFACTS = artifact_payload("fartifacts")
 
 
 class FakeBackend:
@@ -49,7 +52,7 @@ def _pair(store=None, **kw):
 def artifacts(monkeypatch):
     """torch.compiler's artifact save/load replaced: a payload naming the compiles so far."""
     loaded = []
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (ARTIFACTS, None))
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda payload: loaded.append(payload))
     return loaded
 
@@ -70,7 +73,7 @@ def test_the_first_rank_to_reach_a_compile_compiles_it_and_the_others_load_it(ar
         assert [float(f(torch.ones(1))) for f in fns[r]] == [2.0, 2.0]
         assert (ranks[r].stats.compiled, ranks[r].stats.loaded, ranks[r].stats.fell_back) == (1, 1, 0)
         assert len(backends[r].compiled) == 2  # the backend still runs (served from the loaded cache)
-    assert artifacts == [b"artifacts", b"artifacts"]
+    assert artifacts == [ARTIFACTS, ARTIFACTS]
 
 
 def test_the_same_graph_twice_is_two_compiles_and_graphs_one_rank_alone_compiles_make_nobody_wait(artifacts):
@@ -394,7 +397,7 @@ def test_fsdp_refuses_a_bad_share_timeout():
 
 
 def test_a_publication_over_the_stores_value_limit_goes_in_parts(monkeypatch):
-    big = os.urandom((9 << 20) + 5)  # TCPStore's server refuses one value over 8 MiB
+    big = artifact_payload("fbig", content=os.urandom((9 << 20) + 5))  # TCPStore's server refuses a value over 8 MiB
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (big, None))
     loaded = []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
