@@ -282,6 +282,11 @@ def test_compiled_module_markers_and_splitter_switch():
     assert [dti.is_compiled(m) for m in (plain, by_method, by_forward)] == [False, True, True]
     with dti.no_builtin_ddp_splitter():
         assert torch._dynamo.config.optimize_ddp is False
+        assert not dti.builtin_splitter_on()
+    # convert_frame hands a graph captured under DDP to PyTorch's splitter in this mode; True is its default.
+    assert torch._dynamo.utils.get_optimize_ddp_mode() == "ddp_optimizer" and dti.builtin_splitter_on()
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        assert not dti.builtin_splitter_on()
 
 
 def test_store_and_trace_artifact(gloo_module):
