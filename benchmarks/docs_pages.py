@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import (checkpoint_checksum, compile_share, compile_time, compression_report, convergence, fsdp_compare,
-               gpu_check, padding_compare, readme_results)
+               gpu_check, lightning_compare, padding_compare, readme_results)
 from .report import markdown_table, replace_section
 
 __all__ = ["Block", "BLOCKS", "ROOT", "SOURCES", "note_definitions", "stale_pages", "write_pages", "main"]
@@ -129,6 +129,8 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/compression.md", convergence.START, convergence.END,
           lambda: convergence.results_markdown(_json("convergence.json"))),
     Block("docs/gpu.md", gpu_check.START, gpu_check.END, lambda: gpu_check.results_markdown(_json("gpu_check.json"))),
+    Block("docs/frameworks/lightning.md", lightning_compare.START, lightning_compare.END,
+          lambda: lightning_compare.results_markdown(_json("lightning_shaped_200mbit.json"))),
     Block("docs/reliability.md", checkpoint_checksum.START, checkpoint_checksum.END,
           lambda: checkpoint_checksum.section_body(_json("checkpoint_checksum.json"))),
     Block("docs/contributing.md", "<!-- notes:start -->", "<!-- notes:end -->", _notes_index),
