@@ -3,50 +3,30 @@
 Note [Share secret]
 
 Background
-    A shared compile (Note [Shared compile]) moves compiled code from one rank to the
-    others through the process group's store. Anything that reaches the store's port can
-    read and write it (torchrun's store listens on every interface), so a checksum kept in
-    the store proves nothing: whoever writes a payload writes its checksum too. A rank
-    loads another rank's compile only when it carries a MAC made with a secret that the
-    store never sees.
+    A shared compile (Note [Shared compile]) moves compiled code between ranks through the
+    store, which anything reaching its port can read and write; a checksum kept there
+    proves nothing. A rank loads another rank's compile only with a MAC made with a secret
+    the store never sees.
 
 Algorithm
-    Where a rank gets the secret, first found wins:
-
-    - ``DISTCOMPILE_SHARE_SECRET_FILE``: a file the scheduler or the user put where every
-      node reads it (a shared filesystem). It must be a regular file of this user, not a
-      link, that neither group nor others may read or write (``compiler.trust.read_secret``);
-      anything else raises :class:`ShareSecretError` naming the fix, because the whole job
-      would trust whoever can read it.
+    The secret, first found wins:
+    - ``DISTCOMPILE_SHARE_SECRET_FILE``: a regular file of this user, not a link, that no
+      group or other may read or write (``compiler.trust.read_secret``); anything else
+      raises :class:`ShareSecretError` with the fix, since the job trusts its readers.
     - ``DISTCOMPILE_SHARE_SECRET``: the secret itself.
-    - Otherwise the ranks of one node make one: 32 random bytes in a file of
-      ``compiler.trust.runtime_dir()`` named by a digest of what the node's ranks have in
-      common and other jobs do not: torchrun's run id (``TORCHELASTIC_RUN_ID``), the parent
-      process (torchrun's agent, or ``mp.spawn``'s parent) and the store's address
-      (``MASTER_ADDR:MASTER_PORT``, the store's own host and port where it has them). Every
-      rank writes a candidate privately (``write_private``: ``O_EXCL | O_NOFOLLOW``, mode
-      0600) and ``os.link``-s it to that name; the link fails when the name exists, so the
-      first rank wins and the others read its file, never a partial one. A rank that finds
-      no readable secret within ``timeout_s`` does not share (the caller says so once and
-      compiles for itself).
-
-    The scope is ``HMAC(secret, "scope")``, 16 hex digits. Ranks that hold the same secret
-    have the same scope, and only they share: the scope is part of every claim and
-    publication key (``compiler.share``), so a rank never claims, waits for or loads a
-    compile of a rank of another scope. Without a cluster secret each node is a scope of
-    its own; the compile barrier, which carries no code, still spans every rank.
-
-    The MAC is HMAC-SHA256 over the store key, the header's fields (JSON with sorted keys,
-    the MAC itself left out) and the payload, each preceded by its length, so no field can
-    be moved into another.
+    - Otherwise the ranks of one node make one: 32 random bytes in ``runtime_dir()``,
+      named by a digest of what they share and other jobs do not (torchrun's run id,
+      the parent process, the store's address). Each rank writes a candidate with
+      ``write_private`` and ``os.link``-s it to that name: the first wins, the others
+      read a whole file. No secret within ``timeout_s``: the rank compiles for itself.
+    - Scope ``HMAC(secret, "scope")`` is part of every claim and publication key, so only
+      ranks of one secret share; without a cluster secret each node is its own scope.
+    - The MAC is HMAC-SHA256 over the store key, the header fields and the payload, each
+      length-prefixed, so no field can be moved into another.
 
 Notes
-    - Scope tags are not secret (the keys show them); they are one-way, so they tell
-      nothing about the secret.
-    - A node's secret file is 32 bytes and stays in the runtime folder (a tmpfs cleared
-      at logout or reboot where ``XDG_RUNTIME_DIR`` is set); a later job has another name.
-    - ``DISTCOMPILE_SHARE_SECRET`` is visible to this user's own processes
-      (``/proc/PID/environ``), as a file of this user would be; other users see neither.
+    Scope tags are public but one-way. The node's secret file stays in the runtime
+    folder; ``DISTCOMPILE_SHARE_SECRET`` is visible to this user's own processes only.
 """
 
 from __future__ import annotations
@@ -65,8 +45,8 @@ from .trust import UnsafePath, read_private, read_secret, runtime_dir, write_pri
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV_FILE", "ENV_VALUE", "ShareSecret", "ShareSecretError", "announce_scope", "job_secret", "node_secret",
-           "note_other_scopes"]
+__all__ = ["ENV_FILE", "ENV_VALUE", "ShareSecret", "ShareSecretError", "announce_scope", "cluster_secret", "job_secret",
+           "node_secret", "note_other_scopes"]
 
 ENV_FILE = "DISTCOMPILE_SHARE_SECRET_FILE"
 ENV_VALUE = "DISTCOMPILE_SHARE_SECRET"
@@ -115,6 +95,16 @@ def job_secret(store: Any = None, timeout_s: float = 10.0) -> ShareSecret | None
     Raises:
         ShareSecretError: ``DISTCOMPILE_SHARE_SECRET_FILE`` names a file that cannot be used.
     """
+    return cluster_secret() or node_secret(store, timeout_s)
+
+
+def cluster_secret() -> ShareSecret | None:
+    """The secret every rank of the job holds (``DISTCOMPILE_SHARE_SECRET_FILE``, else
+    ``DISTCOMPILE_SHARE_SECRET``); None when neither is set.
+
+    Raises:
+        ShareSecretError: ``DISTCOMPILE_SHARE_SECRET_FILE`` names a file that cannot be used.
+    """
     path = os.environ.get(ENV_FILE)
     if path:
         try:
@@ -134,9 +124,7 @@ def job_secret(store: Any = None, timeout_s: float = 10.0) -> ShareSecret | None
                                    f"random bytes into it (head -c 32 /dev/urandom > {path}), or unset it.")
         return ShareSecret(key, "file")
     value = os.environ.get(ENV_VALUE)
-    if value:
-        return ShareSecret(value.encode(), "env")
-    return node_secret(store, timeout_s)
+    return ShareSecret(value.encode(), "env") if value else None
 
 
 def _node_name(store: Any) -> str:

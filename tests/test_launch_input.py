@@ -174,3 +174,20 @@ def test_a_group_of_ones_own_config_folder_is_not_taken_for_a_typo(tmp_path):
     assert problem is None
     _, problem = check_argv(["mygroup=a"])
     assert problem is not None and "'mygroup' is neither a config group nor a setting of the job" in problem
+
+
+# --- the share secret ----------------------------------------------------------------------
+
+
+def test_a_share_secret_file_others_can_read_is_refused_before_the_process_group(tmp_path, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 32)
+    secret.chmod(0o644)
+    monkeypatch.setenv("DISTCOMPILE_SHARE_SECRET_FILE", str(secret))
+    cfg = _job("compile.backend=aot_eager")
+    with pytest.raises(ConfigError, match=rf"^DISTCOMPILE_SHARE_SECRET_FILE={secret}: .*mode 644.*Run chmod 600 "
+                                          r".*compile\.share=false turns sharing off\)\.$"):
+        validate(cfg, world_size=2)
+    validate(_job("compile.backend=aot_eager", "compile.share=false"), world_size=2)  # not read without sharing
+    secret.chmod(0o600)
+    validate(cfg, world_size=2)

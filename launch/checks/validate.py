@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fsdp_opt
 from compiler import FALLBACKS, SettingError
+from compiler.share_secret import ShareSecretError, cluster_secret
 
 from ..config.schema import CompileConfig, ConfigError, FSDPOptions, JobConfig
 from ..data import tokens
@@ -40,6 +41,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     rules.check_parallel(cfg.parallel)
     rules.check_compile_time(cfg.compile)
     _compile_settings(cfg)
+    _share_secret(cfg, world_size)
     rules.check_ddp(cfg.ddp, cfg.parallel)
     rules.check_auto_caps(cfg.ddp, cfg.compile)
     rules.check_fsdp(cfg.fsdp, cfg.parallel)
@@ -58,6 +60,17 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 
 # --- compile.*: ddp_opt.DDPCompileConfig ---------------------------------------------
+
+
+def _share_secret(cfg: JobConfig, world_size: int) -> None:
+    """A share secret the user pointed to (Note [Share secret] in ``compiler.share_secret``) that
+    cannot be used is refused here, in one line, instead of at the first compile."""
+    if not cfg.compile.share or world_size < 2:
+        return
+    try:
+        cluster_secret()
+    except ShareSecretError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _compile_settings(cfg: JobConfig) -> None:
