@@ -16,13 +16,13 @@ Modes (``FSDP_MODES``), all ``fsdp_opt.apply`` on the repo's GPT:
   units of ``shard_unit_mb`` (Note [Shard unit grouping]) and explicit prefetch.
 - ``eager_bf16``, ``per_block_bf16``, ``grouped_bf16``: the same three with the
   gradients reduce-scattered in bf16 (``MixedPrecisionPolicy(reduce_dtype=bf16)``,
-  what ``fsdp.reduce_dtype=bf16`` sets; issue 46).
+  what ``fsdp.reduce_dtype=bf16`` sets).
 - ``replicate_eager``, ``replicate_per_block``, ``replicate_grouped`` (ours): FSDP2's
   replicate (every parameter whole, each unit's gradients all-reduced) without
   compile, per-block compiled one unit per block (torchtitan's recipe), and
   per-block compiled with blocks grouped into units of ``shard_unit_mb``.
   ``replicate_whole``: ``torch.compile`` of the whole replicated model, as a user
-  would write it (issue 45).
+  would write it.
 
 Algorithm:
 
@@ -108,7 +108,7 @@ class FSDPMode:
         """``fsdp_opt.apply`` keywords of this mode."""
         compile = None
         if self.compiled:
-            compile = fsdp_opt.CompileConfig(backend=cfg.backend, whole_model=True) if self.whole else cfg.backend
+            compile = fsdp_opt.FSDPCompileConfig(backend=cfg.backend, whole_model=True) if self.whole else cfg.backend
         kwargs = dict(compile=compile, prefetch=cfg.prefetch if self.grouped else 0, replicate=self.replicate)
         if self.grouped:
             kwargs["shard_unit_mb"] = cfg.shard_unit_mb

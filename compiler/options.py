@@ -1,6 +1,6 @@
 """``CompileOptions``: how a graph is compiled, the settings every entry point shares.
 
-``ddp_opt.DDPCompileConfig`` and ``fsdp_opt.CompileConfig`` extend it with what only
+``ddp_opt.DDPCompileConfig`` and ``fsdp_opt.FSDPCompileConfig`` extend it with what only
 they do, and the launcher's ``compile`` group maps onto its fields one to one, so a
 compile setting has one name, one default and one rule wherever it is given.
 """

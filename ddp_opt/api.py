@@ -8,45 +8,32 @@ import inspect
 import logging
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import CompileCache, compile_blocks, produces_gradients
+from compiler import CompileCache, compile_blocks
 from compiler.cache import open_cache
-from compiler.share import backward_with_forward, share_for_group
-from compiler.step_gate import StepGate, gate_for_group
+from compiler.share import share_for_group
+from compiler.step_gate import gate_for_group
 
-from ._torch_internals import (REALIGN_SUPPORTED, bucket_settings, is_compiled, no_builtin_ddp_splitter,
-                               realign_unsupported_warning, registered_hook_name, use_python_reducer)
+from ._torch_internals import (REALIGN_SUPPORTED, is_compiled, no_builtin_ddp_splitter, realign_unsupported_warning,
+                               registered_hook_name)
 from .autoplan import LinkEstimate
 from .compiled import CompiledDDP
 from .compression import OwnHook, hook_conflict, link_probe, own_hook
 from .config import DDPCompileConfig, keyword_signature
 from .cost import CostModel, DeviceRates, measure_link, measure_rates
-from .optimizer import DDPOptimizer
-from .plan import BucketCaps
 from .powersgd import link_probe as powersgd_probe
 from .realign import never_rebuilds, no_rebuild_warning
-from .regional import find_ddp_blocks, plan_block_buckets
-from .traced import TracedPlan, fallback_reason
+from .strategies import Setup, caps_from_ddp, ddp_backend
+from .traced import fallback_reason
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CompiledDDP", "caps_from_ddp", "compile_ddp", "resolve_cost_model"]
-
-
-def caps_from_ddp(ddp_model: DistributedDataParallel) -> BucketCaps:
-    """The caps DDP's reducer uses when it rebuilds its buckets after step 1.
-
-    DDP's first bucket is capped at 1 MiB only when the user left
-    ``bucket_cap_mb`` unset; with ``bucket_cap_mb=X`` every bucket, the first
-    included, is capped at X MiB. ``bucket_cap_mb_list`` gives one cap per bucket.
-    """
-    found = bucket_settings(ddp_model)
-    return BucketCaps(found.bucket_bytes_cap, found.first_bucket_cap, found.per_bucket_caps)
 
 
 def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any],
@@ -132,8 +119,6 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
             backward as ``compiled.backward(loss)``; it falls back to ``"split"``
             with a warning where it cannot run (a comm hook already registered,
             ``find_unused_parameters=True``, a torch without compiled autograd).
-            The keywords ``split=False`` and ``regional=True`` of earlier releases
-            still work, with a FutureWarning; so does ``share_compile``.
         fallback: ``"warn"`` runs a partition that fails to compile eagerly,
             ``"raise"`` re-raises the backend's error.
         check_plans: fail on every rank, with the first differing bucket named,
@@ -221,21 +206,6 @@ compile_ddp.__signature__ = keyword_signature(
     inspect.Parameter("ddp_model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=DistributedDataParallel))
 
 
-def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, backend_fn: Callable,
-                 named: torch.nn.Module, cost_model: CostModel | None = None, gate: StepGate | None = None
-                 ) -> DDPOptimizer:
-    """The splitter of ``ddp_model``: DDP's caps, group and fallback, parameters named as in ``named``;
-    with the step gate, the plan check stops waiting for peers that passed the step (Note [Step gate])."""
-    caps = caps_from_ddp(ddp_model)
-    return DDPOptimizer(
-        caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
-        bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
-        cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
-        param_names={id(p): n for n, p in named.named_parameters()}, process_group=ddp_model.process_group,
-        peers_elsewhere=gate.others_waiting if gate is not None else None,
-    )
-
-
 def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> CompiledDDP:
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -280,55 +250,31 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
         )
     cost_model = resolve_cost_model(ddp_model, config)
-    backend_fn = config.resolve_backend()
     caps = caps_from_ddp(ddp_model)
     cache = None
     if config.cache_dir is not None:
         cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)), traced)
-    more = dict(config.torch_compile_kwargs)
     group = dist.get_process_group_ranks(ddp_model.process_group)
     share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
     gate = gate_for_group(group, name="ddp") if config.step_gate else None
-    if share is not None:
-        backend_fn = share.wrap_compile(backend_fn)
-    elif (cache is not None or gate is not None) and not traced:
-        # Keyed as a shared compile keys it (one cache entry for every world size), and before the step gate:
-        # a backward compiled at the first backward would compile past it (Note [Step gate]).
-        backend_fn = backward_with_forward(backend_fn)
-    if strategy == "regional":
-        found = find_ddp_blocks(inner, config.blocks)
-        if config.wrap_backend is not None:
-            backend_fn = config.wrap_backend(backend_fn)
-        backend_fn = share.wrap_graph(backend_fn, barrier_if=produces_gradients) if share is not None else backend_fn
-        compile_blocks(found, backend_fn, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
-        keep_builtin_splitter_out(ddp_model)
-        block_buckets = plan_block_buckets(inner, found, caps)
-        return CompiledDDP(ddp_model, None, align_buckets=align, block_buckets=block_buckets, compile_cache=cache,
-                           share=share, gate=gate, own_hook=own)
-    optimizer = plan = None
-    if traced:
-        # The backward graph compiles with the plain backend: no shared-compile claim for a graph that
-        # only compiled autograd's trace names.
-        plan = TracedPlan(caps, config.resolve_backend(), cost_model, auto=config.bucket_cap_mb == "auto", gate=gate,
-                          wire_scale=_wire_scale(inner, config.reduce_dtype))
-        use_python_reducer(ddp_model)  # Note [Traced strategy]
-        backend_fn = plan.forward_backend(backend_fn)
-    elif strategy == "split":
-        optimizer = splitter_for(ddp_model, config, backend_fn, inner, cost_model, gate)
-        backend_fn = optimizer.compile_fn
-    if config.wrap_backend is not None:  # it gets the splitter (or the plain backend), as documented
-        backend_fn = config.wrap_backend(backend_fn)
-    if share is not None:
-        backend_fn = share.wrap_graph(backend_fn, barrier_if=produces_gradients)
-    # Compile the wrapped module's forward in place, then let DDP call it (the
-    # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
-    # frames below DDP's skipped forward, and it skips a torch.nn container's
-    # forward (nn.Sequential) too, compiling nothing; nn.Module.compile() misses
-    # it the same way. In place, state_dict keys stay DDP's.
-    inner.forward = torch.compile(inner.forward, backend=backend_fn, dynamic=config.dynamic,
-                                  fullgraph=config.fullgraph, **more)
+    # Keyed as a shared compile keys it (one cache entry for every world size), and before the step gate:
+    # a backward compiled at the first backward would compile past it (Note [Step gate]).
+    built = ddp_backend(Setup(ddp_model, config, inner, cost_model, gate), strategy, share,
+                        backward_with_forward=(cache is not None or gate is not None) and not traced)
+    more = dict(config.torch_compile_kwargs)
+    if built.blocks is not None:  # regional: each block compiled, the rest of the forward eager
+        compile_blocks(built.blocks, built.backend, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
+    else:
+        # Compile the wrapped module's forward in place, then let DDP call it (the
+        # order torchtitan uses). torch.compile(ddp_model) would leave dynamo to find
+        # frames below DDP's skipped forward, and it skips a torch.nn container's
+        # forward (nn.Sequential) too, compiling nothing; nn.Module.compile() misses
+        # it the same way. In place, state_dict keys stay DDP's.
+        inner.forward = torch.compile(inner.forward, backend=built.backend, dynamic=config.dynamic,
+                                      fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, optimizer, align_buckets=align, compile_cache=cache, share=share, traced=plan,
+    return CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=strategy,
+                       block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
                        gate=gate, own_hook=own)
 
 
@@ -336,10 +282,3 @@ def own_hook_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -
     """The comm hook of ``reduce_dtype`` or ``compression`` on DDP's group; else None."""
     return own_hook(ddp_model.process_group, config.reduce_dtype, config.compression)
 
-
-def _wire_scale(module: torch.nn.Module, reduce_dtype: torch.dtype | None) -> float:
-    """Gradient bytes per byte on the wire (the gradients' dtype is the first parameter's)."""
-    param = next(module.parameters(), None)
-    if reduce_dtype is None or param is None:
-        return 1.0
-    return param.element_size() / reduce_dtype.itemsize

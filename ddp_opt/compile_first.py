@@ -42,17 +42,18 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import SettingError, produces_gradients
-from compiler.share import backward_with_forward, share_for_group
+from compiler import SettingError
+from compiler.share import share_for_group
 from compiler.step_gate import gate_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, no_builtin_ddp_splitter,
                                python_comm_hooks, registered_hook_name)
-from .api import keep_builtin_splitter_out, own_hook_for, splitter_for
+from .api import keep_builtin_splitter_out, own_hook_for
 from .compiled import CompiledDDP
 from .compression import hook_conflict
 from .config import DDPCompileConfig
 from .realign import never_rebuilds, no_rebuild_warning
+from .strategies import Setup, ddp_backend
 
 log = logging.getLogger(__name__)
 
@@ -200,26 +201,17 @@ class _DeferredBackend:
                 "them. Register a Python hook (ddp.register_comm_hook), or pass align_buckets=False to silence "
                 "this.", stacklevel=2)
             align = False
-        backend = config.resolve_backend()
         group = dist.get_process_group_ranks(ddp_model.process_group)
         share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
         gate = gate_for_group(group, name="ddp") if config.step_gate else None
-        if share is not None:
-            backend = share.wrap_compile(backend)
-        elif gate is not None:  # the backward compiles before the step gate, as under compile_ddp
-            backend = backward_with_forward(backend)
-        optimizer = (splitter_for(ddp_model, config, backend, self.model, gate=gate) if config.strategy == "split"
-                     else None)
-        backend = optimizer.compile_fn if optimizer is not None else backend
-        if config.wrap_backend is not None:
-            backend = config.wrap_backend(backend)
-        if share is not None:
-            backend = share.wrap_graph(backend, barrier_if=produces_gradients)
-        self._backend = backend
+        # The backward compiles before the step gate, as under compile_ddp.
+        built = ddp_backend(Setup(ddp_model, config, self.model, gate=gate), config.strategy, share,
+                            backward_with_forward=gate is not None)
+        self._backend = built.backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
-        self.controller = CompiledDDP(ddp_model, optimizer, align_buckets=align, share=share, gate=gate,
-                                      own_hook=own)
+        self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=config.strategy,
+                                      share=share, gate=gate, own_hook=own)
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

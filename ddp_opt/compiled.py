@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -38,19 +37,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CompileCache
-from compiler.cache import save_on_local_rank0
 from compiler.share import CompileShare
 from compiler.step_gate import StepGate
 
-from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
 from .alignment import Alignment
 from .autoplan import Timeline
 from .calibrate import Calibration, calibrate, calibrated_model
 from .compression import OwnHook
-from .agreement import agree_on_caps, next_plan_namespace
+from .handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedBackward
 from .optimizer import DDPOptimizer
-from .plan import Bucket, realign_caps
-from .realign import check_realignment, realign_reducer
+from .plan import Bucket
 from .traced import TracedPlan
 
 log = logging.getLogger(__name__)
@@ -62,9 +58,10 @@ class CompiledDDP:
     """What the training loop calls in place of the DDP model.
 
     Calling it calls the DDP model, whose wrapped module ``compile_ddp`` compiled
-    in place; what this object adds (realignment, the cache's save, the traced
-    strategy's checks) runs from hooks on the DDP model, so calling the DDP model
-    itself is the same. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
+    in place; what this object adds (realignment, the cache's save, the step gate,
+    the traced strategy's checks) runs from hooks on the DDP model, so calling the
+    DDP model itself is the same. Each of those is a part of its own
+    (``ddp_opt.handle_parts``); this object forwards attributes and delegates. Every other attribute (``parameters``, ``no_sync``, ``state_dict``,
     ``module``, ...) is the DDP model's, and checkpoints keep DDP's keys; setting
     one of DDP's attributes sets it on the DDP model (nanoGPT's
     ``model.require_backward_grad_sync = last_micro_step``).
@@ -97,105 +94,63 @@ class CompiledDDP:
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
-                 align_buckets: bool = False, *, block_buckets: list[Bucket] | None = None,
+                 align_buckets: bool = False, *, strategy: str, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
                  traced: TracedPlan | None = None, gate: StepGate | None = None,
                  own_hook: OwnHook | None = None) -> None:
         self.ddp_model = ddp_model
-        # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
-        # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
-        self.gate = gate
-        self._gate_skip = 0  # synchronised forwards still to pass ungated (compile_for_ddp: see gate_from_next)
-        self._in_first_call = False
-        self.traced = traced
-        self._backward_pending = False  # a traced forward ran; its backward has not entered backward_context()
-        self._warned_plain_backward = False
-        self.share = share
+        self.strategy = strategy
         self.ddp_optimizer = ddp_optimizer
         self.block_buckets = block_buckets
         self.compile_cache = compile_cache
-        self._calls = 0
-        self.auto_save_cache = True
-        self._save_attempted = False
+        self.share = share
+        self.gate = gate
+        self.traced = traced
+        self.own_hook = own_hook
+        self._comm_hooks = CommHooks(ddp_model, own_hook, traced=traced is not None)
         planned = ddp_optimizer is not None or block_buckets is not None
-        self.align_buckets = align_buckets and planned
-        self.aligned_caps: tuple[int, ...] | None = None
-        self.realignment: Alignment | None = None  # measured once the realigned buckets exist
         # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
-        self._min_realign_buckets = 1 if ddp_optimizer is not None and ddp_optimizer.auto_plan else 2
-        self._comm_hooks: list[tuple[Any, Callable]] = []
-        self._realign_key = next_plan_namespace("realign")
-        self._realign_decided = False
+        auto = ddp_optimizer is not None and ddp_optimizer.auto_plan
+        self._realigner = Realigner(ddp_model, lambda: self.buckets, enabled=align_buckets and planned,
+                                    min_buckets=1 if auto else 2, comm_hooks=self._comm_hooks,
+                                    on_change=own_hook.buckets_changed if own_hook is not None else None)
+        self._cache_save = CacheAutoSave(compile_cache)
+        # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
+        # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
+        self._gate_hook = GateHook(gate, ddp_model) if gate is not None and traced is None else None
+        self._traced_backward = TracedBackward(traced, ddp_model, own_hook) if traced is not None else None
         # Either handle works: DDP's own forward runs these, so ddp_model(x) and compiled(x) are the same call.
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
-        self.own_hook = own_hook
-        self.traced_hook = None  # the traced hooks' state, told of each backward in backward_context
-        if own_hook is not None and traced is not None:
-            self.traced_hook = own_hook.traced(ddp_model, traced)
-        elif own_hook is not None:
-            self._comm_hooks.append((own_hook.state, own_hook.bucket))
-            ddp_model.register_comm_hook(own_hook.state, own_hook.bucket)
         self._ready = True  # from here on, setting one of DDP's public attributes sets it on DDP
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
-        if self.own_hook is not None:
-            name = self.own_hook.name
-            raise ValueError(
-                f"register_comm_hook({getattr(hook, '__qualname__', hook)!r}): this model was compiled with "
-                f"{self.own_hook.setting}, which all-reduces the gradients through a comm hook of its own, "
-                f"and DDP calls one hook. Compile with {name}=None to reduce through your hook, or drop the "
-                f"hook and keep {name}.")
-        if self.traced is not None:
-            raise RuntimeError(
-                "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
-                "all-reduced inside the compiled backward graph by the python reducer, which calls a hook per "
-                "gradient with (grad, param): a DDP bucket hook cannot take that. Compile with strategy='split' "
-                "(the default) to use a comm hook, or, to compress, pass reduce_dtype=torch.bfloat16."
-            )
-        self._comm_hooks.append((state, hook))
-        self.ddp_model.register_comm_hook(state, hook)
-
-    def _maybe_realign(self) -> None:
-        """At the start of the first forward with gradients after the plan exists (the second
-        one: the first compiles it), every rank at once: realign, with caps agreed by all ranks
-        (Note [Plan agreement]), or not at all. Graphs without backward plan nothing, so an
-        evaluation on rank 0 only never moves this point on that rank alone."""
-        if not (self.align_buckets and not self._realign_decided and torch.is_grad_enabled()
-                and reducer_finalized(self.ddp_model)):
-            return
-        buckets = [b for b in self.buckets if b.size > 0]
-        if not buckets:
-            return  # not compiled yet: the first forward
-        self._realign_decided = True
-        agreed, why = agree_on_caps(realign_caps(buckets), self._realign_key, self.ddp_model.process_group)
-        if not agreed:
-            warnings.warn(f"compile_ddp: DDP's buckets were not realigned with the partitions on any rank: {why}. "
-                          "Training is correct; the gradients' all-reduces overlap backward less. Pass "
-                          "align_buckets=False to skip realignment.", stacklevel=3)
-        elif len(buckets) >= self._min_realign_buckets:
-            hooks = python_comm_hooks(self.ddp_model)  # also those registered on DDP itself
-            self.aligned_caps = realign_reducer(self.ddp_model, buckets, self._comm_hooks if hooks is None else hooks)
-            self._buckets_changed()
-
-    def _check_realigned(self) -> None:
-        # DDP rebuilds its buckets at the start of a forward: measured right after it.
-        if self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
-            self.realignment = check_realignment(self.ddp_model, [b for b in self.buckets if b.size > 0])
-            self._buckets_changed()
-
-    def _buckets_changed(self) -> None:
-        if self.own_hook is not None:
-            self.own_hook.buckets_changed()
+        self._comm_hooks.register(state, hook)
 
     @property
-    def strategy(self) -> str:
-        if self.traced is not None:
-            return "traced"
-        if self.block_buckets is not None:
-            return "regional"
-        return "split" if self.ddp_optimizer is not None else "whole"
+    def align_buckets(self) -> bool:
+        return self._realigner.enabled
+
+    @property
+    def aligned_caps(self) -> tuple[int, ...] | None:
+        return self._realigner.aligned_caps
+
+    @property
+    def realignment(self) -> Alignment | None:
+        return self._realigner.realignment
+
+    @property
+    def traced_hook(self) -> Any:
+        return self._traced_backward.hook if self._traced_backward is not None else None
+
+    @property
+    def auto_save_cache(self) -> bool:
+        return self._cache_save.enabled
+
+    @auto_save_cache.setter
+    def auto_save_cache(self, value: bool) -> None:
+        self._cache_save.enabled = value
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -213,9 +168,7 @@ class CompiledDDP:
         writes, and only what the entry does not hold yet (after a load: the
         graphs that missed). Returns the entry's path when one was written.
         """
-        self._save_attempted = True
-        path = save_on_local_rank0(self.compile_cache)
-        return str(path) if path is not None else None
+        return self._cache_save.save()
 
     @property
     def prediction(self) -> Timeline | None:
@@ -262,12 +215,9 @@ class CompiledDDP:
     def backward_context(self) -> contextlib.AbstractContextManager:
         """What ``loss.backward()`` must run in: under ``strategy="traced"`` compiled autograd
         with the planned all-reduce fusion (Note [Traced strategy]); nothing under ``"split"``."""
-        if self.traced is None:
+        if self._traced_backward is None:
             return contextlib.nullcontext()
-        self._backward_pending = False
-        if self.traced_hook is not None:  # PowerSGD's steps count these backwards (Note [Traced PowerSGD])
-            return self.traced_hook.backward(self.traced.backward(), self.ddp_model.require_backward_grad_sync)
-        return self.traced.backward()
+        return self._traced_backward.context()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` in :meth:`backward_context`: call this in place of
@@ -275,61 +225,29 @@ class CompiledDDP:
         with self.backward_context():
             loss.backward(**kwargs)
 
-    def _check_backward_path(self) -> None:
-        if self.traced is None:
-            return
-        if self._backward_pending and not self._warned_plain_backward:
-            self._warned_plain_backward = True
-            warnings.warn(
-                "compile_ddp(strategy='traced'): a forward ran again without compiled.backward(loss) since the "
-                "last one. If that forward's backward ran as plain loss.backward(), its gradients were all-reduced "
-                "one parameter at a time, eagerly, without overlap: correct, but slow (with compression, not counted "
-                "toward its start, and in another bucket order than a compiled backward's). Call "
-                "compiled.backward(loss) (or run it in compiled.backward_context()) instead of loss.backward(), or "
-                "compile with strategy='split'.",
-                stacklevel=3,
-            )
-        self._backward_pending = torch.is_grad_enabled()
-
     def before_forward(self) -> None:
         """What runs before each call of the DDP model (a forward pre-hook on it, so also
         when the loop calls the DDP model itself): the cache's save, realignment."""
-        if self.auto_save_cache and self.compile_cache is not None and not self._save_attempted:
-            self._calls += 1  # counted only while a save is pending
-            if self._calls >= 2 and torch.is_grad_enabled():
-                self.save_compile_cache()
-        self._in_first_call = False
-        self._maybe_realign()
-        self._check_backward_path()
-        if self.traced_hook is not None:
-            self.traced_hook.check_complete()  # after a plain loss.backward(), which compiled.backward did not see
+        self._cache_save.before_forward()
+        if self._gate_hook is not None:
+            self._gate_hook.before_forward()
+        self._realigner.before_forward()
+        if self._traced_backward is not None:
+            self._traced_backward.before_forward()
 
     def after_forward(self) -> None:
         """What runs after each call of the DDP model (a forward hook on it): the realigned
         buckets' measure; the step gate before a synchronised backward (Note [Step gate])."""
-        self._check_realigned()
-        if self.gate is None or self.traced is not None or not self._synchronised():
-            return
-        if self._in_first_call:  # the call this object was made in, counted by gate_from_next
-            self._in_first_call = False
-        elif self._gate_skip:
-            self._gate_skip -= 1
-        else:
-            self.gate.meet()
-
-    def _synchronised(self) -> bool:
-        """Whether the running forward is one that a synchronised backward follows."""
-        return torch.is_grad_enabled() and self.ddp_model.require_backward_grad_sync
+        self._realigner.after_forward()
+        if self._gate_hook is not None:
+            self._gate_hook.after_forward()
 
     def gate_from_next(self) -> None:
         """Called when this object is made inside a forward of the DDP model (``compile_for_ddp``
-        attaches in the first compiled call). That call's forward hook may or may not run (a
-        module without hooks when the call began skips them), and ranks may attach in different
-        calls (an evaluation on rank 0 only comes first): so every rank leaves its first
-        synchronised forward ungated, the attach call or a later one, and all ranks meet from
-        their second on."""
-        self._in_first_call = True
-        self._gate_skip = 0 if self._synchronised() else 1
+        attaches in the first compiled call): every rank leaves its first synchronised forward
+        ungated and all ranks meet from their second on (``GateHook.from_next``)."""
+        if self._gate_hook is not None:
+            self._gate_hook.from_next()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ddp_model(*args, **kwargs)

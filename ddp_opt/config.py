@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import warnings
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setting, not_compiled
+from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setting, keywords, not_compiled
 
 from .advice import API_SPELLING, Spelling
 from .autoplan import LinkEstimate
@@ -37,9 +36,8 @@ STRATEGIES = {
     "traced": "the forward compiled whole and the all-reduces traced into one compiled backward graph",
 }
 
-# Keywords of earlier releases, still accepted with a FutureWarning: (name, value) -> what it is now.
-_RENAMED = {("split", False): ("strategy", "whole"), ("split", True): None,
-            ("regional", True): ("strategy", "regional"), ("regional", False): None}
+# Fields that are not keywords of compile_ddp: how messages name a setting, and what **more collects.
+_NOT_KEYWORDS = ("spelling", "torch_compile_kwargs")
 
 
 @dataclass(frozen=True)
@@ -99,9 +97,9 @@ class DDPCompileConfig(CompileOptions):
     @classmethod
     def from_keywords(cls, entry: str, settings: Mapping[str, Any]) -> DDPCompileConfig:
         """The config for ``entry(**settings)`` (``compile_ddp``, ``compile_for_ddp``): each
-        field is a keyword; a keyword of an earlier release is mapped with a FutureWarning;
-        any other keyword must be one of ``torch.compile``'s and is passed on to it."""
-        settings = _renamed(entry, dict(settings))
+        field is a keyword (Note [Keywords from a config]); any other keyword must be one of
+        ``torch.compile``'s and is passed on to it."""
+        settings = dict(settings)
         known = {f.name for f in fields(cls)} - {"spelling"}
         more = {k: settings.pop(k) for k in list(settings) if k not in known}
         _check_torch_compile_keywords(entry, more, known)
@@ -165,48 +163,10 @@ class DDPCompileConfig(CompileOptions):
 def keyword_signature(*leading: inspect.Parameter) -> inspect.Signature:
     """The signature of an entry point taking ``leading`` then every setting as a keyword
     (``help(compile_ddp)`` lists them), ``config=`` and ``**more`` for ``torch.compile``."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    settings = [inspect.Parameter(f.name, keyword, default=f.default if f.default_factory is MISSING
-                                  else f.default_factory(), annotation=f.type)
-                for f in fields(DDPCompileConfig) if f.name not in ("spelling", "torch_compile_kwargs")]
-    return inspect.Signature([*leading, *settings, inspect.Parameter("config", keyword, default=None),
-                              inspect.Parameter("more", inspect.Parameter.VAR_KEYWORD)])
-
-
-def _renamed(entry: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with the keywords of earlier releases (``split``, ``regional``,
-    ``share_compile``) replaced by what they are now, each with a FutureWarning."""
-    regional_given = bool(settings.get("regional"))
-    for name in ("regional", "split"):  # regional first: with both, regional=True decided
-        if name not in settings:
-            continue
-        value = settings.pop(name)
-        now = _RENAMED.get((name, bool(value)))
-        instead = f"strategy={now[1]!r}" if now else "nothing (it is the default; drop it)"
-        warnings.warn(f"{entry}({name}={value!r}) is deprecated: how the model is compiled is one choice now, "
-                      f"strategy=, so pass {instead}.", FutureWarning, stacklevel=4)
-        if now is None:
-            continue
-        given = settings.get("strategy", "split")
-        if name == "split" and given == "regional" and regional_given:
-            continue  # regional=True, split=...: split was unused by regional compile, as before
-        if given not in ("split", now[1]):
-            raise SettingError(
-                "strategy",
-                f"{entry}(strategy={given!r}, {name}={value!r}): {name}={value!r} is the deprecated spelling of "
-                f"strategy={now[1]!r}, so two strategies were asked for. Pass one: strategy={given!r} or "
-                f"strategy={now[1]!r}.")
-        if given == "split":
-            settings["strategy"] = now[1]
-    if "share_compile" in settings:
-        value = settings.pop("share_compile")
-        warnings.warn(f"{entry}(share_compile={value!r}) is deprecated: the setting is named share now, as in "
-                      f"every config of the toolkit, so pass share={value!r}.", FutureWarning, stacklevel=4)
-        if settings.get("share", value) != value:
-            raise SettingError("share", f"{entry}(share={settings['share']!r}, share_compile={value!r}): "
-                                        "share_compile is the deprecated name of share. Pass share alone.")
-        settings["share"] = value
-    return settings
+    return keywords.keyword_signature(
+        DDPCompileConfig, leading, skip=_NOT_KEYWORDS,
+        trailing=(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
+                  inspect.Parameter("more", inspect.Parameter.VAR_KEYWORD)))
 
 
 def _check_torch_compile_keywords(entry: str, more: Mapping[str, Any], known: set[str]) -> None:
@@ -215,8 +175,11 @@ def _check_torch_compile_keywords(entry: str, more: Mapping[str, Any], known: se
     for name in more:
         if name in passed_on:
             continue
-        near = difflib.get_close_matches(name, sorted(known | passed_on), n=1)
+        near = (difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.55)  # a setting first
+                or difflib.get_close_matches(name, sorted(known | passed_on), n=1))
+        settings = ", ".join(keywords.setting_names(DDPCompileConfig, skip=_NOT_KEYWORDS))
         raise TypeError(
             f"{entry}() got an unexpected keyword argument {name!r}: it is neither a setting of {entry} "
-            f"(the fields of ddp_opt.DDPCompileConfig) nor one of torch.compile's keywords, which {entry} passes "
-            f"on ({', '.join(sorted(passed_on)) or 'none'})." + (f" Did you mean {near[0]}=?" if near else ""))
+            f"(the fields of ddp_opt.DDPCompileConfig: {settings}) nor one of torch.compile's keywords, which "
+            f"{entry} passes on ({', '.join(sorted(passed_on)) or 'none'})."
+            + (f" Did you mean {near[0]}=?" if near else ""))

@@ -3,18 +3,17 @@ them into shard units of a chosen size, compile each block, shard each unit and
 the root, and prefetch explicitly. Whole-model fullgraph compile and compiled
 autograd are refused with FSDP2: see ``fsdp_opt.config``."""
 
-from .apply import apply, apply_fsdp, check_no_compiled_autograd, default_mesh
+from .apply import apply, check_no_compiled_autograd, default_mesh
 from compiler import block_containers, block_lists, find_blocks
-from .config import CompileConfig, FSDPConfig
+from .config import FSDPCompileConfig, FSDPConfig
 from .plan import FSDPPlan, ShardUnit, format_units, plan_fsdp, plan_shard_units
 
 __all__ = [
-    # entry point (apply_fsdp: its deprecated alias)
+    # entry point
     "apply",
-    "apply_fsdp",
     # configuration
     "FSDPConfig",
-    "CompileConfig",
+    "FSDPCompileConfig",
     # planning (pure, no process group)
     "find_blocks",
     "block_containers",

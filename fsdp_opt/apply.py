@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
-import warnings
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,37 +17,27 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from compiler import cache_settings, compile_blocks
+from compiler.backend_chain import build_backend
 from compiler.cache import open_cache
+from compiler.keywords import keyword_signature, refuse_unknown_keywords
 from compiler.share import share_for_group
 
 from ._torch_internals import checkpoint_wrapper, compiled_autograd_active, replicate_with_fsdp
-from .config import COMPILED_AUTOGRAD_WHY, CompileConfig, FSDPConfig
+from .config import COMPILED_AUTOGRAD_WHY, FSDPCompileConfig, FSDPConfig
 from .plan import FSDPPlan, plan_fsdp
 
 log = logging.getLogger(__name__)
 
-__all__ = ["apply", "apply_fsdp", "check_no_compiled_autograd", "default_mesh"]
+__all__ = ["apply", "check_no_compiled_autograd", "default_mesh"]
 
 
-def apply(
-    model: nn.Module,
-    config: FSDPConfig | None = None,
-    *,
-    mesh: DeviceMesh | None = None,
-    blocks: str | Sequence[str] = "auto",
-    compile: CompileConfig | str | Callable | None = None,
-    reshard_after_forward: bool | int = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-    prefetch: int = 1,
-    shard_unit_mb: float | None = None,
-    checkpointing: bool = False,
-    replicate: bool = False,
-) -> FSDPPlan:
+def apply(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMesh | None = None,
+          **settings: Any) -> FSDPPlan:
     """Shard ``model`` in place with FSDP2, compiling each block first.
 
-    Give the settings either as one :class:`FSDPConfig` or as keywords (the
-    fields of :class:`FSDPConfig`), not both.
+    Give the settings either as one :class:`FSDPConfig` or as keywords, not both.
+    The keywords are the fields of :class:`FSDPConfig`, by name and default
+    (``inspect.signature(apply)`` lists them; Note [Keywords from a config]).
 
     Order, and why (the order torchtitan uses):
 
@@ -75,8 +65,8 @@ def apply(
             the keywords (all defaults when none is given).
         mesh: a 1-D device mesh of the data-parallel ranks (2-D for HSDP); None
             for all ranks of the default process group.
-        blocks, compile, reshard_after_forward, mp_policy, offload_policy,
-        prefetch, shard_unit_mb, checkpointing, replicate: see :class:`FSDPConfig`.
+        **settings: the fields of :class:`FSDPConfig` (``blocks``, ``compile``,
+            ``prefetch``, ...), each as a keyword.
 
     Returns:
         The plan that was applied (``print(plan.table())`` shows the units).
@@ -84,7 +74,8 @@ def apply(
     Raises:
         ValueError: ``config`` together with keywords, blocks not found, an
             unknown backend, a model already sharded, or a compile setting that
-            does not work with FSDP2 (see :class:`CompileConfig`).
+            does not work with FSDP2 (see :class:`FSDPCompileConfig`).
+        TypeError: a keyword that is no field of :class:`FSDPConfig`.
         RuntimeError: compiled autograd is enabled, or no process group.
 
     Example:
@@ -92,10 +83,8 @@ def apply(
         >>> plan = fsdp_opt.apply(model, FSDPConfig(compile="aot_eager", shard_unit_mb=4))
         >>> loss = model(x, y)[1]; loss.backward(); opt.step()
     """
-    keywords = dict(blocks=blocks, compile=compile, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                    offload_policy=offload_policy, prefetch=prefetch, shard_unit_mb=shard_unit_mb,
-                    checkpointing=checkpointing, replicate=replicate)
-    config = FSDPConfig(**keywords) if config is None else _only_config(config, keywords)
+    refuse_unknown_keywords("fsdp_opt.apply", settings, FSDPConfig)
+    config = FSDPConfig(**settings) if config is None else _only_config(config, settings)
     check_no_compiled_autograd("fsdp_opt.apply")
     model_name = type(model).__name__  # before fully_shard renames the class (FSDP<name>)
     sharded = [name or "(root)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -120,7 +109,7 @@ def apply(
     share = share_for_group(dist.get_process_group_ranks(mesh.get_group()),
                             timeout_s=cc.share_timeout_s, name="fsdp") if cc is not None and cc.share else None
     if share is not None:  # Note [Shared compile]
-        backend = share.wrap(backend)
+        backend = build_backend(backend, share=share)  # Note [Backend wrapping order]
         plan = dataclasses.replace(plan, share=share)
     modules = dict(model.named_modules())
     found = {name: modules[name] for name in plan.block_names}
@@ -153,11 +142,11 @@ def apply(
     return plan
 
 
-def apply_fsdp(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMesh | None = None) -> FSDPPlan:
-    """Deprecated: ``fsdp_opt.apply(model, config, mesh=mesh)`` does the same."""
-    warnings.warn("fsdp_opt.apply_fsdp is deprecated; call fsdp_opt.apply(model, config, mesh=mesh)",
-                  DeprecationWarning, stacklevel=2)
-    return apply(model, config, mesh=mesh)
+_PARAMETER = inspect.Parameter
+apply.__signature__ = keyword_signature(FSDPConfig, leading=(
+    _PARAMETER("model", _PARAMETER.POSITIONAL_OR_KEYWORD, annotation="nn.Module"),
+    _PARAMETER("config", _PARAMETER.POSITIONAL_OR_KEYWORD, default=None, annotation="FSDPConfig | None"),
+    _PARAMETER("mesh", _PARAMETER.KEYWORD_ONLY, default=None, annotation="DeviceMesh | None")))
 
 
 def _only_config(config: FSDPConfig, keywords: dict) -> FSDPConfig:
@@ -275,7 +264,7 @@ def _checkpoint_wrap(model: nn.Module, name: str, block: nn.Module) -> nn.Module
     return wrapped
 
 
-def _describe_compile(cc: CompileConfig | None) -> str:
+def _describe_compile(cc: FSDPCompileConfig | None) -> str:
     if cc is None:
         return "off"
     name = cc.backend if isinstance(cc.backend, str) else getattr(cc.backend, "__name__", "callable")

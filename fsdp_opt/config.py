@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from compiler import CompileOptions, SettingError, check_blocks_setting, not_compiled
 
-__all__ = ["CompileConfig", "FSDPConfig"]
+__all__ = ["FSDPCompileConfig", "FSDPConfig"]
 
 # Why whole-model compile cannot be fullgraph under FSDP2; shared by the config
 # check here and the runtime checks in apply.py.
@@ -28,7 +28,7 @@ COMPILED_AUTOGRAD_WHY = (
 
 
 @dataclass(frozen=True)
-class CompileConfig(CompileOptions):
+class FSDPCompileConfig(CompileOptions):
     """How each block is compiled: ``compiler.CompileOptions`` (backend, mode, options,
     dynamic, fullgraph, cache_dir, share, share_timeout_s), and what only FSDP2 adds.
 
@@ -44,7 +44,7 @@ class CompileConfig(CompileOptions):
             the field exists so that a request for it fails loudly.
     """
 
-    OWNER = "CompileConfig"
+    OWNER = "FSDPCompileConfig"
 
     whole_model: bool = False
     compiled_autograd: bool = False
@@ -54,14 +54,14 @@ class CompileConfig(CompileOptions):
         if self.compiled_autograd:
             raise SettingError(
                 "compiled_autograd",
-                f"CompileConfig(compiled_autograd=True) was requested for an FSDP2 model: "
+                f"FSDPCompileConfig(compiled_autograd=True) was requested for an FSDP2 model: "
                 f"{COMPILED_AUTOGRAD_WHY}. Leave compiled_autograd=False (the default); the "
                 "per-block compiled forward already gets a compiled backward from AOTAutograd."
             )
         if self.whole_model and self.fullgraph:
             raise SettingError(
                 "whole_model",
-                "CompileConfig(whole_model=True, fullgraph=True) was requested for an FSDP2 model: "
+                "FSDPCompileConfig(whole_model=True, fullgraph=True) was requested for an FSDP2 model: "
                 f"{WHOLE_MODEL_WHY}. Use per-block compile instead (whole_model=False, the default), "
                 "which compiles each repeated block before fully_shard, one graph per block; "
                 "set compile=None to turn compile off."
@@ -79,8 +79,8 @@ class FSDPConfig:
             (``"layers"``), or a sequence of module names (``("layers.0",
             "layers.1")``). See Note [Finding blocks] in ``compiler.regional``.
         compile: ``None`` (no compile), a backend name or callable (per-block compile
-            with defaults), or a :class:`CompileConfig`. Normalized to a
-            ``CompileConfig`` or ``None``.
+            with defaults), or a :class:`FSDPCompileConfig`. Normalized to a
+            ``FSDPCompileConfig`` or ``None``.
         reshard_after_forward: passed to ``fully_shard`` for every shard unit:
             ``True`` frees the gathered parameters after forward and all-gathers
             again in backward; ``False`` keeps them; an int reshards to that
@@ -103,7 +103,7 @@ class FSDPConfig:
     """
 
     blocks: str | Sequence[str] = "auto"
-    compile: CompileConfig | str | Callable | None = None
+    compile: FSDPCompileConfig | str | Callable | None = None
     # The sharding around the compiled blocks: the blocks are compiled before fully_shard, and
     # these change FSDP's hooks between them, not the block graphs (mp_policy changes their dtypes).
     reshard_after_forward: bool | int = not_compiled(True, why="FSDP's hooks around the compiled blocks")
@@ -116,11 +116,11 @@ class FSDPConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, (str, bytes)) or (self.compile is not None and callable(self.compile)):
-            object.__setattr__(self, "compile", CompileConfig(backend=self.compile))
-        elif self.compile is not None and not isinstance(self.compile, CompileConfig):
+            object.__setattr__(self, "compile", FSDPCompileConfig(backend=self.compile))
+        elif self.compile is not None and not isinstance(self.compile, FSDPCompileConfig):
             raise TypeError(
                 f"FSDPConfig.compile={self.compile!r}: expected None, a backend name such as "
-                "'aot_eager' or 'inductor', a backend callable, or a CompileConfig. "
+                "'aot_eager' or 'inductor', a backend callable, or an FSDPCompileConfig. "
                 "Set compile=None to turn compile off."
             )
         object.__setattr__(self, "blocks", check_blocks_setting(self.blocks, "FSDPConfig"))

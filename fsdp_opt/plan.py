@@ -88,7 +88,7 @@ class FSDPPlan:
         root_bytes: bytes of the parameters left to the root unit.
         config: the configuration the plan was made from.
         compile_cache: the loaded ``compiler.CompileCache`` with
-            ``CompileConfig(cache_dir=...)``, set by ``apply``; else None.
+            ``FSDPCompileConfig(cache_dir=...)``, set by ``apply``; else None.
         share: the ``compiler.share.CompileShare`` of the mesh's ranks when the
             blocks are compiled on more than one rank, set by ``apply``; else None.
     """

@@ -19,7 +19,7 @@ from benchmarks.ddp_bench import BenchConfig
 from benchmarks.fsdp_bench import FSDP_MODES, FSDPBenchConfig
 from benchmarks.modes_ddp import DDP_MODES, DEFAULT_CAP, build_runner
 from benchmarks.report import cap_label, fmt, markdown_table, with_iqr
-from fsdp_opt import CompileConfig
+from fsdp_opt import FSDPCompileConfig
 
 
 def test_the_traced_mode_reports_the_fused_all_reduces_of_the_synchronised_backward():
@@ -80,7 +80,7 @@ def test_fsdp_modes_give_their_apply_keywords():
     assert bf16 == FSDP_MODES["grouped"].apply_kwargs(cfg)
     assert FSDP_MODES["replicate_per_block"].apply_kwargs(cfg) == dict(compile="aot_eager", prefetch=0, replicate=True)
     whole = FSDP_MODES["replicate_whole"].apply_kwargs(cfg)
-    assert whole["replicate"] and whole["compile"] == CompileConfig(backend="aot_eager", whole_model=True)
+    assert whole["replicate"] and whole["compile"] == FSDPCompileConfig(backend="aot_eager", whole_model=True)
     assert FSDP_MODES.describe(FSDP_MODES.default).count("\n") == 2
 
 

@@ -154,12 +154,15 @@ def test_a_compile_error_is_not_hidden_by_a_store_gone_with_a_failed_peer():
 
 def _graphs_on_threads(ranks, plans):
     """Rank r runs ``wrap_graph`` over ``plans[r]``: (op, seconds its compile takes) pairs.
-    Returns when each rank left its last barrier."""
+    Returns when each rank left its last barrier. The graphs are traced here, before the threads
+    start: FX's symbolic tracing keeps process-wide state (its patcher, the "FX is tracing" flag),
+    and two threads tracing at once, which a busy machine makes likely, break it for the process."""
     left = {}
+    graphs = {r: [(_gm(op), delay) for op, delay in plan] for r, plan in plans.items()}
 
     def run(r):
-        for op, delay in plans[r]:
-            ranks[r].wrap_graph(lambda gm, inputs, delay=delay: time.sleep(delay) or gm)(_gm(op), [torch.ones(2)])
+        for gm, delay in graphs[r]:
+            ranks[r].wrap_graph(lambda gm, inputs, delay=delay: time.sleep(delay) or gm)(gm, [torch.ones(2)])
         left[r] = time.perf_counter()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in plans]
@@ -168,6 +171,21 @@ def _graphs_on_threads(ranks, plans):
     for t in threads:
         t.join()
     return left
+
+
+def test_the_threaded_ranks_trace_no_graph_on_their_threads(monkeypatch):
+    # Two threads inside torch.fx.symbolic_trace at once break FX's tracing state for the whole process
+    # (every later torch.compile then fails), so the ranks on threads only compile graphs traced before.
+    traced_on = []
+    trace = torch.fx.symbolic_trace
+
+    def recording(*args, **kwargs):
+        traced_on.append(threading.current_thread())
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(torch.fx, "symbolic_trace", recording)
+    _graphs_on_threads(_pair(share=False), {0: [("add", 0.0), ("mul", 0.0)], 1: [("add", 0.0), ("mul", 0.0)]})
+    assert len(traced_on) == 4 and set(traced_on) == {threading.main_thread()}, traced_on
 
 
 def test_the_barrier_holds_every_rank_until_the_slowest_has_compiled():
@@ -390,10 +408,10 @@ def test_the_launcher_words_a_bad_share_timeout_in_its_own_terms():
 
 
 def test_fsdp_refuses_a_bad_share_timeout():
-    from fsdp_opt import CompileConfig
+    from fsdp_opt import FSDPCompileConfig
 
     with pytest.raises(ValueError, match=r"CompileConfig\(share_timeout_s=0\): expected a positive number of seconds"):
-        CompileConfig(backend="aot_eager", share_timeout_s=0)
+        FSDPCompileConfig(backend="aot_eager", share_timeout_s=0)
 
 
 def test_a_publication_over_the_stores_value_limit_goes_in_parts(monkeypatch):

@@ -1,4 +1,4 @@
-"""Launcher settings of issue 6: compile.cache_dir and ddp.strategy=regional (once compile.regional)."""
+"""Launcher settings for compile time: compile.cache_dir and ddp.strategy=regional."""
 
 import pytest
 import torch
@@ -16,19 +16,18 @@ def test_cache_dir_and_regional_are_accepted_with_ddp(tmp_path):
     assert _job().compile.cache_dir is None and _job().ddp.strategy == "split"
 
 
-@pytest.mark.parametrize("old, strategy", [("compile.regional=true", "regional"), ("compile.split=false", "whole"),
-                                           ("compile.split=true", "split"), ("compile.regional=false", "split")])
-def test_the_deprecated_compile_switches_map_to_ddp_strategy_with_a_warning(old, strategy):
-    with pytest.warns(FutureWarning, match=rf"{old} is deprecated: how DDP compiles is one setting now, ddp.strategy"):
-        cfg = _job(old)
-    validate(cfg, world_size=2)
-    assert cfg.ddp.strategy == strategy and cfg.compile.split is None and cfg.compile.regional is None
+@pytest.mark.parametrize("old", ["compile.split=false", "compile.regional=true"])
+def test_an_old_compile_switch_is_an_unknown_setting_naming_the_valid_ones(old):
+    # ddp.strategy is the one spelling; the command line refuses the old one before Hydra composes it.
+    from launch.config.argv import check_argv
 
-
-def test_a_deprecated_compile_switch_that_contradicts_ddp_strategy_is_refused():
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"ddp\.strategy=traced with "
-                                                                     r"compile\.split=false: .*Set ddp\.strategy alone"):
-        _job("ddp.strategy=traced", "compile.split=false")
+    _, problem = check_argv([old])
+    assert problem is not None and problem.startswith(f"{old!r}: {old.split('.')[1].split('=')[0]!r} is not a "
+                                                      "setting of compile, so nothing would read it. ")
+    assert "The settings of compile are backend, mode, " in problem and problem.endswith("(as compile.field=value).")
+    with pytest.raises(ConfigError, match=rf"^{old.split('=')[0]} is not a setting of this job: .*Valid keys of "
+                                          r"compile: backend, mode, .*blocks\."):
+        _job("+" + old)
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "none"])
@@ -38,14 +37,6 @@ def test_cache_dir_is_accepted_with_fsdp_and_none(tmp_path, parallel):
     cfg = _job(f"compile.cache_dir={tmp_path / 'cache'}", f"parallel={parallel}")
     validate(cfg, world_size=2 if parallel == "fsdp" else 1)
     assert fsdp_config(cfg.fsdp, cfg.compile).compile.cache_dir == str(tmp_path / "cache")
-
-
-def test_the_deprecated_regional_with_fsdp_is_accepted():
-    # fsdp_opt always compiles per block: regional=true says what already happens.
-    with pytest.warns(FutureWarning, match=r"compile\.regional=true is deprecated: .*Use nothing \(drop it\)"):
-        cfg = _job("parallel=fsdp", "compile.regional=true")
-    validate(cfg, world_size=2)
-    assert cfg.ddp.strategy == "split"
 
 
 BAD = [
@@ -91,8 +82,8 @@ def test_fsdp_compile_config_refuses_a_cache_dir_that_is_a_file(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("")
     with pytest.raises(ValueError, match=r"CompileConfig\(cache_dir='.*a_file'\) is not a directory: .*cache_dir=None"):
-        fsdp_opt.CompileConfig(cache_dir=str(f))
-    assert fsdp_opt.CompileConfig(cache_dir=str(tmp_path / "cache")).cache_dir == str(tmp_path / "cache")
+        fsdp_opt.FSDPCompileConfig(cache_dir=str(f))
+    assert fsdp_opt.FSDPCompileConfig(cache_dir=str(tmp_path / "cache")).cache_dir == str(tmp_path / "cache")
 
 
 def test_the_compile_group_maps_one_to_one_onto_compiler_compile_options():
@@ -109,7 +100,7 @@ def test_the_compile_group_maps_one_to_one_onto_compiler_compile_options():
     # Same defaults: the schema's defaults build the library's defaults.
     assert CompileConfig().compile_options() == CompileOptions()
     # The DDP and FSDP configs embed the same fields (their subclasses), so each is defined once.
-    assert issubclass(DDPCompileConfig, CompileOptions) and issubclass(fsdp_opt.CompileConfig, CompileOptions)
+    assert issubclass(DDPCompileConfig, CompileOptions) and issubclass(fsdp_opt.FSDPCompileConfig, CompileOptions)
     # Every shared setting reaches both libraries by name, with no list kept by hand.
     from launch.runtime.parallel import ddp_compile_config, fsdp_config
 

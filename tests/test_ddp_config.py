@@ -112,9 +112,9 @@ def test_a_new_field_is_a_keyword_without_any_other_edit():
 
 
 @pytest.mark.parametrize("name, value", [
-    (n, v) for n, v in [("mode", "max-autotune"), ("fullgraph", True), ("split", False), ("dynamic", True),
+    (n, v) for n, v in [("mode", "max-autotune"), ("fullgraph", True), ("dynamic", True),
                         ("fallback", "raise"), ("check_plans", False), ("align_buckets", False),
-                        ("share", False), ("share_compile", False), ("share_timeout_s", 5.0), ("regional", True),
+                        ("share", False), ("share_timeout_s", 5.0),
                         ("strategy", "traced"), ("bucket_cap_mb", "auto"), ("disable", True)]
 ])
 def test_every_keyword_given_beside_a_config_is_refused(name, value):
@@ -132,41 +132,18 @@ def test_an_unknown_keyword_is_refused_with_the_closest_setting():
     assert "forward" not in ddp.module.__dict__
 
 
-# --- the keywords of earlier releases: one strategy choice, one name for share ---------------
+# --- one spelling per setting: the keywords of the unreleased 0.1.0 drafts are gone -----------
 
 
-@pytest.mark.parametrize("old, now", [
-    (dict(split=False), dict(strategy="whole")),
-    (dict(split=True), dict(strategy="split")),
-    (dict(regional=True), dict(strategy="regional")),
-    (dict(regional=False), dict(strategy="split")),
-    (dict(regional=True, split=False), dict(strategy="regional")),  # split was unused by regional, as before
-    (dict(split=False, strategy="whole"), dict(strategy="whole")),
-    (dict(share_compile=False), dict(share=False)),
-])
-def test_a_deprecated_keyword_maps_to_its_setting_with_a_warning(old, now):
-    with pytest.warns(FutureWarning, match=r"compile_ddp\((split|regional|share_compile)=\w+\) is deprecated: .*pass"):
-        config = DDPCompileConfig.from_keywords("compile_ddp", dict(old, backend="eager"))
-    assert config == DDPCompileConfig(backend="eager", **now)
-
-
-def test_a_deprecated_keyword_that_contradicts_the_strategy_is_refused():
-    with pytest.warns(FutureWarning), pytest.raises(SettingError, match=r"compile_ddp\(strategy='traced', "
-                                                                     r"split=False\): .*two strategies"):
-        compile_ddp(DDP(nn.Linear(4, 4)), backend="aot_eager", strategy="traced", split=False)
-    with pytest.warns(FutureWarning), pytest.raises(SettingError, match=r"share_compile is the deprecated name"):
-        DDPCompileConfig.from_keywords("compile_ddp", dict(share=True, share_compile=False))
-
-
-def test_the_deprecated_split_false_still_compiles_whole():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
-    x = torch.randn(4, 64)
-    want = model(x)
-    with pytest.warns(FutureWarning, match=r"split=False\) is deprecated.*strategy='whole'"):
-        compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="aot_eager", split=False)
-    torch.testing.assert_close(compiled(x), want)
-    assert compiled.strategy == "whole" and compiled.buckets == []
+@pytest.mark.parametrize("old, near", [("split", ""), ("regional", ""), ("share_compile", r" Did you mean share\w*=\?")])
+def test_an_old_keyword_is_an_unknown_keyword_naming_every_setting(old, near):
+    ddp = DDP(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=rf"compile_ddp\(\) got an unexpected keyword argument '{old}': it is neither a "
+                                        r"setting of compile_ddp \(the fields of ddp_opt.DDPCompileConfig: backend, "
+                                        r"mode, .*share, .*strategy, .*wrap_backend\) nor one of torch.compile's keywords"
+                                        rf".*\.{near}$"):
+        compile_ddp(ddp, backend="eager", **{old: False})
+    assert "forward" not in ddp.module.__dict__
 
 
 def test_a_new_setting_is_in_the_cache_key_without_any_other_edit():

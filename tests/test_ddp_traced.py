@@ -70,8 +70,6 @@ def test_strategy_settings_refused_before_anything_runs():
     with pytest.raises(SettingError, match=r"strategy='pipelined'.*expected one of 'split': .*'traced': ") as e:
         DDPCompileConfig(backend="aot_eager", strategy="pipelined")
     assert e.value.setting == "strategy"
-    with pytest.warns(FutureWarning), pytest.raises(SettingError, match=r"strategy='traced', regional=True.*two"):
-        DDPCompileConfig.from_keywords("compile_ddp", dict(backend="aot_eager", strategy="traced", regional=True))
     assert DDPCompileConfig(backend="aot_eager", strategy="traced").cache_settings()["strategy"] == "traced"
 
 

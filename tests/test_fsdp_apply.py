@@ -118,7 +118,7 @@ def test_whole_model_compile_without_fullgraph_warns(gloo, caplog):
     model = _gpt()
     ref = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="fsdp_opt.apply"):
-        fsdp_opt.apply(model, compile=fsdp_opt.CompileConfig(backend="eager", whole_model=True, fullgraph=False))
+        fsdp_opt.apply(model, compile=fsdp_opt.FSDPCompileConfig(backend="eager", whole_model=True, fullgraph=False))
     assert "top frame runs eagerly" in caplog.text
     assert model._compiled_call_impl is not None
     x, y = batch(0, 0, CFG.vocab_size, CFG.block_size)
@@ -164,13 +164,39 @@ def test_config_and_keywords_together_are_refused():
     assert _unchanged(model)
 
 
-def test_apply_fsdp_is_a_deprecated_alias_of_apply(gloo):
+def test_the_keywords_are_the_config_fields_and_a_new_field_needs_no_other_edit(monkeypatch):
+    import dataclasses
+    import importlib
+    import inspect
+
+    params = inspect.signature(fsdp_opt.apply).parameters  # what help(fsdp_opt.apply) shows
+    assert list(params) == ["model", "config", "mesh", *(f.name for f in dataclasses.fields(fsdp_opt.FSDPConfig))]
+    assert all(params[f.name].default == f.default and params[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+               for f in dataclasses.fields(fsdp_opt.FSDPConfig))
+
+    @dataclasses.dataclass(frozen=True)
+    class WithANewSetting(fsdp_opt.FSDPConfig):
+        new_knob: int = 3
+
+    monkeypatch.setattr(importlib.import_module("fsdp_opt.apply"), "FSDPConfig", WithANewSetting)
     model = _gpt()
-    with pytest.warns(DeprecationWarning, match=r"fsdp_opt.apply_fsdp is deprecated; call "
-                                                r"fsdp_opt.apply\(model, config, mesh=mesh\)"):
-        plan = fsdp_opt.apply_fsdp(model, fsdp_opt.FSDPConfig(prefetch=0))
-    assert plan.block_names == [f"blocks.{i}" for i in range(CFG.n_layer)]
-    assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.blocks)
+    with pytest.raises(RuntimeError, match=r"needs a process group"):  # the keyword was taken: on to the mesh
+        fsdp_opt.apply(model, new_knob=5)
+
+
+def test_an_unknown_keyword_names_every_setting_and_changes_nothing():
+    model = _gpt()
+    with pytest.raises(TypeError, match=r"^fsdp_opt.apply\(\) got an unexpected keyword argument 'prefech': it is not a "
+                                        r"setting of fsdp_opt.apply, whose keywords are the fields of fsdp_opt.FSDPConfig "
+                                        r"\(blocks, compile, .*, replicate\), so nothing would read it\. Did you mean "
+                                        r"prefetch=\?$"):
+        fsdp_opt.apply(model, prefech=2)
+    assert _unchanged(model)
+
+
+def test_the_old_alias_is_gone():
+    assert not hasattr(fsdp_opt, "apply_fsdp") and "apply_fsdp" not in fsdp_opt.__all__
+    assert "CompileConfig" not in fsdp_opt.__all__ and "FSDPCompileConfig" in fsdp_opt.__all__
 
 
 def test_torchtitan_shaped_model_is_sharded_compiled_and_trains_like_eager(gloo):

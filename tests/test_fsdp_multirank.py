@@ -4,7 +4,7 @@ step by step (the reference sees both ranks' batches; FSDP averages gradients)."
 import pytest
 
 from _fsdp_helpers import STEPS, train_fsdp_vs_reference
-from fsdp_opt import CompileConfig
+from fsdp_opt import FSDPCompileConfig
 from launch.models import Block, GPTConfig
 
 SMALL = GPTConfig(n_layer=4, n_embd=64, n_head=2, vocab_size=256, block_size=16)
@@ -31,7 +31,7 @@ def test_two_rank_per_block_aot_eager_matches_unsharded_reference(run_ranks):
 
 
 def test_two_rank_replicate_per_block_compiled_matches_unsharded_reference(run_ranks):
-    # FSDP2's replicate in place of fully_shard (issue 45, item 3): nothing sharded, every parameter whole on
+    # FSDP2's replicate in place of fully_shard: nothing sharded, every parameter whole on
     # both ranks, the blocks compiled as with sharding, training equal to the unsharded reference.
     results = run_ranks(train_fsdp_vs_reference, SMALL, dict(compile="aot_eager", replicate=True))
     _check(results, [(f"blocks.{i}",) for i in range(4)])
@@ -51,7 +51,7 @@ def test_two_rank_grouped_units_with_checkpointing_match_reference(run_ranks):
 
 @pytest.mark.slow
 def test_two_rank_tiny_inductor_matches_reference(run_ranks):
-    results = run_ranks(train_fsdp_vs_reference, TINY, dict(compile=CompileConfig(backend="inductor", share=True)),
+    results = run_ranks(train_fsdp_vs_reference, TINY, dict(compile=FSDPCompileConfig(backend="inductor", share=True)),
                         timeout=600)
     # Inductor's CPU kernels split reductions by the intra-op thread count, and AdamW's normalised
     # update magnifies that rounding where a gradient is near zero: with one thread per rank (torchrun's

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from _fsdp_helpers import Lin, Other, TitanArgs, Transformer, named
-from fsdp_opt import (CompileConfig, FSDPConfig, block_containers, block_lists, find_blocks, format_units, plan_fsdp,
-                      plan_shard_units)
+from fsdp_opt import (FSDPCompileConfig, FSDPConfig, block_containers, block_lists, find_blocks, format_units,
+                      plan_fsdp, plan_shard_units)
 from launch.models import GPT, GPTConfig
 
 MiB = 1024 * 1024
@@ -144,7 +144,7 @@ def test_unknown_block_name_lists_candidates():
         find_blocks(TwoStacks(), ("enc", "enc.0"))
 
 
-# --- blocks found the way models are written (issue 40) --------------------------
+# --- blocks found the way models are written --------------------------
 
 
 def _suggestions_work(model, message):
@@ -293,7 +293,7 @@ def test_config_errors(kwargs, match):
 
 
 def test_compile_spec_is_normalized():
-    assert FSDPConfig(compile="aot_eager").compile == CompileConfig(backend="aot_eager")
+    assert FSDPConfig(compile="aot_eager").compile == FSDPCompileConfig(backend="aot_eager")
     assert FSDPConfig(compile=None).compile is None
     assert FSDPConfig(blocks=["a", "b"]).blocks == ("a", "b")
 
@@ -301,23 +301,23 @@ def test_compile_spec_is_normalized():
 def test_whole_model_fullgraph_is_refused_with_why_and_what_to_use():
     with pytest.raises(ValueError, match=r"whole_model=True, fullgraph=True.*dynamo.*Attempted to call function "
                                          r"marked as skipped.*per-block compile.*compile=None"):
-        CompileConfig(backend="aot_eager", whole_model=True, fullgraph=True)
-    CompileConfig(backend="aot_eager", whole_model=True)  # fullgraph=False, the default: allowed, warned at apply
+        FSDPCompileConfig(backend="aot_eager", whole_model=True, fullgraph=True)
+    FSDPCompileConfig(backend="aot_eager", whole_model=True)  # fullgraph=False, the default: allowed, warned at apply
 
 
 def test_compiled_autograd_request_is_refused():
     with pytest.raises(ValueError, match=r"compiled_autograd=True.*wrong losses.*drop the sharding.*Leave compiled_autograd=False"):
-        CompileConfig(compiled_autograd=True)
+        FSDPCompileConfig(compiled_autograd=True)
 
 
 def test_each_bad_fsdp_setting_is_a_setting_error_naming_its_field():
     # One error type per rule, as DDPCompileConfig's: a SettingError (a ValueError) whose .setting names it.
     from compiler import SettingError
-    from fsdp_opt import CompileConfig, FSDPConfig
+    from fsdp_opt import FSDPCompileConfig, FSDPConfig
 
-    cases = [(lambda: CompileConfig(share_timeout_s=0), "share_timeout_s"),
-             (lambda: CompileConfig(compiled_autograd=True), "compiled_autograd"),
-             (lambda: CompileConfig(whole_model=True, fullgraph=True), "whole_model"),
+    cases = [(lambda: FSDPCompileConfig(share_timeout_s=0), "share_timeout_s"),
+             (lambda: FSDPCompileConfig(compiled_autograd=True), "compiled_autograd"),
+             (lambda: FSDPCompileConfig(whole_model=True, fullgraph=True), "whole_model"),
              (lambda: FSDPConfig(prefetch=-1), "prefetch"),
              (lambda: FSDPConfig(shard_unit_mb=0), "shard_unit_mb"),
              (lambda: FSDPConfig(reshard_after_forward=1), "reshard_after_forward")]

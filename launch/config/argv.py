@@ -6,6 +6,9 @@ Note [Command line before Hydra]
 - A key that is neither a config group nor a field of the job (``modle=gpt_tiny``):
   Hydra suggests ``+modle=gpt_tiny``, which the job then refuses. Here: the key, the
   close valid names, and the lists of groups and keys.
+- A field that a section does not have (``compile.split=false``): Hydra printed
+  ``Could not override`` and the schema's class over several lines, without the valid
+  fields. Here: the field, the close ones, and the section's fields.
 - ``hydra.run.dir`` that cannot be made (under a read-only folder, or a file):
   Hydra raised a bare ``OSError`` that did not name the setting.
 - A config file of one's own (``--config-dir``/``--config-path`` with
@@ -60,6 +63,8 @@ def _known_names() -> tuple[list[str], list[str]]:
 def _unknown_key(arg: str, groups: list[str], keys: list[str]) -> str | None:
     key = arg.split("=", 1)[0]
     head = re.split(r"[./@]", key, maxsplit=1)[0]
+    if head in keys and key[len(head):].startswith("."):
+        return _unknown_field(arg, head, key[len(head) + 1:])
     if not head or head == "hydra" or head in groups or head in keys:
         return None
     close = difflib.get_close_matches(head, sorted(set(groups + keys)), n=3, cutoff=0.6)
@@ -67,6 +72,21 @@ def _unknown_key(arg: str, groups: list[str], keys: list[str]) -> str | None:
     return (f"{arg!r}: {head!r} is neither a config group nor a setting of the job; {hint}The groups are "
             f"{', '.join(groups)}; the settings are {', '.join(keys)} (their fields as group.field=value, e.g. "
             "train.steps=100). A new key of one's own needs a leading +, and the job refuses keys it does not read.")
+
+
+def _unknown_field(arg: str, head: str, rest: str) -> str | None:
+    """``head.field...=value`` where the section ``head`` of the job has no such field."""
+    section = next(f for f in dataclasses.fields(JobConfig) if f.name == head)
+    if section.default_factory is dataclasses.MISSING or not dataclasses.is_dataclass(section.default_factory):
+        return None
+    name = re.split(r"[./@]", rest, maxsplit=1)[0]
+    names = [f.name for f in dataclasses.fields(section.default_factory)]
+    if name in names:
+        return None
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = f"Did you mean {' or '.join(f'{head}.{c}' for c in close)}? " if close else ""
+    return (f"{arg!r}: {name!r} is not a setting of {head}, so nothing would read it. {hint}The settings of {head} "
+            f"are {', '.join(names)} (as {head}.field=value).")
 
 
 def _run_dir_problem(path: str) -> str | None:

@@ -10,7 +10,6 @@ than a type live in ``launch.checks.validate``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import MISSING as MISSING_FACTORY, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -143,10 +142,6 @@ class CompileConfig:
     # DDP with ddp.strategy=regional: "auto" (a ModuleList/ModuleDict/Sequential of one block class) or
     # the container's name.
     blocks: str = "auto"
-    # Deprecated spellings of ddp.strategy (split=false: ddp.strategy=whole; regional=true:
-    # ddp.strategy=regional), mapped with a warning when the config is read.
-    split: Optional[bool] = None
-    regional: Optional[bool] = None
 
     def compile_options(self) -> CompileOptions:
         """The ``compiler.CompileOptions`` these settings hold (every field of it, by name)."""
@@ -336,31 +331,7 @@ def to_job_config(dcfg: Any) -> JobConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {e.msg}. Set it on the command line, e.g. {e.full_key}=...") from None
     assert isinstance(cfg, JobConfig), type(cfg)
-    _renamed(cfg)
     return cfg
-
-
-def _renamed(cfg: JobConfig) -> None:
-    """The deprecated ``compile.split`` and ``compile.regional`` as the ``ddp.strategy`` they
-    stand for, each with a FutureWarning (``compile.regional=true`` decides when both are set)."""
-    c = cfg.compile
-    for name, value, strategy in (("regional", c.regional, "regional"), ("split", c.split, "whole")):
-        if value is None:
-            continue
-        # parallel=fsdp always compiles per block: compile.regional=true said what already happens.
-        means = (value if name == "regional" else not value) and cfg.parallel.name == ParallelMode.DDP
-        warnings.warn(f"compile.{name}={str(value).lower()} is deprecated: how DDP compiles is one setting now, "
-                      f"ddp.strategy. Use " + (f"ddp.strategy={strategy}" if means else "nothing (drop it)") + ".",
-                      FutureWarning, stacklevel=2)
-        if not means or (name == "split" and c.regional):
-            continue
-        if cfg.ddp.strategy not in ("split", strategy):
-            raise ConfigError(
-                f"ddp.strategy={cfg.ddp.strategy} with compile.{name}={str(value).lower()}: the second is the "
-                f"deprecated spelling of ddp.strategy={strategy}, so two strategies were asked for. Set "
-                "ddp.strategy alone.")
-        cfg.ddp.strategy = strategy
-    c.split = c.regional = None
 
 
 # Free-form sections: their keys are the user's own (constructor arguments, Inductor options).

@@ -25,7 +25,6 @@ from compiler.cputime import cpu_seconds
 from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
 from ddp_opt.advice import Spelling
 from ddp_opt.compression import own_hook, parse_reduce_dtype
-from ddp_opt.powersgd import parse_compression
 
 from ..config.schema import (CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig,
                              ParallelMode)
@@ -166,10 +165,13 @@ def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
 
 def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callable] | None = None
                        ) -> DDPCompileConfig:
-    """The ``ddp_opt.DDPCompileConfig`` for the job's ``compile`` and ``ddp`` sections.
+    """The ``ddp_opt.DDPCompileConfig`` for the job's ``compile`` and ``ddp`` sections: the one
+    place where the launcher hands its settings to ``ddp_opt``, which parses them (``bucket_cap_mb``
+    beyond ``auto`` goes to DDP's constructor, ``ddp_bucket_kwargs``).
 
     Building it validates every compile setting (``compiler.SettingError`` names the
-    field); ``launch.checks.validate`` builds it before any process group starts."""
+    field); ``launch.checks.validate`` builds it before any process group starts, and
+    ``apply_parallel`` uses what it parsed, compiled or not."""
     c = cfg.compile
     return DDPCompileConfig(
         **vars(c.compile_options()), fallback=c.fallback, blocks=c.blocks,
@@ -189,7 +191,7 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     break inside a block falls back instead of failing the job)."""
     compile_cfg = None
     if c.backend != "eager":
-        compile_cfg = fsdp_opt.CompileConfig(**vars(c.compile_options()))
+        compile_cfg = fsdp_opt.FSDPCompileConfig(**vars(c.compile_options()))
     mp = None
     reduce_dtype = parse_reduce_dtype(f.reduce_dtype)  # None: fp32
     if f.mixed_precision == FSDPPrecision.BF16 or reduce_dtype is not None:
@@ -199,7 +201,7 @@ def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
     return fsdp_opt.FSDPConfig(compile=compile_cfg, mp_policy=mp, **{name: getattr(f, name) for name in same})
 
 
-def _apply_fsdp(model: nn.Module, cfg: JobConfig) -> fsdp_opt.FSDPPlan:
+def _shard_with_fsdp(model: nn.Module, cfg: JobConfig) -> fsdp_opt.FSDPPlan:
     """FSDP2 in place, each repeated block compiled before sharding (fsdp_opt's
     recipe; fsdp_opt logs the shard-unit table on rank 0)."""
     plan = fsdp_opt.apply(model, fsdp_config(cfg.fsdp, cfg.compile))
@@ -217,6 +219,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
     c = cfg.compile
     compile_it = c.backend != "eager"
     if cfg.parallel.name == ParallelMode.DDP:
+        config = ddp_compile_config(cfg, wrap_backend)
         ddp = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -224,16 +227,15 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
             **ddp_bucket_kwargs(cfg.ddp),
         )
         if not compile_it:
-            own = own_hook(ddp.process_group, parse_reduce_dtype(cfg.ddp.reduce_dtype),
-                           parse_compression(cfg.ddp.compression))
+            own = own_hook(ddp.process_group, config.reduce_dtype, config.compression)
             if own is not None:  # the comm hook compile_ddp would register
                 ddp.register_comm_hook(own.state, own.bucket)
             return Wrapped(ddp, ddp)
-        compiled = compile_ddp(ddp, config=ddp_compile_config(cfg, wrap_backend))
+        compiled = compile_ddp(ddp, config=config)
         compiled.auto_save_cache = False  # saved by the training loop after its first step
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == ParallelMode.FSDP:
-        plan = _apply_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
+        plan = _shard_with_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
         return Wrapped(model, model, compile_cache=plan.compile_cache, share=plan.share)
     if not compile_it:
         return Wrapped(model, model)

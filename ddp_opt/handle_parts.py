@@ -1,0 +1,231 @@
+"""The parts ``CompiledDDP`` delegates to, one job each, each usable alone: the
+comm-hook registry (:class:`CommHooks`), bucket realignment (:class:`Realigner`), the
+compile cache's automatic save (:class:`CacheAutoSave`), the step gate's forward hook
+(:class:`GateHook`) and the traced strategy's backward (:class:`TracedBackward`).
+
+``CompiledDDP`` runs their ``before_forward`` / ``after_forward`` from hooks on the DDP
+model; each part keeps only its own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from compiler import CompileCache
+from compiler.cache import save_on_local_rank0
+from compiler.step_gate import StepGate
+
+from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
+from .agreement import agree_on_caps, next_plan_namespace
+from .alignment import Alignment
+from .compression import OwnHook
+from .plan import Bucket, realign_caps
+from .realign import check_realignment, realign_reducer
+from .traced import TracedPlan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CacheAutoSave", "CommHooks", "GateHook", "Realigner", "TracedBackward"]
+
+
+def synchronised(ddp_model: DistributedDataParallel) -> bool:
+    """Whether the running forward is one that a synchronised backward follows."""
+    return torch.is_grad_enabled() and ddp_model.require_backward_grad_sync
+
+
+class CommHooks:
+    """The comm hooks registered through the handle, registered on DDP now and kept to be
+    registered again on the reducer realignment re-creates (Note [Bucket realignment]).
+
+    With ``reduce_dtype`` or ``compression`` under the reducer strategies, ``own_hook`` is
+    registered here first; under ``strategy="traced"`` no bucket hook can be registered."""
+
+    def __init__(self, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None,
+                 traced: bool = False) -> None:
+        self.ddp_model, self.own_hook, self.traced = ddp_model, own_hook, traced
+        self.hooks: list[tuple[Any, Callable]] = []
+        if own_hook is not None and not traced:
+            self._add(own_hook.state, own_hook.bucket)
+
+    def register(self, state: Any, hook: Callable) -> None:
+        """``DistributedDataParallel.register_comm_hook``, kept across realignment."""
+        if self.own_hook is not None:
+            name = self.own_hook.name
+            raise ValueError(
+                f"register_comm_hook({getattr(hook, '__qualname__', hook)!r}): this model was compiled with "
+                f"{self.own_hook.setting}, which all-reduces the gradients through a comm hook of its own, "
+                f"and DDP calls one hook. Compile with {name}=None to reduce through your hook, or drop the "
+                f"hook and keep {name}.")
+        if self.traced:
+            raise RuntimeError(
+                "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
+                "all-reduced inside the compiled backward graph by the python reducer, which calls a hook per "
+                "gradient with (grad, param): a DDP bucket hook cannot take that. Compile with strategy='split' "
+                "(the default) to use a comm hook, or, to compress, pass reduce_dtype=torch.bfloat16."
+            )
+        self._add(state, hook)
+
+    def _add(self, state: Any, hook: Callable) -> None:
+        self.hooks.append((state, hook))
+        self.ddp_model.register_comm_hook(state, hook)
+
+    def current(self) -> list[tuple[Any, Callable]]:
+        """The hooks to register on a new reducer: those on DDP itself where they can be read
+        (also those registered on DDP directly), else those registered here."""
+        found = python_comm_hooks(self.ddp_model)
+        return self.hooks if found is None else found
+
+
+class Realigner:
+    """Realigns DDP's buckets with the plan's partitions once, and measures the result
+    (Note [Bucket realignment], Note [Plan agreement]).
+
+    Args:
+        ddp_model: the DDP module.
+        buckets: returns the plan's buckets (empty until the first forward compiled).
+        enabled: whether to realign at all.
+        min_buckets: realign only with at least this many non-empty buckets.
+        comm_hooks: the hooks to register again on the new reducer.
+        on_change: called when DDP's bucket layout changed (an own hook's per-bucket state).
+    """
+
+    def __init__(self, ddp_model: DistributedDataParallel, buckets: Callable[[], list[Bucket]], *, enabled: bool,
+                 min_buckets: int = 2, comm_hooks: CommHooks | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.ddp_model, self.buckets, self.enabled, self.min_buckets = ddp_model, buckets, enabled, min_buckets
+        self.comm_hooks = comm_hooks if comm_hooks is not None else CommHooks(ddp_model)
+        self.on_change = on_change
+        self.aligned_caps: tuple[int, ...] | None = None
+        self.realignment: Alignment | None = None  # measured once the realigned buckets exist
+        self.decided = False
+        self._key = next_plan_namespace("realign")
+
+    def before_forward(self) -> None:
+        """At the start of the first forward with gradients after the plan exists (the second
+        one: the first compiles it), every rank at once: realign, with caps agreed by all ranks
+        (Note [Plan agreement]), or not at all. Graphs without backward plan nothing, so an
+        evaluation on rank 0 only never moves this point on that rank alone."""
+        if not (self.enabled and not self.decided and torch.is_grad_enabled()
+                and reducer_finalized(self.ddp_model)):
+            return
+        buckets = [b for b in self.buckets() if b.size > 0]
+        if not buckets:
+            return  # not compiled yet: the first forward
+        self.decided = True
+        agreed, why = agree_on_caps(realign_caps(buckets), self._key, self.ddp_model.process_group)
+        if not agreed:
+            warnings.warn(f"compile_ddp: DDP's buckets were not realigned with the partitions on any rank: {why}. "
+                          "Training is correct; the gradients' all-reduces overlap backward less. Pass "
+                          "align_buckets=False to skip realignment.", stacklevel=3)
+        elif len(buckets) >= self.min_buckets:
+            self.aligned_caps = realign_reducer(self.ddp_model, buckets, self.comm_hooks.current())
+            self._changed()
+
+    def after_forward(self) -> None:
+        """DDP rebuilds its buckets at the start of a forward: measured right after it."""
+        if self.aligned_caps is not None and self.realignment is None and has_rebuilt_buckets(self.ddp_model):
+            self.realignment = check_realignment(self.ddp_model, [b for b in self.buckets() if b.size > 0])
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+
+class CacheAutoSave:
+    """Saves the compile cache once, at the start of the second call with gradients
+    (after the first full step), unless ``enabled`` is set False first (Note [Compile cache])."""
+
+    def __init__(self, cache: CompileCache | None) -> None:
+        self.cache = cache
+        self.enabled = True
+        self.attempted = False
+        self._calls = 0
+
+    def save(self) -> str | None:
+        """Local rank 0 writes what the entry does not hold yet; the entry's path when written."""
+        self.attempted = True
+        path = save_on_local_rank0(self.cache)
+        return str(path) if path is not None else None
+
+    def before_forward(self) -> None:
+        if self.enabled and self.cache is not None and not self.attempted:
+            self._calls += 1  # counted only while a save is pending
+            if self._calls >= 2 and torch.is_grad_enabled():
+                self.save()
+
+
+class GateHook:
+    """The step gate met after each synchronised forward, before its backward's first
+    collective (Note [Step gate]); the reducer strategies only."""
+
+    def __init__(self, gate: StepGate, ddp_model: DistributedDataParallel) -> None:
+        self.gate, self.ddp_model = gate, ddp_model
+        self._skip = 0  # synchronised forwards still to pass ungated (compile_for_ddp: see from_next)
+        self._in_first_call = False
+
+    def before_forward(self) -> None:
+        self._in_first_call = False
+
+    def after_forward(self) -> None:
+        if not synchronised(self.ddp_model):
+            return
+        if self._in_first_call:  # the call this hook was made in, counted by from_next
+            self._in_first_call = False
+        elif self._skip:
+            self._skip -= 1
+        else:
+            self.gate.meet()
+
+    def from_next(self) -> None:
+        """Called when the hook is made inside a forward of the DDP model (``compile_for_ddp``
+        attaches in the first compiled call). That call's forward hook may or may not run (a
+        module without hooks when the call began skips them), and ranks may attach in different
+        calls (an evaluation on rank 0 only comes first): so every rank leaves its first
+        synchronised forward ungated, the attach call or a later one, and all ranks meet from
+        their second on."""
+        self._in_first_call = True
+        self._skip = 0 if synchronised(self.ddp_model) else 1
+
+
+class TracedBackward:
+    """Under ``strategy="traced"``: the context the backward runs in, and the warning when a
+    forward's backward ran without it (Note [Traced strategy]).
+
+    With ``reduce_dtype`` or ``compression``, ``own_hook`` is put on the python reducer here;
+    ``hook`` is its state when it has one (``TracedPowerSGD``)."""
+
+    def __init__(self, plan: TracedPlan, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None) -> None:
+        self.plan, self.ddp_model = plan, ddp_model
+        self.hook = own_hook.traced(ddp_model, plan) if own_hook is not None else None
+        self._pending = False  # a forward ran; its backward has not entered context()
+        self._warned = False
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """What ``loss.backward()`` must run in: compiled autograd with the planned fusion."""
+        self._pending = False
+        if self.hook is not None:  # PowerSGD's steps count these backwards (Note [Traced PowerSGD])
+            return self.hook.backward(self.plan.backward(), self.ddp_model.require_backward_grad_sync)
+        return self.plan.backward()
+
+    def before_forward(self) -> None:
+        if self._pending and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "compile_ddp(strategy='traced'): a forward ran again without compiled.backward(loss) since the "
+                "last one. If that forward's backward ran as plain loss.backward(), its gradients were all-reduced "
+                "one parameter at a time, eagerly, without overlap: correct, but slow (with compression, not counted "
+                "toward its start, and in another bucket order than a compiled backward's). Call "
+                "compiled.backward(loss) (or run it in compiled.backward_context()) instead of loss.backward(), or "
+                "compile with strategy='split'.",
+                stacklevel=3,
+            )
+        self._pending = torch.is_grad_enabled()
+        if self.hook is not None:
+            self.hook.check_complete()  # after a plain loss.backward(), which context() did not see
