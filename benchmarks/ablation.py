@@ -6,7 +6,7 @@ ceiling, computed from what the sweep measured.
 Note [Lever ablation]
 
 Background
-    The shaped-link issue names five levers; its done-when asks for the measured
+    Five levers make up ours; the ablation reports the measured
     gain of each. One sweep (``ddp_compare --sweep``) runs every mode at every cap
     in each round, so a lever's gain is a ratio of two of its runners.
 

@@ -176,7 +176,7 @@ def _first_steps(rows: Sequence[dict]) -> dict[tuple[str, str], float]:
 
 
 def summarize(rows: Sequence[dict], steps: Sequence[dict] = (), wide: Sequence[dict] = ()) -> dict:
-    """The issue's done-when ratios from the restart rows and the interleaved step rows
+    """The compile-time goal ratios from the restart rows and the interleaved step rows
     (``wide``: the same job on a wider model, keys ending ``_wide``; None where a
     mode or job was not run)."""
     first = _first_steps(rows)

@@ -1,7 +1,7 @@
 """The docs block of a compressed-reduction sweep (``ddp_compare --sweep`` with the ``*_bf16`` or
 ``*_powersgd`` modes): every row with what and how many bytes it sends, its ratio to the best peer
 that sends the same and to the best fp32 peer, and its distance from the limit of its own bytes;
-then issue 46's goal rows, each with the measured value beside its bound.
+then the compression goal rows, each with the measured value beside its bound.
 
     python -m benchmarks.compression_report benchmarks/results/ddp_shaped_200mbit_bf16.json   # print the block
 """
@@ -28,12 +28,12 @@ def _ratio(mine: dict, other: dict) -> float:
     return ratio_summary(mine["step_ms_rounds"], other["step_ms_rounds"])[0]
 
 
-# Issue 46's bound against the best fp32 peer, by what a row sends.
+# The compression goals' bound against the best fp32 peer, by what a row sends.
 _FP32_BOUND = {"bf16": 0.60, "powersgd": 0.45}
 
 
 def goals(rows: Sequence[dict]) -> list[list[str]]:
-    """Issue 46's goals for compressed rows of ours at ``auto``, each as (goal, bound, measured, met)."""
+    """The compression goals for compressed rows of ours at ``auto``, each as (goal, bound, measured, met)."""
     out = []
     peers = [r for r in rows if r["mode"] in PEER_MODES and r.get("step_ms_rounds")]
     for mine in (r for r in rows if r["mode"] not in PEER_MODES and wire_kind(r) != "fp32"
@@ -78,7 +78,7 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
     parts = [text]
     if command or r0.get("command"):
         parts.append(f"Command: `{command or r0['command']}`")
-    parts += [table, "Issue 46's goals for the compressed rows at `auto`, as measured here:",
+    parts += [table, "Compression goals for the compressed rows at `auto`, as measured here:",
               markdown_table(["goal", "bound", "measured", "met"], goals(rows))]
     return "\n\n".join(parts)
 

@@ -22,10 +22,10 @@ Algorithm
       ``ddp.reduce_dtype=fp32`` and ``bf16``; and fp32 again with another ``train.seed``
       (another initialisation and other batches): how far two equally good fp32 runs land
       apart. That distance is the tolerance: bf16 counts as equal where its gap to fp32
-      is within the seed-to-seed gap, or within 1% (the issue's bound), whichever is larger.
+      is within the seed-to-seed gap, or within 1% (the bf16 bound), whichever is larger.
     - PowerSGD: ``ddp.compression=powersgd:4:W``, rank 4 from the end of the warm-up W (the
       first 10% of the steps; PyTorch's advice: no earlier than the warm-up). It is held to
-      the issue's 3%, or the seed-to-seed gap where that is larger.
+      the PowerSGD bound of 3%, or the seed-to-seed gap where that is larger.
     - Measured per run: the final training loss, the mean of the last 50 steps' losses, and
       the held-out loss at the end (``train.eval_every``).
 
@@ -64,7 +64,7 @@ QUICK_JSON = "bench_out/convergence_quick.json"
 RUNS = (("fp32", ["ddp.reduce_dtype=fp32"]), ("bf16", ["ddp.reduce_dtype=bf16"]),
         ("fp32, another seed", ["ddp.reduce_dtype=fp32", "train.seed=4242"]),
         ("PowerSGD rank 4", ["ddp.compression=powersgd:4:{warmup}"]))
-POWERSGD_BOUND = 0.03  # issue 46: PowerSGD's mean loss over the last 50 steps within 3% of fp32's
+POWERSGD_BOUND = 0.03  # compression goal: PowerSGD's mean loss over the last 50 steps within 3% of fp32's
 FULL = dict(steps=300, batch_size=16, seq_len=64, backend="aot_eager", last=50)
 QUICK = dict(steps=30, batch_size=8, seq_len=32, backend="aot_eager", last=10)
 # nanoGPT's recipe, scaled to the run: warm-up, cosine decay, gradients clipped at norm 1. With the job's

@@ -5,8 +5,8 @@ of a result row that mean the same in both.
 
 Note [Interleaved benchmark core]
 ---------------------------------
-Background: on shared 2-core machines the same eager job has shown medians from
-313 to 562 ms per step across runs, so absolute times from separate runs mean
+Background: on shared machines the same job's step time drifts widely between runs
+(measured: docs/benchmarks/index.md), so absolute times from separate runs mean
 nothing. Every mode is therefore built in the same job (same seed, so the same
 initial weights; the same batches, step by step) and measured in turns.
 

@@ -8,64 +8,36 @@ Note [Interleaved DDP benchmark]
 Background and the shared schedule: Note [Interleaved benchmark core] in
 ``benchmarks.core``.
 
-Modes (``benchmarks.modes_ddp``): ``eager`` (DDP, no compile), ``builtin``
-(``torch.compile(ddp)`` with PyTorch's splitter), ``nosplit``
-(``compile_ddp(ddp, strategy="whole")``), ``ours`` (``compile_ddp(ddp)``: split at DDP's
-real buckets) and ``regional`` (``compile_ddp(ddp, strategy="regional")``: each
-transformer block compiled in place, one graph reused by every block, DDP's
-buckets made of whole blocks; Note [Regional compile] in ``ddp_opt.regional``).
-Every DDP model gets the simulated-link comm hook (Note [Simulated link]).
+Modes (``benchmarks.modes_ddp``): ``eager``, ``builtin`` (PyTorch's splitter),
+``nosplit`` (``strategy="whole"``), ``ours`` (split at DDP's real buckets) and
+``regional`` (Note [Regional compile]); every DDP model gets the simulated-link comm
+hook (Note [Simulated link]).
 
 Algorithm, per bucket cap:
 
-1. Cold compile: ``first_steps`` with a fresh Inductor cache directory per
-   compiled mode.
-2. Warm compile: ``first_steps`` again after one reset, each mode in the *same*
-   cache directory as its cold compile: what a restarted job with a warm on-disk
-   cache pays (FX graph / AOTAutograd cache hits; partitions that skip those
-   caches recompile). The cache hits and misses of both compiles are recorded.
-3. Rounds: each round runs, for every mode in turn (the order rotates), one
-   synchronised step (forward, backward with all-reduce, SGD step) and one
-   ``no_sync`` step (forward, backward, no all-reduce, no SGD step). A barrier
-   precedes every timed step so one rank never waits on the other's previous step.
+1. Cold compile: ``first_steps`` with a fresh Inductor cache directory per mode.
+2. Warm compile: ``first_steps`` again after one reset, each mode in its cold
+   directory: what a restarted job with a warm on-disk cache pays.
+3. Rounds: for every mode in turn (the order rotates), one synchronised step and one
+   ``no_sync`` step, a barrier before each timed step.
 
 Measured (rank 0's clocks; losses from all ranks):
 
-- step: wall time of the synchronised step; ratio vs builtin (or ``--baseline``)
-  is the median of per-round ratios, with the IQR.
-- compute: forward + backward under ``no_sync``; sync fb: forward + backward
-  with all-reduce. exposed comm = median over rounds of (sync fb - compute),
-  the two steps of a pair run back to back, so slow drifts of the machine cancel.
-- comm: the link's modelled seconds for the buckets actually reduced (from the
-  hook). overlap = (compute + comm - step) / min(compute, comm) with
-  step = compute + exposed, i.e. (comm - exposed) / min(compute, comm).
-- fwd, bwd, opt: forward and backward of the ``no_sync`` step (a clock read
-  between them) and the optimizer step of the synchronised step. After the
-  rounds, one all-reduce of all the gradient bytes in one flat tensor is timed
-  over the same link (``comm``); every row then gets the job's physical limit
-  ``fwd + max(bwd, comm) + opt`` (the fastest parts of any mode),
-  ``step_over_limit`` and ``ratio_vs_best_peer`` (Note [Physical limit of a
-  step] in ``benchmarks.limit``).
-- loss_max_abs_diff: max over ranks and synchronised steps of |loss - eager's
-  loss at the same step|.
-- recompiles: dynamo graphs compiled after the warm step.
-- peak_mib (CUDA only, None on the CPU): ``torch.cuda.max_memory_allocated``
-  over a synchronised step, the counter reset just before it; max over ranks and
-  measured rounds.
-- device: ``cuda: <GPU name>`` or ``cpu``.
+- step: the synchronised step; ratios are medians of per-round ratios with IQR.
+- compute: forward + backward under ``no_sync``; exposed comm = median of (sync
+  forward + backward - compute), the pair back to back so drifts cancel.
+- comm: the link's modelled time for the buckets reduced; overlap =
+  ``(comm - exposed) / min(compute, comm)``.
+- fwd, bwd, opt and one all-reduce of all gradient bytes give the physical limit,
+  ``step_over_limit`` and ``ratio_vs_best_peer`` (Note [Physical limit of a step]).
+- loss_max_abs_diff against eager; recompiles after the warm step; peak_mib (CUDA only)
+  over a synchronised step; device.
 
-On CUDA (``--device cuda``, or ``auto`` where CUDA is available; Note [Benchmark
-device] in ``benchmarks.device``): each rank runs on ``cuda:(LOCAL_RANK %
-GPUs)``, over NCCL when every rank has a GPU of its own, else over gloo with
-ranks sharing a GPU. The model is built on the CPU from the seed and moved to the
-GPU before DDP wraps it (``device_ids=[that GPU]``); batches are drawn on the CPU,
-as in a CPU run, and moved. Every clock read of a step (its start, the end of
-forward+backward, the end of the step, for synchronised and ``no_sync`` steps
-alike) follows a ``torch.cuda.synchronize()``, so the times are the GPU's.
+On CUDA (Note [Benchmark device]) the model is built on the CPU from the seed and moved
+to the rank's GPU before DDP wraps it, and every clock read follows a synchronize.
 
-Notes: ``no_sync`` steps leave the weights alone, so all modes stay in lockstep;
-their gradients are dropped. The compile steps are not measured for memory:
-their peak holds the compiler's own allocations (autotuning, for one).
+Notes: ``no_sync`` steps leave the weights alone, so all modes stay in lockstep. The
+compile steps are not measured for memory: their peak holds the compiler's own.
 """
 
 from __future__ import annotations
@@ -318,7 +290,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         **job_columns(cfg),
         "keep_grads": cfg.keep_grads,
         "grad_mib": sum(p.numel() * p.element_size() for p in r.ddp.module.parameters()) / 2**20,
-        # what crosses the link: the gradients in the mode's reduce dtype (issue 46)
+        # what crosses the link: the gradients in the mode's reduce dtype
         "reduce_dtype": r.mode.reduce_dtype,
         "compression": r.mode.compression,
         "wire_mib": _wire_bytes(r) / 2**20,

@@ -33,7 +33,7 @@ from .torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
 
-# The keys every row carries (issues #4 and #16); rows carry more (IQRs, compute/comm, limit parts, ...).
+# The keys every row carries; rows carry more (IQRs, compute/comm, limit parts, ...).
 ROW_KEYS = (
     "mode", "backend", "net", "link", "bucket_cap_mb", "step_ms_median", "ratio_vs_builtin", "ratio_vs_best_peer",
     "limit_ms", "step_over_limit", "overlap", "compile_s", "partitions", "loss_max_abs_diff",

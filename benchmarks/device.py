@@ -21,8 +21,8 @@ Algorithm:
    see the same GPUs, which torchrun's local ranks do not know: the launcher sets
    ``MACHINE_RANKS_ENV`` (the ranks of both nodes) and ``NODE_OFFSET_ENV`` (this
    node's first rank among them) for each node (``machine_env``), and the index and
-   the backend count the machine's ranks instead (seen on one H200: both nodes on
-   ``cuda:0`` chose NCCL, which refused, "Duplicate GPU detected").
+   the backend count the machine's ranks instead (else both nodes pick ``cuda:0``
+   and NCCL, which refuses a duplicate GPU).
 3. ``clock``: ``time.perf_counter()`` after ``torch.cuda.synchronize()`` on CUDA,
    so the time between two reads is the GPU's time for the work queued between.
 4. ``reset_peak`` / ``peak_bytes``: ``torch.cuda.reset_peak_memory_stats`` and

@@ -34,7 +34,7 @@ from .torchrun import here_or_relaunched
 __all__ = ["main", "parse_args", "format_table", "results_markdown", "replace_section", "section_body", "update_readme",
            "ROW_KEYS", "START", "END"]
 
-# The keys issues #7 and #16 ask for; rows carry more (IQRs, unit sizes, compile seconds, limit parts, ...).
+# The keys every row carries; rows carry more (IQRs, unit sizes, compile seconds, limit parts, ...).
 ROW_KEYS = ("mode", "backend", "net", "step_ms_median", "ratio_vs_per_block", "ratio_vs_best_peer", "limit_ms",
             "step_over_limit", "peak_mem_mib_per_rank", "loss_max_abs_diff", "units")
 

@@ -3,76 +3,39 @@ ratio to the best peer (see Note [Physical limit of a step]).
 
 Note [Physical limit of a step]
 -------------------------------
-Background: overlap efficiency ``(compute + comm - step) / min(compute, comm)`` has
-a ceiling below 1 whenever communication outlasts backward, so it cannot say how
-far a mode is from the best step the model and the link allow. The limit can.
+Background: overlap efficiency ``(compute + comm - step) / min(compute, comm)`` has a
+ceiling below 1 whenever communication outlasts backward, so it cannot say how far a
+mode is from the best step the model and the link allow. The limit can.
 
-Derivation: a synchronised DDP step must (1) run forward, (2) run backward, which
-makes every gradient, (3) carry every gradient byte over the link, and (4) step
-the optimizer on the reduced gradients. No gradient exists before forward ends,
-so neither (2) nor (3) starts before it; the optimizer step (one step over the
-whole model after DDP's backward returns, as every mode here runs it) starts
-only once backward has ended and the last byte has arrived. (2) and (3) may
-overlap completely, but neither takes less than it takes alone. So
+Derivation (DDP): a synchronised step must run forward, run backward (which makes every
+gradient), carry every gradient byte over the link, and step the optimizer. Nothing is
+sent before forward ends; the optimizer starts once backward has ended and the last
+byte arrived; backward and the link may overlap completely, neither takes less than
+alone. So ``step >= fwd + max(bwd, comm) + opt =: limit``, and ``step_over_limit`` is
+>= 1, 1.0 a perfect step.
 
-    step >= fwd + max(bwd, comm) + opt  =:  limit
+Parts, measured in the same job as the modes: fwd, bwd from each mode's ``no_sync``
+step, opt from its synchronised steps (the smallest median over the modes, so the bound
+holds for every mode); comm one all-reduce of one flat float32 tensor of all gradient
+bytes over the job's link (the real shaped link, the simulated link's charge, or
+loopback): one message pays one latency, no bucketing carries the bytes faster.
 
-and ``step_over_limit = step / limit`` is >= 1, 1.0 being a perfect step.
+Not tighter on purpose: the first and last gradients' ready times would need
+per-parameter timings not measured, so the bound stays valid, only less tight. It
+does not charge CPU contention between gloo and compute, and an optimizer applied per
+bucket could beat it by at most ``opt``.
 
-Parts, all measured in the same job as the modes:
+FSDP2 (every unit resharded after forward): all-gather every parameter for forward and
+again for backward, reduce-scatter every gradient, one link and one device, so
+``step >= max(fwd + bwd, 2 ag + rs, fwd + rs) + opt``, with ``ag``/``rs`` one flat
+collective of all parameter bytes, fwd and bwd from an unsharded copy without
+communication, opt the fastest FSDP mode's sharded step. With ``reduce_dtype=bf16``
+``rs`` is in bf16; FSDP2's replicate gathers nothing, so its limit is DDP's. Each row's
+best peer reduces the same way (sharded or replicated, same dtype).
 
-- fwd, bwd: medians over measured rounds of each mode's ``no_sync`` step (no
-  all-reduce), split by a clock read between forward and backward (on CUDA after
-  a synchronize). The limit takes the smallest median over the modes: the
-  fastest compute any mode reached, so the bound holds for every mode.
-- opt: the median optimizer step of synchronised steps, smallest over the modes.
-- comm: the median time of one all-reduce of one flat float32 tensor holding
-  all the gradient bytes, over the job's link, a barrier before each: on a
-  shaped network (``--net shaped:RATE``) the real link; on the simulated link
-  ``max(real all-reduce, alpha + bytes / bandwidth)``, what its comm hook would
-  charge one bucket of all the bytes; with neither, loopback. One message pays
-  one latency: no bucketing can carry the bytes faster.
-
-Why not tighter: the last gradient backward makes (the first layer's) can only
-leave after backward ends, and nothing leaves before the first gradient exists;
-adding those terms needs per-parameter ready times that are not measured, so
-they are left out: the bound stays valid, only less tight. What the limit does
-not charge, and the step pays: on a CPU the link's and gloo's threads compete
-with compute for the same cores. And the limit assumes the optimizer runs after
-the last bucket: an optimizer applied bucket by bucket as buckets arrive could
-beat it by at most ``opt``.
-
-FSDP2 (``benchmarks.fsdp_bench``, every unit resharded after forward): a step
-must all-gather every parameter for forward and again for backward (``ag``
-each), reduce-scatter every gradient (``rs``), compute forward and backward on
-the full parameters, and step the optimizer on its shard. The collectives share
-one link and the computations one device, and no gradient exists before
-forward ends, so
-
-    step >= max(fwd + bwd, 2 ag + rs, fwd + rs) + opt  =:  limit
-
-with ``ag`` and ``rs`` one ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
-of all the parameter bytes in one flat tensor over the job's link (medians, a
-barrier before each), fwd and bwd the medians of an unsharded copy of the model
-with no communication at all (per-block compiled when a compiled mode runs,
-eager otherwise; the smaller of the two when both run), and opt the smallest
-median optimizer step of the FSDP modes' own steps (a sharded step: no
-communication). This bound lets the two phases' collectives overlap anything,
-so it is looser than ``max(fwd, ag) + max(bwd, ag + rs) + opt``, which assumes
-backward's all-gathers cannot start during forward.
-
-With ``MixedPrecisionPolicy(reduce_dtype=bf16)`` (the ``*_bf16`` FSDP modes) ``rs`` is
-the reduce-scatter of the same elements in bf16; the all-gathers stay float32. FSDP2's
-replicate (the ``replicate_*`` modes) gathers nothing and all-reduces each unit's
-gradients, so its limit is DDP's, ``fwd + max(bwd, comm) + opt``: comm one all-reduce
-of all the parameter bytes, fwd and bwd the unsharded copy's, opt the fastest of the
-replicate modes' own (whole-model) optimizer steps. Each row's best peer is a peer
-that reduces the same way (sharded or replicated, in the same dtype).
-
-Best peer: among the peers' rows (eager DDP, PyTorch's splitter, compiled
-autograd's reducer, every cap each), the one with the least median step;
-``ratio_vs_best_peer`` is the median of per-round ratios to it (with IQR), as
-every ratio here.
+Best peer: the peers' row (eager DDP, PyTorch's splitter, compiled autograd's reducer,
+every cap) with the least median step; ``ratio_vs_best_peer`` is the median of
+per-round ratios to it, with its IQR.
 """
 
 from __future__ import annotations
@@ -174,7 +137,7 @@ def add_limit_columns(rows: list[dict], parts: LimitParts | FSDPLimitParts | dic
     """Give every row ``limit_ms`` (and its parts), ``step_over_limit``, ``best_peer`` and
     ``ratio_vs_best_peer`` with its IQR (None where no peer ran). With ``parts`` per reduce dtype
     (DDP), a row's limit counts the bytes it sends and its best peer sends the same dtype; a row
-    reduced in another dtype than fp32 also gets ``ratio_vs_best_fp32_peer`` (issue 46)."""
+    reduced in another dtype than fp32 also gets ``ratio_vs_best_fp32_peer``."""
     for r in rows:
         dtype = wire_kind(r)
         part = parts[dtype] if isinstance(parts, dict) else parts

@@ -4,10 +4,10 @@ the bucket (see Note [Simulated link]).
 
 Note [Simulated link]
 ---------------------
-Background: loopback gloo all-reduces 16 MiB in ~17 ms, and both ranks share the
-same cores, so nothing is left to overlap with. Real inter-node links are slower;
-what decides whether a compiled backward hides communication is *when* each
-bucket becomes ready, not how fast the loopback is.
+Background: loopback gloo all-reduces far faster than a network link, and both ranks
+share the same cores, so nothing is left to overlap with (measured:
+docs/benchmarks/index.md). What decides whether a compiled backward hides
+communication on a real link is *when* each bucket becomes ready.
 
 Model: one serial link per process, described by a latency ``alpha`` (seconds)
 and a bandwidth (bytes/s). A bucket handed to the hook at wall time ``t_ready``

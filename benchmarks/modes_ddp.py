@@ -193,7 +193,7 @@ class OursTraced(Ours):
         return None
 
 
-# --- gradients all-reduced in bf16 (issue 46): each peer with the hook a user registers, and ours -----------
+# --- gradients all-reduced in bf16: each peer with the hook a user registers, and ours -----------
 # No simulated link: a bf16 mode's gradients leave through its own hook (run them on a real or shaped link).
 
 
@@ -246,7 +246,7 @@ class OursTracedBF16(OursTraced):
                            reduce_dtype=torch.bfloat16, **more)
 
 
-# --- PowerSGD (issue 46): eager DDP with PyTorch's hook at the same rank and start, and ours ------------------
+# --- PowerSGD: eager DDP with PyTorch's hook at the same rank and start, and ours ------------------
 # Start 2: the measured rounds are compressed (realignment's layout changes come before:
 # Note [PowerSGD compression]).
 POWERSGD = "powersgd:4:2"

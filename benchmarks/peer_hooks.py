@@ -1,4 +1,4 @@
-"""The bf16 comm hooks a user registers on the peers today (issue 46's sweep): DDP's bucket hook
+"""The bf16 comm hooks a user registers on the peers (the compression sweep): DDP's bucket hook
 and, for PyTorch's compiled-autograd reducer, a hook per gradient.
 
 No ``from __future__ import annotations`` and no annotations on the hooks: DDP's
@@ -22,7 +22,7 @@ def bucket_bf16_hook(state, bucket):
 
 def per_gradient_bf16_hook(state, bucket):
     """For the compiled-autograd reducer, which calls a hook per gradient with ``(grad, param)``:
-    cast, functional all-reduce, cast back (the issue's description of what a user writes)."""
+    cast, functional all-reduce, cast back (what a user writes)."""
     grad, _ = bucket
     reduced = functional_all_reduce(grad.to(torch.bfloat16) / dist.get_world_size(), dist.group.WORLD)
     grad.copy_(reduced.to(grad.dtype))

@@ -1,41 +1,26 @@
 """The cap sweep: every (mode, bucket cap) pair, ``ours@auto`` included, measured in
-the SAME interleaved rounds, and the summary that answers issue 5's done-when
+the SAME interleaved rounds, and the summary that answers whether ``auto`` beats every fixed cap
 (see Note [Interleaved cap sweep]).
 
 Note [Interleaved cap sweep]
 ----------------------------
-Background: ``run_cap`` measures one cap at a time, so absolute step times of
-different caps come from different minutes of a noisy machine and cannot be
-compared. Choosing a cap (or judging ``auto`` against the best fixed cap) needs
-them side by side.
+Background: ``run_cap`` measures one cap at a time, so step times of different caps
+come from different minutes of a noisy machine. Choosing a cap, or judging ``auto``
+against the best fixed cap, needs them side by side in the same rounds.
 
-Runners (each its own GPT copy, same seed, same batches, own DDP):
+Runners (each its own GPT copy, same seed and batches, own DDP): ``ours@C`` for every
+cap and ``ours@auto`` (one cost model measured first through the same simulated link and
+given to every ours runner, so each ours row has predicted next to measured exposed
+communication); ``builtin@C`` for every numeric cap; ``eager`` and ``nosplit`` once, at
+DDP's default cap. On CUDA as in ``run_cap`` (Note [Interleaved DDP benchmark]).
 
-- ``ours@C`` for every cap C in ``--caps``, ``ours@auto`` when ``auto`` is listed
-  (``compile_ddp(bucket_cap_mb="auto", link=cost)``). One cost model is measured
-  first, its link through the same simulated link the gradients take
-  (``SimulatedLink.probe``), and given to every ours runner: auto plans with it,
-  fixed caps only get its prediction, so every ours row has predicted next to
-  measured exposed communication;
-- ``builtin@C`` for every numeric cap;
-- ``eager`` and ``nosplit`` (when in ``--modes``) once, at DDP's default cap 25.
+Algorithm: build all runners; compile each with one step (one reset before the first,
+so "cold s" is only indicative; no warm-compile phase); then ``run_cap``'s rounds over
+all runners, the order rotating.
 
-Device: the job's, as in ``run_cap`` (Note [Interleaved DDP benchmark]): on CUDA
-the runners are built through ``modes_ddp.build_runner`` on the rank's GPU, the
-cost model's link and compute rates are measured there, and the rounds take the
-same synchronised clocks and peak memory.
-
-Algorithm: build all runners; compile each with one step (one ``torch.compiler.reset()``
-before the first, no fresh cache dirs, so "cold s" is only indicative: later
-runners reuse what earlier ones compiled; the warm-compile phase of ``run_cap``
-is skipped: it would cost a second compile of every runner); then the same
-rounds as ``run_cap`` (Note [Interleaved DDP benchmark]) over all runners, the
-order rotating each round.
-
-Ratios: every runner at cap C against ``builtin@C``; ``ours@auto``, eager and
-nosplit against ``builtin@25`` (builtin's default). ``sweep_summary`` pairs
-rounds to compare ``ours@auto`` with the best fixed ``ours`` cap, with
-``builtin@25`` and with builtin's best cap (best = least median step).
+Ratios: every runner at cap C against ``builtin@C``; ``ours@auto``, eager and nosplit
+against ``builtin@25``. ``sweep_summary`` compares ``ours@auto`` with the best fixed
+``ours`` cap, ``builtin@25`` and builtin's best cap, round by round.
 """
 
 from __future__ import annotations
@@ -145,7 +130,7 @@ def sweep_summary(rows: Sequence[dict]) -> dict | None:
         out["vs"].append({"against": name, "runner": other["runner"], "step_ms": other["step_ms_median"],
                           "ratio": mid, "ratio_q1": lo, "ratio_q3": hi})
     ratio = {v["against"]: v["ratio"] for v in out["vs"]}
-    # issue 5's done-when, as measured here (the 10% vs builtin's default is asked on the slow link)
+    # the sweep's goals, as measured here (the 10% vs builtin's default is asked on the slow link)
     def check(value, ok):  # None: not measured in this sweep
         return None if value is None or value != value else bool(ok(value))
 

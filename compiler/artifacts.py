@@ -3,37 +3,29 @@
 Note [Damaged cache artifacts]
 
 Background
-    On CPU, Inductor builds each kernel into a shared library (``*.so``) in its
-    cache directory (``cache_dir/inductor`` with a compile cache's ``cache_dir``,
-    Note [Compile cache]) and, on a later compile, loads the library if the file
-    exists, without looking at it. A file truncated by a full disk, a killed copy
-    or a broken sync fails to load (``ImportError: ... file too short``) on every
-    compile: each partition fell back to eager on every restart, and nothing ever
-    rebuilt the file.
+    On CPU, Inductor builds each kernel into a shared library (``*.so``) in its cache
+    directory and, on a later compile, loads the file if it exists, without looking at
+    it. A file truncated by a full disk, a killed copy or a broken sync fails to load on
+    every compile, and Inductor never rebuilds it: without a check, each partition would
+    fall back to eager on every restart.
 
 Algorithm
-    - :func:`damaged_kernels` checks every ``*.so`` under a directory without
-      loading it: the ELF header must be there, and the program and section
-      header tables and every loadable segment must lie inside the file.
+    - :func:`damaged_kernels` checks every ``*.so`` without loading it: the ELF header,
+      the header tables and every loadable segment must lie inside the file.
     - :meth:`compiler.cache.CompileCache.load` removes the damaged kernels under
-      ``cache_dir/inductor`` before the first compile (one warning), after installing
-      the entry's kernels (which skips existing files); it then installs the entry's
-      whole copy of each removed kernel where it has one, and Inductor rebuilds the
-      others from the source it keeps next to them; every partition stays compiled.
-    - A partition whose compile still fails with an error that names a damaged
-      (or missing) kernel file under Inductor's cache directory (one the load-time
-      check did not see: ``TORCHINDUCTOR_CACHE_DIR`` chosen by the user, or no
-      ``cache_dir``) removes the damaged kernels there and falls back to eager as
-      before; the next start rebuilds them (``compiler.partition``).
+      ``cache_dir/inductor`` before the first compile (one warning), installs the
+      entry's copy where it has one, and Inductor rebuilds the others from the source
+      it keeps beside them.
+    - A compile that still fails naming a damaged or missing kernel under Inductor's
+      cache directory (``TORCHINDUCTOR_CACHE_DIR`` chosen by the user, or no
+      ``cache_dir``) removes the damaged kernels and falls back to eager; the next start
+      rebuilds them (``compiler.partition``).
 
 Notes
-    Why not compile again in the same process: tried on torch 2.13 (CPU). After a
-    failed load, Inductor's rebuild of the kernel from its cached source fails in
-    that process with a C++ compile error (``at::vec`` not declared: the vector ISA
-    flags are missing from the command); a retry with the FX graph and AOTAutograd
-    caches off compiles the forward, but the partition's backward, compiled lazily
-    at the first backward pass with the caches on, then fails the same way and
-    stops the job. A rebuild in a fresh process (the load-time check) works.
+    The rebuild happens in a fresh process, not in the one that failed: there,
+    Inductor's rebuild from cached source fails with a C++ compile error (the vector
+    ISA flags are missing from the command), and a retry with the caches off fails the
+    same way at the first backward (seen on torch 2.13, CPU).
 """
 
 from __future__ import annotations

@@ -3,84 +3,43 @@
 Note [Compile cache]
 
 Background
-    Inductor keeps its FX graph cache and AOTAutograd's cache in a local directory
-    (``TORCHINDUCTOR_CACHE_DIR``, ``/tmp/torchinductor_<user>`` by default); a new
-    machine, container or tmp cleanup starts cold. ``torch.compiler.save_cache_artifacts``
-    serialises every cache artifact this process created (Inductor graphs, AOTAutograd
-    entries, autotuning results) into one blob, and ``load_cache_artifacts`` writes
-    such a blob back into the local caches, where the next compile finds it.
-    The AOTAutograd entries only exist for split partitions because
-    ``compiler.partition`` compiles them without ``fakify_first_call`` (see
-    Note [Lazy partition compile]).
+    Inductor keeps its FX graph cache and AOTAutograd's cache in a local directory; a
+    new machine, container or tmp cleanup starts cold. ``save_cache_artifacts``
+    serialises every cache artifact this process created into one blob, and
+    ``load_cache_artifacts`` writes it back where the next compile finds it. Split
+    partitions have AOTAutograd entries because ``compiler.partition`` compiles them
+    without ``fakify_first_call`` (Note [Lazy partition compile]).
 
 Algorithm
-    - A :class:`CacheKey` is a sha256 over everything that changes what gets
-      compiled: the model's structure (module tree, parameter names, shapes,
-      dtypes), the compile settings, the world size, the torch and python
-      versions, the device type and capability. Ranks of one job share a key.
-    - Where the graphs do not depend on the world size (``open_cache(...,
-      any_world_size=True)``: DDP's split, whole and regional strategies, whose
-      graphs hold no collective), the key says ``world_size: any``, so a restart on
-      fewer or more ranks with the same per-rank batch loads the entry of another
-      world size. The header keeps the world size of the run that wrote it, and
-      the load says so when it differs. A graph whose inputs differ (another
-      per-rank batch) misses Inductor's and AOTAutograd's own keys and compiles;
-      :meth:`CompileCache.save` then says in one line that the loaded entry lacked it.
-      Measured (torch 2.13, CPU): an entry written on 2 ranks serves 4 ranks whole;
-      on 1 rank Inductor's graphs hit but AOTAutograd's key differs (the traced
-      graph's code is the same; the cause was not found), so AOTAutograd traces
-      again and adds its entry.
+    - A :class:`CacheKey` is a sha256 over what changes what gets compiled: model
+      structure, compile settings, world size, torch and python versions, device.
+      Where the graphs hold no collective (``open_cache(..., any_world_size=True)``:
+      DDP's split, whole and regional strategies) the key says ``world_size: any``, so
+      an elastic restart with the same per-rank batch loads the entry; the load says
+      which world size wrote it (measured: docs/compile-time.md).
     - An entry is ``<cache_dir>/<label>-<key[:16]>.pt2cache``: a magic line, a JSON
-      header (format version, the key and its parts, payload length and sha256)
-      and the payload from ``save_cache_artifacts``.
-    - :meth:`CompileCache.load` checks, in order: the folder (unsafe: another
-      user could write it, ``compiler.trust.unsafe_folder``), magic and header parse
-      (corrupt), format/torch/python/device (stale), the key (foreign: an entry
-      for another model or config), payload length and checksum (corrupt), every
-      artifact's key and kernel's path (unsafe: it would be written outside
-      Inductor's cache directory, Note [Checked artifact keys]), and only then hands
-      the payload to ``load_cache_artifacts``. Any failure gives
-      one warning naming the file and the reason, and the job compiles from
-      scratch; the entry is overwritten at the next save. It never raises.
-    - :meth:`CompileCache.save` writes atomically: a temporary file in the same
-      directory, ``fsync``, ``os.replace``. A reader sees the old entry or the new
-      one, never a partial file; a crash mid-write leaves the old entry.
+      header (format, key parts, lengths, sha256), the artifacts and, on CPU, the C++
+      kernels (Note [Kernels in the compile cache]).
+    - :meth:`CompileCache.load` checks, in order: the folder (``unsafe_folder``), magic
+      and header (corrupt), format/torch/python/device (stale), the key (foreign),
+      lengths and checksum (corrupt), every artifact key and kernel path (Note [Checked
+      artifact keys]); only then installs kernels (never overwriting a file) and loads
+      the payload. A failure is one warning and a compile from scratch; it never raises.
+    - :meth:`CompileCache.save` (local rank 0 only) writes atomically (temporary file,
+      ``fsync``, ``os.replace``) the union of the loaded entry and this process's
+      artifacts and kernels, and nothing when that adds nothing.
 
 Notes
-    - Loading a cache is loading code: Inductor's artifacts are Python and
-      compiled kernels that run in the training process. So an entry is loaded only
-      from a folder no other user can write (nor any folder above it, but for a
-      sticky one such as ``/tmp``); the checksum detects corruption, not tampering,
-      and the key check keeps even a tampered entry from writing outside Inductor's
-      cache directory (docs/trust.md).
-    - Our key decides which file is read; Inductor's and AOTAutograd's own keys
-      (over the graph, its inputs and configs) decide which artifact a graph uses.
-      An entry that passed our checks but holds other graphs only adds unused
-      cache entries: a graph never runs code compiled for another graph.
-    - Only local rank 0 saves (the other ranks compiled the same artifacts);
-      every rank loads.
-    - Format 2: the entry also carries the C++ kernels (``*.so``, ``*.o``) that
-      this process built or loaded on CPU (Note [Kernels in the compile cache] in
-      ``compiler.kernels``); the header gives the length of each part and one
-      checksum covers both. :meth:`CompileCache.load` installs them into the
-      process's Inductor cache directory at their relative paths (an existing file
-      is never overwritten) before the first compile, so a warm start on a fresh
-      Inductor directory loads them instead of running the C++ compiler. Carried:
-      the kernels of the graphs this process compiled or loaded, and every kernel
-      file that appeared in the Inductor directory after the load, such as the
-      small libraries ``pick_vec_isa`` builds to probe the CPU (14 s of a 18 s
-      warm first step of the test GPT when they were left out).
-    - :func:`open_cache` (used by ``compile_ddp``, ``fsdp_opt`` and the launcher's
-      ``parallel=none``) also puts Inductor's local cache under
-      ``cache_dir/inductor`` when the process has not chosen one
-      (``TORCHINDUCTOR_CACHE_DIR`` unset or at Inductor's default).
-      :meth:`CompileCache.load` removes the damaged kernels there, after installing
-      the entry's (Note [Damaged cache artifacts] in ``compiler.artifacts``).
-    - Graphs compiled after a load are saved too: a cache hit records its artifact
-      again in ``save_cache_artifacts``, so after a load that payload holds the
-      artifacts this process used plus any it compiled. :meth:`CompileCache.save`
-      writes the union of the loaded entry and this process's artifacts and
-      kernels, and writes nothing when that adds nothing to the entry.
+    - Loading a cache is loading code, so an entry is read only from a folder no other
+      user can write; the checksum detects corruption, not tampering, and the key check
+      keeps a tampered entry inside Inductor's cache directory (docs/trust.md).
+    - Our key picks the file; Inductor's and AOTAutograd's own keys pick the artifact,
+      so a graph never runs code compiled for another graph.
+    - :func:`open_cache` puts Inductor's cache under ``cache_dir/inductor`` when the
+      process has not chosen one, and the load removes damaged kernels there (Note
+      [Damaged cache artifacts]). The kernels carried include the libraries
+      ``pick_vec_isa`` builds to probe the CPU, which otherwise dominate a warm start on
+      a fresh directory (measured: docs/compile-time.md).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Background
     kernel's source and its compile command (``torch._inductor.codecache.write``
     and ``CppCodeCache.load_async``). Before it builds, Inductor looks for the
     target file and loads it when present. ``torch.compiler.save_cache_artifacts``
-    holds the generated code, not these libraries, so a warm start in a fresh
-    Inductor directory rebuilt every kernel with the C++ compiler.
+    holds the generated code, not these libraries, so without them a warm start in a
+    fresh Inductor directory would rebuild every kernel with the C++ compiler.
 
 Algorithm
     - :func:`collect_kernels` packs the ``*.so`` and ``*.o`` files under a root

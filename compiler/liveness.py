@@ -4,54 +4,35 @@ Note [Peer liveness]
 
 Background
     The compile barrier and the shared compile wait in the store for a peer, up to
-    ``share_timeout_s`` (two hours by default: a cold compile of a large model is
-    long, and a live peer that compiles must be waited for). A peer that died
-    (``kill -9``, an OOM kill, a lost node) or was stopped (SIGSTOP) will never
-    answer, and its survivors waited the two hours, deaf to SIGTERM, where a
-    collective would have failed after the process group's timeout.
+    ``share_timeout_s`` (long: a live peer that compiles must be waited for). A peer
+    that died (``kill -9``, an OOM kill, a lost node) or was stopped (SIGSTOP) never
+    answers; without liveness its survivors would wait the whole timeout, deaf to
+    SIGTERM, where a collective would have failed after the process group's timeout.
 
 Algorithm
-    Every rank that shares compiles or meets the step gate keeps a heartbeat: a daemon
-    thread adds one to ``distcompile/alive/<rank>`` in the store every ``beat_s`` for
-    the life of the process (the store's ``add``, which releases the GIL, so a rank
-    busy compiling in Python still beats), through a client of its own (a store
-    client runs one request at a time, and a blocking wait of the main thread, such
-    as the plan exchange's for a graph only this rank compiles, held the beats back
-    until the peers took the rank for dead). A waiter reads the counters of the peers it
-    waits for about once a second and notes, on its own clock, when each last
-    moved: no clocks are compared across machines. A peer whose counter has not
-    moved for ``dead_after_s`` (the store's own timeout, which the launcher sets
-    to ``train.timeout_s``; the process group's timeout for ``init_process_group``
-    callers) is taken for dead, and the wait raises :class:`PeerLost` naming the
-    peer, what it was doing and how long it has been silent. A live peer is
-    waited for as long as before.
-
-    Every wait also polls :func:`stop_requested`: the launcher's SIGTERM handler
-    calls :func:`request_stop`, and a wait still going ``STOP_GRACE_S`` after the
-    request raises :class:`WaitInterrupted`. torchrun's agent SIGKILLs its workers
-    30 s after forwarding a SIGTERM: a compile that ends within the grace still lets
-    the step finish and the preemption save its checkpoint, and a longer one ends
-    with a line said instead of a silent SIGKILL.
-
-    A rank blocked inside a collective (gloo, NCCL) for a peer that stopped reads no
-    counter: its main thread is in C++ until the collective's own timeout, and then
-    fails with the backend's error, which names no rank. :class:`PeerMonitor` is the
-    watchdog for that case: a daemon thread of its own reads every peer's counter
-    (one ``multi_get`` per check) and notes when each last moved; a caller's
-    ``on_silent`` is called once, from that thread, when a peer has been silent for
-    ``dead_after_s``. It defers to a store wait in progress (a :class:`PeerWatch`
-    checked in the last few seconds), which raises :class:`PeerLost` itself, so one
-    silent peer is reported once. After a collective failed, :meth:`PeerMonitor.find_lost`
-    tells which peer went silent (a dead peer's socket closes, so the failure comes
-    at once, and its counter stops moving within a few beats). Each heartbeat also
-    publishes where its process runs (boot id, pid namespace, pid): a peer on the
-    same machine is then seen directly, stopped (``T`` in ``/proc/<pid>/stat``) or
-    gone (:func:`process_state`).
+    - Heartbeat: every rank that shares compiles or meets the step gate runs a daemon
+      thread that adds one to ``distcompile/alive/<rank>`` every ``beat_s``, through a
+      store client of its own (a client runs one request at a time, so a blocking
+      wait of the main thread must not hold the beats back). The store's ``add``
+      releases the GIL, so a rank busy compiling still beats.
+    - A waiter reads its peers' counters about once a second and notes, on its own
+      clock, when each last moved (no clocks compared across machines). A counter
+      still for ``dead_after_s`` (the store's timeout: ``train.timeout_s`` in the
+      launcher) raises :class:`PeerLost` naming the peer, what it was doing and for
+      how long it has been silent.
+    - Every wait polls :func:`stop_requested`; a wait still going ``STOP_GRACE_S``
+      after SIGTERM raises :class:`WaitInterrupted`, before torchrun's SIGKILL, so a
+      longer compile ends with a line said instead of a silent kill.
+    - :class:`PeerMonitor` is the watchdog for a rank blocked inside a collective
+      (which reads no counter): its own thread calls ``on_silent`` once when a peer
+      is silent for ``dead_after_s``, deferring to a store wait in progress so one
+      peer is reported once; :meth:`PeerMonitor.find_lost` names the peer after a
+      collective failed. Heartbeats publish boot id, pid namespace and pid, so a peer
+      on the same machine is seen stopped or gone directly (:func:`process_state`).
 
 Notes
     A stopped process stops all its threads, its heartbeat's too: that is what makes
-    it detectable. A live rank that compiles for an hour still beats (the heartbeat
-    thread runs during compiles), so it is never taken for dead.
+    it detectable; a live rank compiling for an hour still beats.
 """
 
 from __future__ import annotations

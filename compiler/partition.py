@@ -3,55 +3,35 @@
 Note [Lazy partition compile]
 
 Background
-    A graph split into N partitions needs N backend compiles, and each one needs
-    example inputs shaped like what the partition will really see: symbolic sizes
-    for dynamic axes, and the strides that the *compiled* previous partition
-    produces (Inductor may pick its own output layout).
+    A graph split into N partitions needs N backend compiles, each with example
+    inputs shaped like what the partition will see: symbolic sizes for dynamic axes,
+    and the strides the *compiled* previous partition produces.
 
 Algorithm
-    - Each partition is wrapped in a :class:`LazyPartition`, which compiles the
-      partition with the inputs of its first call and reuses the result after.
-    - :func:`compile_partitions` makes that first call with fake tensors, inside
-      dynamo's tracing context, walking the outer graph in order: partition i is
-      compiled, then run on fake inputs to produce the fake outputs that partition
-      i+1 is compiled with. With AOTAutograd, that run sets ``fakify_first_call``
-      so the fake outputs carry Inductor's real output strides, unless
-      ``aot_cache`` is on (below).
-    - AOTAutograd refuses to cache a graph compiled with ``fakify_first_call``
-      (``check_cacheable`` in ``autograd_cache.py``), so PyTorch's own splitter
-      re-runs the joint trace and the partitioner of every partition on every
-      restart. With ``aot_cache`` (the default whenever Inductor's FX graph cache
-      and AOTAutograd's cache are on), a partition is compiled without it, and the
-      fake outputs for the next partition come from running the partition's FX
-      graph on fake tensors (without the fake deep copy PyTorch's splitter makes,
-      when the graph reads no attributes: see :func:`run_on_fakes`). Inductor
-      keeps eager output strides (``keep_output_stride``, default True), so those
-      are the strides the compiled partition really returns; Inductor's input
-      stride asserts would fail loudly, not silently, if they ever differed.
-    - AOTAutograd compiles backward graphs lazily, last partition first, long
-      after dynamo's graph is done. It finds each partition's forward metadata in
-      the tracing context's ``ddp_optimizer_ctx``, which we fill in as PyTorch's
-      own splitter does, for the partitions AOTAutograd really traced: a partition
-      served from AOTAutograd's cache comes with its backward already compiled and
-      takes no entry (the lazy backward pops entries last first, so an entry for
-      a cache hit would hand later partitions the wrong metadata).
-    - If the backend raises on a partition because a kernel file in Inductor's
-      cache is damaged (Note [Damaged cache artifacts]), the damaged kernels are
-      removed, so that the next start rebuilds them.
-    - If the backend raises on a partition, that partition runs eagerly (its FX
-      graph, uncompiled) and the others stay compiled; ``fallback="raise"``
-      re-raises instead.
+    - Each partition is a :class:`LazyPartition`, compiled with the inputs of its
+      first call. :func:`compile_partitions` makes that call with fake tensors inside
+      dynamo's tracing context, in graph order, so partition i's fake outputs are
+      partition i+1's example inputs.
+    - AOTAutograd refuses to cache a graph compiled with ``fakify_first_call``, which
+      would make every restart re-run every partition's joint trace. With
+      ``aot_cache`` (the default when Inductor's and AOTAutograd's caches are on), a
+      partition is compiled without it and the next partition's fake inputs come
+      from running its FX graph on fakes (:func:`run_on_fakes`); Inductor keeps eager
+      output strides, and its input stride asserts fail loudly if they ever differ.
+    - AOTAutograd compiles backward lazily, last partition first, reading each
+      partition's forward metadata from the tracing context's ``ddp_optimizer_ctx``.
+      We fill it as PyTorch's splitter does, but only for partitions AOTAutograd
+      really traced: a cache hit brings its backward along, and an entry for it would
+      hand later partitions the wrong metadata.
+    - A partition whose compile raises runs eagerly and the others stay compiled
+      (``fallback="raise"`` re-raises); a damaged kernel file in Inductor's cache is
+      removed first, so the next start rebuilds it (Note [Damaged cache artifacts]).
 
 Notes
-    - Only errors raised while compiling a partition's forward are caught. A
-      backend that compiles the backward lazily (AOTAutograd) can still fail at
-      the first backward; such an error propagates.
-    - Every partition's outcome is kept in :class:`PartitionRecord` so that logs,
-      tests and diagnostics can see what was compiled and what fell back.
-
-Debugging
-    ``TORCH_LOGS="+compiler.partition"`` (or ``logging.getLogger("compiler")``)
-    shows each partition's compile time; warnings name a failing partition.
+    - Only errors of a partition's forward compile are caught; a lazy backward compile
+      that fails propagates.
+    - Every outcome is kept in :class:`PartitionRecord`; ``TORCH_LOGS="+compiler.partition"``
+      shows each partition's compile time.
 """
 
 from __future__ import annotations

@@ -3,81 +3,39 @@
 Note [Shared compile]
 
 Background
-    Every rank of a data-parallel job compiles the same graphs. On one machine,
-    N ranks run N concurrent compiles on the same cores; across machines, a rank
-    whose compile is served from a cache reaches the first collective long before
-    a rank that compiles, and the collective times out (``train.timeout_s`` in the
-    launcher, the process group's timeout) although nothing is wrong.
+    Every rank of a data-parallel job compiles the same graphs: on one machine N
+    concurrent compiles on the same cores; across machines, a rank served from a cache
+    reaches the first collective long before one that compiles, and the collective
+    times out although nothing is wrong.
 
 Algorithm
-    A :class:`CompileShare` belongs to one group of ranks (DDP's process group,
-    FSDP's mesh) and wraps two backends:
-
-    - :meth:`wrap_compile` wraps the backend each graph or partition is compiled
-      with. A compile is named in the store by the digest of its graph and
-      inputs and by how often this rank has met that digest before, so ranks
-      that compile the same graph use the same key, whatever else each compiles.
-      The key holds the scope of the job's share secret too (Note [Share
-      secret]): only ranks with the same secret meet at it. The first rank to
-      reach a key claims it (the store's atomic ``add``), compiles, and
-      publishes under that key ``torch.compiler.save_cache_artifacts()``
-      (Inductor's FX graph cache and AOTAutograd's cache entries) with a sha256
-      and a MAC made with the secret (``compiler.publication``). Every other rank that reaches
-      the key gets a :class:`Pending` at once and goes on to its next compile,
-      so ranks that start together share a graph's compiles between them. At the
-      end of the graph (``resolve_pending``) a rank waits for each publication
-      (progress logged), checks it (the MAC, then every artifact's key, Note
-      [Checked artifact keys]), loads it (``load_cache_artifacts``) and calls the
-      backend, which is now served from AOTAutograd's cache: no joint trace, no
-      partitioner, no Inductor lowering. Backward graphs are compiled together
-      with their forward (``force_non_lazy_backward_lowering``), so one
-      publication holds both and no rank compiles in the middle of backward's
-      all-reduces. On CPU the publication also carries the C++ kernels the
-      compile built or loaded (Note [Kernels in the compile cache]); a rank
-      installs those its Inductor directory lacks (another machine, or a
-      directory per rank), so it builds no kernel either.
-    - :meth:`wrap_graph` wraps the backend dynamo calls for a whole captured graph
-      (for a split graph, the splitter that compiles every partition). After it
-      returns, the rank marks the graph done in the store and waits, with the
-      long ``timeout_s`` and progress logged, until every peer that compiles the
-      same graph is done with it (Note [Compile barrier]). So the first collective
-      after a compile starts on all ranks at about the same time, however long
-      any one rank compiled.
-
-    Every rank still calls the backend for every graph it captures, so the plans
-    and the set of compiled graphs are the ones an unshared run would have.
+    - :meth:`wrap_compile` wraps each graph's backend. A compile is keyed in the store
+      by its graph-and-inputs digest, how often this rank met that digest, and the
+      share secret's scope (Note [Share secret]). The first rank to reach a key claims
+      it (atomic ``add``), compiles, and publishes ``save_cache_artifacts()`` (and on
+      CPU its C++ kernels) with a sha256 and a MAC (``compiler.publication``). Other
+      ranks get a :class:`Pending` and go on to their next compile; at the end of the
+      graph (``resolve_pending``) they wait, verify (MAC, then Note [Checked artifact
+      keys]), load, and call the backend, now served from AOTAutograd's cache. Backward
+      is compiled with its forward, so no rank compiles amid backward's all-reduces.
+    - :meth:`wrap_graph` wraps the whole captured graph; afterwards the rank waits
+      until every peer compiling the same graph is done (Note [Compile barrier]), so
+      the first collective after a compile starts on all ranks together.
+    Every rank still calls the backend for every graph, so the plans and graphs are the
+    ones an unshared run would have.
 
 Why it cannot deadlock
-    A rank waits for a publication only after another rank claimed it, and a
-    claiming rank compiles and publishes before it does anything else (a compile
-    that raises publishes a "failed" marker). The barrier lets go of peers that
-    will not compile the graph (Note [Compile barrier] in ``compiler.barrier``).
-
-Failure handling (a rank compiles for itself, with one warning, when)
-    - the claiming rank's publication does not come within ``timeout_s``;
-    - the publication is damaged (checksum mismatch);
-    - its MAC does not verify (another client of the store wrote it), or an
-      artifact key or kernel path would write outside Inductor's cache directory;
-    - loading the artifacts raises.
-    A rank with no secret (Note [Share secret]) shares nothing, with one warning.
-    A compile with nothing to publish (a backend without Inductor, such as
-    ``aot_eager``) publishes an empty payload and the other ranks compile quietly.
-    A peer that dies or stops while others wait for it ends every wait with
-    :class:`compiler.liveness.PeerLost` within the store's timeout, and SIGTERM ends
-    them at once (Note [Peer liveness]).
+    A rank waits for a publication only after another claimed it, and a claimer
+    compiles and publishes (or publishes "failed") before anything else.
 
 Notes
-    - Published payloads are freed once every rank that compiles the graph is
-      past it; a rank that reaches the key later finds it freed and compiles.
-    - Loading artifacts is loading code: a rank loads only what a rank of this
-      job made (the MAC), only into Inductor's cache directory (the key check);
-      the store, open to the network, is never trusted with code (docs/trust.md).
-      Without a cluster secret each node shares within itself (one INFO line).
-    - On one machine with one Inductor directory (the default), ranks that
-      compile the same graph at once already share the C++ kernel builds through
-      the directory's file locks: what sharing saves there is the Python side
-      (tracing, AOTAutograd, lowering). With a directory per rank or per machine,
-      it also saves every other rank's kernel builds.
+    - A rank compiles for itself, with one warning, when the publication is late
+      (``timeout_s``), damaged, fails its MAC or key check, or fails to load. A dead
+      or stopped peer ends every wait with ``PeerLost`` (Note [Peer liveness]).
+    - The store, open to the network, is never trusted with code: a rank loads only
+      what this job made (the MAC), only into Inductor's cache directory (docs/trust.md).
+    - On one machine with one Inductor directory, ranks already share C++ kernel builds
+      through its file locks; sharing saves the Python side (tracing, lowering).
 """
 
 from __future__ import annotations

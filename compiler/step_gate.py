@@ -4,41 +4,28 @@ compile on one rank is waited for outside any collective.
 Note [Step gate]
 
 Background
-    A rank that compiles while its peers do not (a shape only it has seen, a cold
-    cache on one node, an evaluation graph) reaches the step's first collective late,
-    and its peers wait for it inside the collective, which gives up after the process
-    group's timeout (``train.timeout_s`` in the launcher; NCCL's watchdog kills the
-    job). A compile can take longer than that and nothing is wrong. The compile
-    barrier (Note [Compile barrier]) holds ranks that compile the *same* graph; a rank
-    whose graphs were all compiled has nothing to wait at, and goes on into the
-    collective. PyTorch's answers are opt-in and inside collectives: guard
-    collectives make every rank recompile when one must, compiler collectives let
-    ranks that compile together agree on shapes; a compile longer than the timeout
-    on one rank still trips it.
+    A rank that compiles while its peers do not (a shape only it saw, a cold cache, an
+    evaluation graph) reaches the step's first collective late, and its peers give up
+    inside it after the process group's timeout although nothing is wrong. The compile
+    barrier (Note [Compile barrier]) only holds ranks compiling the *same* graph;
+    PyTorch's guard and compiler collectives are opt-in and still trip on a compile
+    longer than the timeout.
 
 Algorithm
-    :meth:`StepGate.meet` is called by every rank of the group at the same point of
-    each step: after everything that may compile, before the first collective (for
-    DDP's reducer: after the forward, whose compile also compiles the backward; for a
-    traced backward: after compiled autograd compiled it, before its graph runs). A
-    rank adds one to the group's arrival counter in the store; the one whose add
-    brings it to ``n * world`` (the last to reach step ``n``) sets the key
-    ``open/<n>`` (and deletes ``open/<n-2>``, which every rank has passed); the others
-    poll for that key (every 0.2 ms at first, backing off to every 50 ms; the store's
-    blocking ``wait`` logs a warning each time it times out, and a wait must time out
-    to read the peers' heartbeats). A few requests to the store per step when no rank
-    compiles: an add, then a set (and a delete) by the last rank, a few polls by the others. The wait has no timeout of its own: it ends when the key is set,
-    when a peer stops beating (:class:`compiler.liveness.PeerLost`: a dead or stopped
-    peer fails every rank after the store's timeout, as a collective would have), or
-    after a stop request (SIGTERM). A wait longer than ``progress_s`` says so.
+    :meth:`StepGate.meet` is called by every rank at the same point of each step: after
+    everything that may compile, before the first collective. A rank adds one to the
+    group's arrival counter in the store; the add that reaches ``n * world`` sets
+    ``open/<n>`` (and deletes ``open/<n-2>``); the others poll for it with backoff (a
+    blocking ``wait`` would warn on each timeout, and a wait must time out to read the
+    heartbeats). The wait ends when the key is set, when a peer stops beating
+    (:class:`compiler.liveness.PeerLost`), or on a stop request.
 
-    The counter works because no rank can pass gate ``n`` before every rank has
-    arrived at it, so every add of step ``n + 1`` comes after the ``n * world``-th.
-    It needs every rank to meet the gate once per synchronised step, which SPMD
-    training does; forwards without a synchronised backward to follow (evaluation
-    under ``no_grad``, ``no_sync`` micro-steps) do not meet it, so an evaluation on
-    one rank only (nanoGPT's) passes freely, and the peers wait for it at the next
-    step's gate instead of inside a collective.
+Notes
+    - The counter works because no rank passes gate ``n`` before every rank arrived, so
+      every add of step ``n + 1`` comes after the ``n * world``-th.
+    - Forwards without a synchronised backward (evaluation, ``no_sync``) do not meet the
+      gate, so an evaluation on one rank passes freely and its peers wait at the next
+      gate instead of inside a collective.
 """
 
 from __future__ import annotations

@@ -4,52 +4,30 @@ buckets, or their per-bucket all-reduces pair up wrongly and the job deadlocks.
 Note [Plan agreement]
 
 Background
-    Each rank plans its buckets alone, from its own captured graph. Ranks that
-    capture different graphs (rank-dependent Python branches, other caps, another
-    torch version) would plan different buckets, and the first symptom would be
-    a hang in backward with no message.
+    Each rank plans its buckets from its own captured graph. Ranks that capture
+    different graphs (rank-dependent branches, other caps, another torch) would plan
+    different buckets, and the first symptom would be a silent hang in backward.
 
 Algorithm
-    Right after planning, each rank publishes a short summary of its plan (bytes
-    and parameter names per bucket) in the process group's key-value store under
-    a key made of the optimizer's creation index, the compile index and its rank
-    (:func:`publish_plan`). It then compiles, and before handing the compiled
-    graph back, so before any collective can run, it reads every rank's summary
-    (:func:`verify_plans`). All ranks compare the same summaries, so a mismatch
-    fails on every rank, with the first differing bucket named.
-
-    Waiting after the compile rather than before keeps the exchange from being a
-    barrier in the middle of it: ranks compile at their own pace and meet once,
-    as they would at the first all-reduce anyway. A rank whose peers have already
-    published compares at once (:func:`peers_plans_if_ready`), so the later rank
-    of a mismatched pair fails before compiling; the earlier one fails after.
-
-    A rank that finds a mismatch marks it seen and waits (at most the check's
-    timeout) until every rank has seen it before raising: the rank hosting the
-    store (rank 0, when the job was not started by torchrun) would otherwise
-    exit with its error and take the store with it, and a peer still compiling
-    would fail on a broken connection instead of this error.
-
-Realignment (:func:`agree_on_caps`)
-    Each rank re-creates DDP's reducer with the caps of its plan once, at the start
-    of its second forward with gradients (Note [Bucket realignment]). A rank that
-    did so alone would pair its all-reduces with buckets of another size on its
-    peers, and gloo or NCCL would abort. So the caps are agreed first: every rank
-    publishes its caps and reads its peers'; the first rank to conclude writes the
-    decision (the store's ``compare_set``: realign with these caps, or not at all),
-    and every rank follows that one decision, also a rank that gave up waiting.
+    - After planning, each rank publishes a summary (bytes and parameter names per
+      bucket) in the store under (optimizer index, compile index, rank)
+      (:func:`publish_plan`), compiles, and before handing the graph back (so before
+      any collective) compares every rank's summary (:func:`verify_plans`): a mismatch
+      fails on every rank, naming the first differing bucket. Checking after the
+      compile keeps the exchange from being a barrier in its middle.
+    - A rank that finds a mismatch waits (bounded) until every rank has seen it before
+      raising: the store's host would otherwise take the store with it and a peer
+      would fail on a broken connection instead of this error.
+    - Realignment (:func:`agree_on_caps`): a rank re-creating its reducer alone would
+      pair all-reduces with buckets of another size and abort the backend. So every
+      rank publishes its caps, the first to conclude writes one decision
+      (``compare_set``), and every rank follows it.
 
 Notes
-    - The exchange goes through the store, not a collective: if one rank compiles
-      a graph the others do not (a recompile for a shape only it saw), waiting
-      for the others times out, the check is skipped with a warning and training
-      goes on, rather than the check itself hanging.
-    - Keys are derived from creation and compile order, which SPMD programs keep
-      identical across ranks.
-    - Plans are compared among the members of DDP's own process group: DDP on one
-      dimension of a device mesh, or pipeline stages whose ranks compile other
-      graphs, compare only with the ranks that all-reduce with them. Ranks in
-      the mismatch message are global ranks.
+    - The exchange uses the store, not a collective: a graph only one rank compiles
+      makes the wait time out, and the check is skipped with a warning.
+    - Keys follow creation and compile order, identical across SPMD ranks. Plans are
+      compared within DDP's own process group; messages name global ranks.
 """
 
 from __future__ import annotations

@@ -5,57 +5,36 @@ out; nothing is measured or run here (``ddp_opt.cost`` measures).
 Note [Cost-model bucket plan]
 
 Background
-    A fixed bucket cap is a guess: small buckets start communication early but pay
-    the link latency (and a graph break) per bucket; large buckets pay little
-    latency but leave the last one's transfer exposed after backward. The best
-    split depends on the link and on how backward time is spread over the model
-    (MG-WFBP; the U-shaped latency vs bucket size in the PyTorch DDP paper).
+    A fixed bucket cap is a guess: small buckets start communication early but pay the
+    link latency (and a graph break) per bucket; large ones leave the last transfer
+    exposed after backward. The best split depends on the link and on how backward time
+    is spread over the model (MG-WFBP; the PyTorch DDP paper's U-shaped curve).
 
 Algorithm
-    - Units: the finest legal split, ``plan_buckets`` with a 1-byte cap (every
-      bucket closes at the first legal cut after its first parameter). Any plan
-      ``plan_buckets`` can make with per-bucket caps is a merge of consecutive
-      units, so the DP searches exactly the plans the planner can express and the
-      legality rules stay in ``plan.py`` alone.
-    - Per unit, in gradient-ready order: backward seconds ``c_u`` and gradient
-      bytes ``b_u``. A bucket ``k`` (0 = first ready) covering units ``j..i`` is
-      ready at ``R(i, k) = sum(c_0..c_i) + k * gamma + kappa * B(0..j-1)`` (each
-      extra partition adds ``gamma``, the cost of a graph break, to the backward
-      after it; each byte of the earlier buckets adds ``kappa``, the CPU the
-      collective takes from backward, 0 unless calibrated: Note [Calibration from
-      a measured backward]). One serial link: ``start_k = max(R, finish_{k-1})``,
-      ``finish_k = start_k + alpha + bytes(j..i) / beta``.
-    - ``F[k][i]`` = least finish of units ``0..i`` in ``k + 1`` buckets:
-      ``F[0][i] = R(i, 0) + alpha + B(0..i)/beta``,
-      ``F[k][i] = min_j max(F[k-1][j], R(i, k)) + alpha + B(j+1..i)/beta``.
-      Exact, because a bucket's finish is monotone in the previous one's (and
-      ``R`` depends on the previous bucket's end ``j`` only). The
-      answer is ``min_k F[k][n-1]``; ties go to fewer buckets.
-    - Caps: bucket k's cap = its bytes. ``plan_buckets`` closes a bucket once its
-      bytes reach its cap, at the next legal cut, which is where the unit ends.
-    - Robustness (``solve_robust``, what ``bucket_cap_mb="auto"`` uses): the
-      backward estimate can be off by a constant factor (FLOP counts miss
-      per-op and cache effects). When communication dominates, the exact
-      optimum is indifferent to a huge last bucket, which is exposed as soon as
-      backward turns out slower than estimated. So the DP is solved for the
-      estimate scaled by 0.5x..3x, each optimum (and the finest split) is a
-      candidate, and the plan with the least worst-case regret (its finish /
-      that scale's optimum) over the scales wins; ties go to fewer buckets.
+    - Units: the finest legal split, ``plan_buckets`` with a 1-byte cap. Every plan
+      ``plan_buckets`` can make is a merge of consecutive units, so the legality rules
+      stay in ``plan.py`` alone.
+    - Bucket ``k`` over units ``j..i`` is ready at ``R(i, k) = sum(c_0..c_i) + k * gamma
+      + kappa * B(0..j-1)`` (``gamma``: one graph break; ``kappa``: the CPU the
+      collective takes from backward, 0 unless calibrated, Note [Calibration from a
+      measured backward]). One serial link: ``finish_k = max(R, finish_{k-1}) + alpha +
+      bytes / beta``.
+    - ``F[k][i] = min_j max(F[k-1][j], R(i, k)) + alpha + B(j+1..i)/beta``; exact, as a
+      bucket's finish is monotone in the previous one's. Answer ``min_k F[k][n-1]``;
+      ties go to fewer buckets. Bucket k's cap is its bytes.
+    - Robustness (``solve_robust``, what ``"auto"`` uses): the backward estimate can be
+      off by a constant factor, and where communication dominates the exact optimum is
+      indifferent to a huge last bucket that a slower backward exposes. So the DP is
+      solved for the estimate scaled over a range of factors and the candidate with the
+      least worst-case regret wins.
 
 Notes
-    - The objective is the finish of the last all-reduce, which is also when the
-      optimizer step can start: exposed communication = finish - backward end.
-    - Forward cost of a graph break is folded into ``gamma`` as well.
-    - ``simulate`` evaluates any plan (list of unit counts per bucket) with the
-      same model, so fixed-cap plans can be predicted too.
-    - ``first`` pins the first bucket's unit count (``F[0][i]`` only for that
-      ``i``). ``plan_auto`` (both strategies) solves over chunks of at least
-      ``CostModel.min_bucket_bytes`` (1 MiB by default) with the first chunk
-      alone. Over single units, a link fitted at zero latency made the DP choose
-      buckets down to one LayerNorm's 2 KiB, costs the model does not see
-      (per-collective overhead, per-partition calls) were paid 27 times, and the
-      step was slower than with 1 MiB buckets: split, 1.077x ``ours@1`` (GPT
-      seq 256, 200 Mbit); traced, 260.4 ms against 185.1 ms (4x256, 800 Mbit).
+    - The objective, the last all-reduce's finish, is when the optimizer can start.
+    - ``simulate`` predicts any plan, fixed caps included, with the same model.
+    - ``plan_auto`` solves over chunks of at least ``CostModel.min_bucket_bytes``, the
+      first chunk alone: over single units the DP can choose buckets far below DDP's
+      first bucket, whose costs (per-collective overhead, per-partition calls) the
+      model does not see (measured: docs/ddp.md, docs/benchmarks/reading.md).
 """
 
 from __future__ import annotations

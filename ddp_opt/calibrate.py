@@ -4,56 +4,34 @@ the calibrated model would choose.
 Note [Calibration from a measured backward]
 
 Background
-    The cost model predicts a plan's exposed communication from a link fitted
-    through the real link and a backward estimated from FLOP counts and device
-    rates timed once (Note [Cost measurement]). On the shaped-link sweeps the
-    link side was right (an all-reduce of all gradients: 138.7-141.0 ms
-    predicted, 136.2-137.6 ms measured at 800 Mbit) and two things were not:
-    - the backward, off by a factor that changes from run to run (63-75 ms
-      predicted against 95-101 ms measured on GPT 4x256 in one run, 101-107
-      against 127-139 in another): the rates are one small matmul and one copy,
-      timed while the other rank shares the cores;
-    - the CPU the collective takes from backward. With two ranks on two cores,
-      gloo's threads reduce and copy every bucket while backward runs, so a
-      synchronised backward is longer than a ``no_sync`` one even where the link
-      keeps up: 52-66 ms exposed where a link that keeps up predicts 13-20.
+    The cost model predicts exposed communication from a fitted link and a backward
+    estimated from FLOP counts and device rates timed once (Note [Cost measurement]).
+    The link side holds up; two things do not: the backward is off by a factor that
+    changes from run to run (the rates are timed once, while another rank may share the
+    cores), and the collective takes CPU from backward while it runs, so a synchronised
+    backward is longer than a ``no_sync`` one even where the link keeps up (measured:
+    docs/benchmarks/reading.md).
 
 Algorithm
-    - Input: the running plan's prediction (a ``Timeline``, which keeps its unit
-      table), a backward measured after warm-up without communication (a
-      ``no_sync`` step: forward + backward minus forward) and, optionally, the
-      exposed communication measured for the same plan (a synchronised
-      forward + backward minus the ``no_sync`` one).
-    - Scale: ``s = (measured - (n - 1) * gamma) / sum(unit backward)``; the
-      graph-break cost ``gamma`` of the n partitions stays as it was. Every
-      unit's backward is multiplied by ``s``: the FLOP count keeps the shape of
-      backward, the measurement its length.
-    - Contention ``kappa`` (seconds of backward per byte of the buckets sent
-      before a bucket is ready; Note [Cost-model bucket plan]): the least value
-      under which the scaled plan predicts the measured exposed communication,
-      by bisection (the prediction is monotone in ``kappa``); 0 when the plan
-      predicts that much without it, has one bucket, or is link-bound (the link
-      never waits for a bucket: there only a contention larger than the link's
-      own time per byte would show, and the fit would take noise for one; the
-      first 200 Mbit sweep fitted 29.9 ms/MiB that way).
-    - Calibrated prediction: the same plan (unit counts) simulated on the scaled
-      table with ``kappa``. Calibrated plan: ``solve_table`` on it with the
-      plan's own rules (the traced plan's 1 MiB chunks,
-      ``extra["min_bucket_bytes"]``); it changes the plan when its unit counts
-      differ, and ``gain_s`` is the predicted finish it saves.
+    - Input: the running plan's ``Timeline``, a backward measured after warm-up without
+      communication (a ``no_sync`` step) and, optionally, the measured exposed
+      communication of the same plan.
+    - Scale: ``s = (measured - (n - 1) * gamma) / sum(unit backward)``; every unit is
+      multiplied by ``s``: the FLOP count keeps the shape of backward, the measurement
+      its length.
+    - Contention ``kappa``: the least value under which the scaled plan predicts the
+      measured exposed communication, by bisection (monotone in ``kappa``); 0 when the
+      plan predicts that much without it, has one bucket, or is link-bound (there the
+      fit would take noise for contention).
+    - The same plan simulated on the scaled table gives the calibrated prediction;
+      ``solve_table`` under the plan's own rules gives the plan it would choose.
 
 Notes
-    - Fitted on one plan, ``kappa`` is a prediction for the others: the sweeps
-      fit it on each strategy's ``auto`` row and quote the fixed caps' predicted
-      against measured exposed communication with it (``benchmarks.ddp_bench``).
-    - Applying the calibrated plan: ``calibrated_model`` divides the device rates
-      by ``s`` (and multiplies the per-operator cost) and sets ``kappa``, which
-      scales every node's backward estimate by ``s`` exactly;
-      ``compile_ddp(link=that model)`` in the next run plans ``best``. The
-      running plan is not changed in place: its partitions (split) or its fused
-      backward (traced) would have to recompile.
-    - A prediction covers one captured graph; a backward measured over several
-      graphs cannot calibrate it (``CompiledDDP.calibrate`` refuses).
+    - ``calibrated_model`` divides the rates by ``s`` and sets ``kappa``:
+      ``compile_ddp(link=that model)`` in the next run plans ``best``. The running plan
+      is not changed in place: its partitions or fused backward would recompile.
+    - A prediction covers one captured graph; ``CompiledDDP.calibrate`` refuses a
+      backward measured over several.
 """
 
 from __future__ import annotations

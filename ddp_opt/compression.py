@@ -4,46 +4,30 @@ under every strategy.
 Note [Reduced-precision all-reduce]
 
 Background
-    Where the link dominates, a step crowds against ``fwd + max(bwd, comm) + opt`` with
-    ``comm`` the gradient bytes on the wire; the limit moves only when fewer bytes cross.
-    DDP ships ``bf16_compress_hook`` for its reducer, but refuses it by name on gloo
-    (it asks for NCCL 2.10+), though gloo all-reduces bf16 tensors; PyTorch's python
-    reducer, which the traced strategy uses, calls a hook per gradient with
-    ``(grad, param)``, and no bucket hook fits it.
+    Where the link dominates, the step's limit ``fwd + max(bwd, comm) + opt`` moves only
+    when fewer bytes cross. DDP's ``bf16_compress_hook`` refuses gloo by name though gloo
+    all-reduces bf16, and the traced strategy's python reducer calls a hook per gradient,
+    which no bucket hook fits.
 
 Algorithm
-    The arithmetic is DDP's ``_compress_hook``, in both places, so each element of a
-    gradient is reduced the same way wherever its bucket ends:
-    ``sum over ranks of (bf16(g_rank) / world_size)`` in the reduce dtype, then widened
-    to the gradient's dtype for the optimizer.
-    - Reducer strategies (split, whole, regional): :func:`bucket_hook` is DDP's comm
-      hook, registered by ``compile_ddp`` and registered again when the reducer is
-      re-created to realign the buckets (Note [Bucket realignment]).
-    - Traced: :func:`gradient_hook` is the python reducer's hook per gradient. Compiled
-      autograd traces the cast, the division and the all-reduce into the backward graph,
-      and the fusion pass (Note [Traced strategy]) concatenates the narrowed gradients
-      of each bucket into one all-reduce, so the bucket travels in the reduce dtype and
-      Inductor fuses the casts with the gradients' producers. The bucket caps count gradient
-      bytes, as DDP's do (``TracedPlan.wire_scale`` converts the all-reduces' sizes).
-    - The link probe of the cost model (``bucket_cap_mb="auto"``) all-reduces in the
-      reduce dtype: the fitted bandwidth is gradient bytes per second on the path the
-      gradients take (:func:`link_probe`).
+    The arithmetic is DDP's ``_compress_hook`` everywhere, so each element is reduced the
+    same way wherever its bucket ends: ``sum over ranks of bf16(g) / world_size`` in the
+    reduce dtype, widened back for the optimizer.
+    - Reducer strategies: :func:`bucket_hook`, registered by ``compile_ddp`` and again
+      when realignment re-creates the reducer.
+    - Traced: :func:`gradient_hook`, traced into the backward; the fusion pass
+      concatenates each bucket's narrowed gradients into one all-reduce. Caps count
+      gradient bytes, as DDP's do (``TracedPlan.wire_scale``).
+    - The ``auto`` link probe all-reduces in the reduce dtype (:func:`link_probe`).
 
 Numerics
-    - bf16 keeps fp32's exponent range, so no gradient overflows or underflows where fp32
-      would not; each rank's gradient keeps 8 bits of precision (relative rounding error
-      at most 2^-8), the division by the world size is exact for a power of two, and the
-      sum is rounded to bf16 once per reduction step of the backend. Every reduced
-      gradient is exactly a bf16 value widened to fp32; the optimizer, its state and the
-      parameters stay fp32.
-    - fp16 has 11 bits of mantissa but overflows above 65504 and flushes below 6e-8:
-      dividing before the sum (as here) keeps the sum in range, and a loss scale is the
-      user's to manage, as with DDP's ``fp16_compress_hook`` (the launcher offers bf16 only).
-    - Gradients are taken to be fp32, the model's first parameter's dtype: the traced caps'
-      conversion and the link probe (fp32 buffers narrowed) assume it. A model whose
-      gradients are already bf16 gets buckets and a fitted bandwidth off by that factor
-      (performance only). A given ``LinkEstimate`` is in gradient bytes per second.
-    - "fp32" (or None) means the gradients' own dtype: nothing is narrowed.
+    - bf16 keeps fp32's exponent range, so nothing overflows that fp32 would not; each
+      rank's gradient keeps 8 bits; division by a power-of-two world size is exact. The
+      optimizer, its state and the parameters stay fp32.
+    - fp16 overflows above 65504: dividing before the sum keeps it in range; a loss
+      scale is the user's (the launcher offers bf16 only).
+    - Gradients are taken to be fp32 (the first parameter's dtype); bf16 gradients get
+      caps and a fitted bandwidth off by that factor, performance only.
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the bucket hook's

@@ -5,38 +5,27 @@ compute rates, and each graph node's backward seconds.
 Note [Cost measurement]
 
 Background
-    The DP needs three things: how long an all-reduce of n bytes takes on the path
-    the gradients really travel, how long each part of backward takes, and what a
-    graph break costs. All ranks must plan alike, so every measured number is
-    rank 0's, broadcast.
+    The DP needs an all-reduce's time for n bytes on the path the gradients travel, each
+    part of backward's time, and a graph break's cost. All ranks must plan alike, so
+    every measured number is rank 0's, broadcast.
 
 Algorithm
-    - Link: after ``warmup`` all-reduces, time ``reps`` all-reduces of each of a
-      few sizes (64 KiB .. 4 MiB by default) through ``probe`` (default
-      ``dist.all_reduce`` on DDP's group; the benchmark passes its simulated link's
-      ``probe`` so the sweep crosses the same comm-hook path as the gradients),
+    - Link: after ``warmup`` all-reduces, time ``reps`` of each of a few sizes through
+      ``probe`` (``dist.all_reduce`` on DDP's group, or the benchmark's simulated link),
       take the median per size and fit ``t = alpha + n / beta`` by least squares.
-    - Device rates: a square matmul (FLOP/s), a buffer copy (bytes/s) and a
-      one-element in-place add (seconds per operator), timed once on the
-      parameters' device.
-    - Backward per node: run the node's target on meta copies of its example values under
-      ``torch.utils.flop_counter.FlopCounterMode``; backward FLOPs = 2 x forward
-      FLOPs (gradients of both operands of a matmul). Nodes without FLOPs (norms,
-      activations, softmax, ...) are memory-bound: 2 x their output bytes (read
-      the output gradient, write the input gradient) over the copy rate. Every
-      non-view node adds 2 x a measured per-operator cost (dispatch, launch: it
-      dominates small models on CPU). Views cost nothing. Only the ranking of
-      plans needs to be right, not the seconds.
-    - ``gamma`` (cost of one graph break, forward + backward) is a setting, 0.5 ms
-      by default: a graph break costs a partition call and an autograd node, not
-      a measurable amount of work here.
+    - Device rates: a matmul (FLOP/s), a copy (bytes/s) and a one-element add (seconds
+      per operator), timed once on the parameters' device.
+    - Backward per node: FLOPs on meta copies under ``FlopCounterMode``, backward taken as
+      2x forward; nodes without FLOPs are memory-bound (2x output bytes over the copy
+      rate); each non-view node adds 2 per-operator costs, which dominate small models on
+      CPU. Only the ranking of plans must be right, not the seconds.
+    - ``gamma``, one graph break, is a setting: a partition call and an autograd node,
+      not a measurable amount of work.
 
 Notes
-    - A node whose FLOP count fails (an op without a meta kernel) counts as
-      memory-bound; the log says how many.
-    - Explicit numbers (``LinkEstimate``, ``DeviceRates``) skip measuring and are
-      not broadcast: giving different numbers on different ranks is caught by the
-      plan-agreement check (Note [Plan agreement]).
+    A node whose FLOP count fails counts as memory-bound (logged). Explicit numbers
+    (``LinkEstimate``, ``DeviceRates``) skip measuring and are not broadcast: different
+    numbers on different ranks are caught by Note [Plan agreement].
 """
 
 from __future__ import annotations

@@ -4,55 +4,33 @@ gradient bucket. A pure function of the graph and the caps; nothing runs.
 Note [Bucket planning]
 
 Background
-    DDP all-reduces gradients in buckets. After its first iteration it rebuilds
-    them from the order in which gradients became ready, filling the first bucket
-    up to ``first_bucket_bytes_cap`` and every later one up to
-    ``bucket_bytes_cap`` (or bucket k up to ``bucket_cap_mb_list[k]``, the last
-    entry repeating). A bucket closes as soon as its size reaches its cap.
+    After its first iteration DDP rebuilds its buckets from the order in which
+    gradients became ready, filling the first up to ``first_bucket_bytes_cap`` and
+    each later one up to ``bucket_bytes_cap`` (or bucket k up to
+    ``bucket_cap_mb_list[k]``); a bucket closes as soon as it reaches its cap.
 
 Algorithm
-    - Walk the forward graph in reverse: the order in which backward produces
-      gradients. A parameter's gradient is ready when the backward of its *first*
-      forward use is done, so a parameter used twice (tied weights) is counted
-      once, at its first use.
-    - Add each parameter's bytes (``numel * element_size``, as DDP counts) to the
-      current bucket. Parameters marked ``_ddp_ignored``, parameters without
-      ``requires_grad`` and all buffers are never counted: DDP does not reduce them.
-    - When the current bucket has reached its cap, start a new one before the
-      next node, but only if the full bucket has an output used outside it; until
-      then keep extending it, since a partition without outputs cannot be split.
-    - Cut inside ``autocast`` and grad-mode regions as anywhere else: dynamo
-      records them as enter/exit nodes (``_enter_autocast``/``_exit_autocast``,
-      ``_set_grad_enabled``), and ``split_module`` re-enters each region in
-      every partition it cuts through (an ``_enter_autocast`` at the start and
-      an ``_exit_autocast`` at the end of each middle piece, a
-      ``_set_grad_enabled`` at the start of each later one), so outputs keep
-      their dtype and ``requires_grad``. It asks two things, both held here:
-      partition indices never decrease along the node order (buckets are
-      consecutive runs of nodes), and a region's enter -> exit link is no
-      data edge, so a full bucket whose only outside use is that link has no
-      output yet and is extended (``_has_external_output``).
-    - Never cut inside an ``inference_mode`` region
-      (``_enter_inference_mode``/``_exit_inference_mode``): ``split_module``
-      does not re-enter it, so a later partition would run outside it. A full
-      bucket is extended until the region closes.
-    - A parameter-free preamble (the first nodes of the forward, such as input
-      reshapes) is folded into the bucket that follows it.
+    - Walk the forward graph in reverse (backward's order). A gradient is ready when
+      the backward of its parameter's *first* forward use is done, so tied weights
+      count once. Each parameter adds ``numel * element_size`` to the open bucket;
+      ``_ddp_ignored`` parameters, frozen parameters and buffers never count.
+    - A full bucket closes before the next node, but only once it has an output used
+      outside it: a partition without outputs cannot be split.
+    - Cut inside ``autocast`` and grad-mode regions as anywhere: ``split_module``
+      re-enters each region in every partition it cuts through. That needs partition
+      indices that never decrease along the nodes, and treats a region's enter -> exit
+      link as no data edge (``_has_external_output``).
+    - Never cut inside ``inference_mode``: ``split_module`` does not re-enter it. A
+      parameter-free preamble joins the bucket that follows it.
 
 Notes
-    - Parameters are found on placeholders (dynamo lifts module parameters to
-      graph inputs and keeps the real tensor in ``meta["grapharg"]``), on
-      ``get_attr`` nodes and on ``call_module`` targets.
-    - DDP keeps separate buckets per dtype and device ("kind"), each kind filling
-      its own bucket against its own run of caps (kind A's k-th bucket is capped
-      at cap k, whatever kind B did). The planner does the same: it keeps one
-      open bucket per kind and cuts the graph where any kind's bucket is full,
-      so a partition can hold several kinds, and a kind with few bytes (fp32
-      norms beside bf16 weights) keeps one bucket open across partitions, as
-      DDP does, to be reduced after the others (:func:`kind_groups`).
-    - Other mode switches dynamo can record (forward AD, saved-tensor hooks,
-      ``sdpa_kernel``) are re-entered neither by ``split_module`` nor here;
-      they are not tracked (PyTorch's splitter does not either).
+    - Parameters are found on placeholders (``meta["grapharg"]``), ``get_attr``
+      nodes and ``call_module`` targets.
+    - As DDP does, each dtype and device ("kind") fills its own buckets against its
+      own run of caps; the graph is cut where any kind's bucket is full, so a kind
+      with few bytes keeps one bucket open across partitions (:func:`kind_groups`).
+    - Other mode switches (forward AD, saved-tensor hooks, ``sdpa_kernel``) are not
+      tracked, as in PyTorch's splitter.
 """
 
 from __future__ import annotations

@@ -4,50 +4,33 @@ through DDP's reducer, kept across realignment.
 Note [PowerSGD compression]
 
 Background
-    PowerSGD (Vogels et al., 2019) sends each gradient matrix ``M`` (n x m) as two rank-r
-    factors: ``P = M Q`` all-reduced and orthogonalised, ``Q = M^T P`` all-reduced, and
-    ``M ~ P Q^T``, so ``(n + m) r`` numbers cross the link instead of ``n m``. Error feedback
-    adds what the last step's approximation left out to the next gradient; the warm start
-    begins the next step's power iteration from the last ``Q``. PyTorch ships it as DDP's
-    ``powerSGD_hook`` with a ``PowerSGDState`` holding, per bucket index, the error and the
-    P and Q memories; vectors and matrices too small to gain (``min_compression_rate``)
-    are all-reduced as they are. The first ``start`` steps reduce uncompressed.
+    PowerSGD (Vogels et al., 2019) sends each gradient matrix ``M`` (n x m) as rank-r
+    factors ``P = M Q`` and ``Q = M^T P``, each all-reduced, so ``(n + m) r`` numbers
+    cross instead of ``n m``; error feedback adds what the last approximation left out to
+    the next gradient. PyTorch ships it as DDP's ``powerSGD_hook`` with a
+    ``PowerSGDState`` holding memories per bucket index; the first ``start`` steps reduce
+    uncompressed.
 
 Algorithm
-    - Reducer strategies (split, whole, regional): PyTorch's ``powerSGD_hook`` and its
-      state, registered by ``compile_ddp`` and again when the reducer is re-created to
-      realign the buckets (Note [Bucket realignment]), as the bf16 hook is.
-    - PyTorch's hook issues a bucket's P and Q all-reduces from the callbacks of its earlier
-      ones, on whichever thread completes them, while DDP's thread issues the next bucket's
-      first all-reduce: with two buckets or more, the ranks can issue their collectives in
-      different orders. On gloo this aborts the job ("Received data size doesn't match
-      expected size") or hangs it, in the first compressed step: seen with eager DDP and
-      PyTorch's hook on torch 2.13 and 2.15, 3 buckets. :func:`sequenced_powersgd_hook` runs each bucket's whole
-      hook on one worker thread per state, bucket after bucket in DDP's launch order, so
-      every rank issues the same collectives in the same order; backward goes on meanwhile.
-      The last bucket's hook waits for the worker: right after it DDP issues collectives of
-      its own (with ``find_unused_parameters``, the used-parameter map). Buckets on CUDA take
-      PyTorch's hook as it is (not observed here: no GPU).
-    - The state's memories are keyed by bucket index and mean something for one bucket
-      layout only. When realignment re-creates the reducer, and again when the realigned
-      buckets appear, :func:`forget_buckets` drops them: a layout change after compression
-      began restarts the error feedback and the warm start instead of adding one bucket's
-      error to another's gradients. With ``start`` past the steps that change the layout
-      (DDP rebuilds after step 1; realignment after step 1 and its rebuild after step 2, one
-      step later with ``static_graph``), there is nothing to drop.
-    - Traced: the python reducer calls a hook per gradient; PowerSGD there keeps its memories
-      per parameter and is traced into the compiled backward (Note [Traced PowerSGD]).
-    - ``bucket_cap_mb="auto"``: the cost model's link probe (:func:`link_probe`) sends a
-      bucket as PowerSGD does: one near-square matrix of the probe's bytes, its P and Q
-      all-reduced one after the other with the matmuls and the orthogonalisation between,
-      and the uncompressed remainder's all-reduce. The fit's latency is then a bucket's fixed
-      cost (three round trips and the compute between), and its bandwidth nearly free: the
-      plan makes few buckets, where a plan for fp32 bytes would make many.
+    - Reducer strategies (split, whole, regional): PyTorch's hook and state, registered
+      by ``compile_ddp`` and again when realignment re-creates the reducer.
+    - PyTorch's hook issues a bucket's P and Q all-reduces from callbacks on whichever
+      thread completes the earlier ones, while DDP's thread issues the next bucket's:
+      with two buckets or more the ranks can issue collectives in different orders,
+      which on gloo aborts or hangs the first compressed step (docs/compression.md).
+      :func:`sequenced_powersgd_hook` runs each bucket's whole hook on one worker thread
+      per state, in DDP's launch order; the last bucket waits for it, since DDP issues
+      collectives of its own right after. CUDA buckets take PyTorch's hook as it is.
+    - Memories mean something for one bucket layout only: :func:`forget_buckets` drops
+      them when realignment changes the layout, restarting error feedback rather than
+      adding one bucket's error to another's gradients.
+    - Traced: memories per parameter, traced into the backward (Note [Traced PowerSGD]).
+    - ``bucket_cap_mb="auto"``: :func:`link_probe` sends a bucket as PowerSGD does, so the
+      fitted latency is a bucket's fixed cost and the plan makes few buckets.
 
 Numerics
-    PowerSGD is biased: each step's gradient is a rank-r approximation; error feedback
-    makes the sum over steps unbiased. The seed (``random_seed=0``) and the order of the
-    buckets decide the first Q, the same on every rank.
+    PowerSGD is biased per step; error feedback makes the sum over steps unbiased. The
+    seed and the bucket order decide the first Q, the same on every rank.
 """
 
 from __future__ import annotations

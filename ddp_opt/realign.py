@@ -3,38 +3,28 @@
 Note [Bucket realignment]
 
 Background
-    DDP rebuilds its buckets once, after its first iteration, filling them in the
-    order gradients became ready against its caps. Under a split, compiled graph
-    that order differs from the reverse graph order the plan counted in, so
-    runtime buckets straddle partitions (see ``ddp_opt.alignment``).
+    DDP rebuilds its buckets once, after its first iteration, in the order gradients
+    became ready. Under a split, compiled graph that order differs from the reverse graph
+    order the plan counted in, so runtime buckets straddle partitions.
 
 Algorithm
-    After the first step (the plan exists, the reducer has finished its
-    reduction), re-create DDP's reducer the way DDP itself does when it is
-    unpickled, with per-bucket rebuild caps equal to the planned partition sizes
-    in gradient-ready order. Under the compiled graph each partition's gradients
-    become ready together, after the previous partition's, so a bucket whose cap
-    is exactly its partition's size closes exactly at the partition's end: the
-    rebuilt buckets *are* the partitions, from the next rebuild on.
+    After the first step, re-create DDP's reducer as DDP does when unpickled, with
+    per-bucket rebuild caps equal to the planned partition sizes in gradient-ready order.
+    Each partition's gradients become ready together, after the previous one's, so a
+    bucket capped at exactly its partition's size closes at the partition's end: the
+    rebuilt buckets *are* the partitions.
 
 Notes
-    - Comm hooks live on the reducer: hooks registered through
-      ``CompiledDDP.register_comm_hook`` are registered again; a hook registered on
-      the DDP module before ``compile_ddp`` cannot be recovered, so that case is
-      refused up front (``align_buckets=False`` keeps DDP's own buckets).
-    - ``DDP(static_graph=True)``: the new reducer is marked static too, as DDP
-      does when unpickled, so its first iteration reduces every gradient at the
-      end (a static graph's first iteration) and records the order; the rebuild
-      after it takes the caps. Realigned buckets appear one step later than
-      without ``static_graph``.
-    - Realignment cannot always reach alignment 1.0 (parameters used outside
-      every compiled graph, DDP's buckets per dtype and device); once the
-      realigned buckets exist, :func:`check_realignment` measures them and warns
-      with the likely cause.
-    - Uses DDP internals (``_ddp_init_helper``; the per-bucket caps in
-      ``_bucket_config`` from torch 2.12, in ``bucket_bytes_cap_list`` on 2.11),
-      all in ``ddp_opt._torch_internals``; on a torch that lacks one of them
-      (feature detection) realignment is turned off with a warning naming it.
+    - Comm hooks live on the reducer: those registered through
+      ``CompiledDDP.register_comm_hook`` are registered again; one registered on the DDP
+      module before ``compile_ddp`` cannot be recovered, so that case is refused
+      (``align_buckets=False`` keeps DDP's buckets).
+    - With ``static_graph=True`` the new reducer is static too; realigned buckets appear
+      one step later.
+    - Alignment 1.0 is not always reachable (parameters outside every graph, buckets per
+      dtype); :func:`check_realignment` measures it and warns with the likely cause.
+    - DDP internals live in ``ddp_opt._torch_internals``; a torch lacking one turns
+      realignment off with a warning naming it.
 """
 
 from __future__ import annotations

@@ -3,53 +3,29 @@
 Note [Regional compile]
 
 Background
-    Whole-model compile traces, partitions and lowers every transformer layer
-    again, although the layers are the same code on parameters of the same
-    shapes. Compiling the block's forward instead gives one dynamo graph that
-    every instance reuses: with ``inline_inbuilt_nn_modules`` (the default) the
-    parameters are graph inputs, not constants, so the guards of the first
-    block's graph hold for the others.
+    Whole-model compile traces and lowers every transformer layer again, although the
+    layers are the same code on parameters of the same shapes. Compiling the block's
+    forward gives one dynamo graph that every instance reuses: with
+    ``inline_inbuilt_nn_modules`` the parameters are graph inputs, so the first block's
+    guards hold for the others.
 
 Algorithm
-    - ``compiler.regional.find_blocks`` (shared with FSDP's per-block compile)
-      picks the repeated blocks; ``compiler.regional.compile_blocks`` compiles
-      each in place with the plain backend (``Module.compile``), never split
-      inside.
-    - Everything else (embeddings, final norm, head, loss) runs eagerly: it is a
-      small share of the compute, and compiling it would mean a second capture
-      of the outer forward with a graph break at every block.
-    - A compiled block's backward is one autograd node: all of its gradients
-      become ready together, when it ends. So partition boundaries *are* block
-      boundaries, and :func:`plan_block_buckets` groups whole blocks (in
-      gradient-ready order, last block first) until DDP's cap for that bucket is
-      reached. The parameters outside the blocks join the same greedy fill as two
-      more units: those registered after the last block (final norm, untied
-      head) are ready first and open the first bucket, those before the first
-      block (embeddings; a tied head shares them) are ready last and close the
-      last one.
-      ``CompiledDDP`` realigns DDP's reducer to these buckets after step 1
-      (Note [Bucket realignment]); ``ddp_opt.measure_alignment`` checks it.
-
-Cost
-    Every compiled block call pays a fixed runtime price that one whole-model
-    graph pays once: dynamo's frame entry and guard check, AOTAutograd's forward
-    wrapper and its backward node. Measured on the 2-core CPU machine (one
-    process, one thread, blocks of the launcher's GPT at batch 4, sequence 64):
-    four blocks as four graphs against one graph cost about 1 ms more per extra
-    graph per step at width 128 (0.5 ms at width 32), and as much with
-    ``aot_eager`` as with Inductor, so it is not the generated kernels. The
-    profiler puts it in the self time of ``CompiledFunction``,
-    ``CompiledFunctionBackward`` and the compiled region (~0.2 ms each per call)
-    and the guard check (~0.07 ms). Neither compiling ``forward`` instead of the
-    module nor Inductor's ``cpp_wrapper`` or ``size_asserts=False`` changed it.
-    Against blocks of ~8 ms forward + backward that is a step-time cost of
-    5-10%; at width 256 it is within noise (``benchmarks.compile_time``).
+    - ``compiler.regional.find_blocks`` picks the repeated blocks;
+      ``compiler.regional.compile_blocks`` compiles each in place, never split inside.
+    - Everything else (embeddings, final norm, head, loss) runs eagerly: a small share of
+      the compute, and compiling it would need a break at every block.
+    - A compiled block's backward is one autograd node, so partition boundaries are block
+      boundaries: :func:`plan_block_buckets` groups whole blocks in gradient-ready order
+      up to DDP's caps. Parameters registered after the last block open the first
+      bucket, those before the first block close the last one. ``CompiledDDP``
+      realigns DDP's reducer to these buckets after step 1 (Note [Bucket realignment]).
 
 Notes
-    - The outside-parameter order is a heuristic (parameter registration order);
-      an unusual model shows it as alignment below 1.0, not as wrong results.
-    - A block whose forward breaks the graph still works (dynamo compiles the
-      pieces); only a graph break changes the one-graph-per-block count.
+    - Each compiled block call pays a fixed price (guard check, AOTAutograd's wrappers)
+      that a whole-model graph pays once, the same with ``aot_eager``: small blocks pay
+      a visible share of the step (measured: docs/ddp.md, Regional compile).
+    - The outside-parameter order is a heuristic; an unusual model shows it as alignment
+      below 1.0, not as wrong results. A block that breaks its graph still works.
 """
 
 from __future__ import annotations

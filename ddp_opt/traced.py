@@ -5,83 +5,45 @@ Note [Traced strategy]
 
 Background
     The split strategy (Note [Bucket planning]) cuts the forward graph where DDP's
-    buckets end, so that DDP's C++ reducer can all-reduce a bucket while the
-    backward of the next partition runs. Each cut is a graph break: fusion across
-    it is lost, and each partition's backward is a separate call. PyTorch's
-    python reducer (``optimize_ddp="python_reducer"``) takes the other road: DDP
-    registers a post-accumulate-grad hook per parameter that all-reduces its
-    gradient with functional collectives, compiled autograd traces the whole
-    backward, hooks included, into one graph, and an Inductor pass fuses the
-    per-gradient all-reduces into buckets of one fixed size (1 MiB first, then
-    the cap) and moves each wait to its first use.
+    buckets end; each cut is a graph break that loses fusion across it and adds a
+    backward call. PyTorch's python reducer (``optimize_ddp="python_reducer"``)
+    all-reduces each gradient from a post-accumulate-grad hook with functional
+    collectives; compiled autograd traces the whole backward, hooks included, into one
+    graph, and an Inductor pass fuses the all-reduces into buckets of one fixed size
+    and moves each wait to its first use.
 
 Algorithm
-    - Convert: the built DDP module switches to the python reducer
-      (``_torch_internals.use_python_reducer``): the C++ reducer's hooks are
-      removed and the per-parameter all-reduce hooks registered, as
-      ``DistributedDataParallel.__init__`` does under ``python_reducer``.
-    - Forward: the wrapped module's forward is compiled whole (no split). With
-      ``bucket_cap_mb="auto"`` its graph is planned first by the cost-model DP
-      (Note [Cost-model bucket plan]) with ``gamma = 0``, since a bucket boundary
-      here costs no graph break, over chunks of at least 1 MiB
-      (``CostModel.min_bucket_bytes``) with the first chunk a bucket alone; the plan's per-bucket byte sizes become
-      the caps. A plan with smaller buckets lost the overlap in the compiled graph: with a
-      link fitted at zero latency the DP over single units chose 27 buckets, down
-      to 2 KiB, and the step took 260.4 ms against 185.1 ms with 1 MiB buckets
-      (2 nodes, 800 Mbit, 4x256 GPT, one interleaved sweep).
-      Without it, the caps are DDP's (first bucket, then ``bucket_cap_mb``), the
-      first bucket capped at 1 MiB (``FIRST_BUCKET_CAP``) unless DDP was given a
-      per-bucket list: in the compiled graph a large first bucket lost the overlap
-      (2 nodes, 800 Mbit, 4x256 GPT: 282.8 ms per step with a 4 MiB first bucket,
-      216.5 ms with 1 MiB then 4 MiB, where DDP's reducer keeps it with 4 MiB).
-    - Backward: ``compiled.backward(loss)`` runs ``loss.backward()`` under
-      compiled autograd with Inductor's DDP fusion on and our pass
-      (:class:`FuseByPlan`) in place of its fixed-size one: the all-reduce blocks,
-      in graph (gradient-ready) order, are grouped greedily by ``group_by_caps``
-      (bucket k closes when its bytes reach cap k) and each group becomes one
-      concatenated all-reduce; Inductor's ``schedule_comm_wait`` then delays each
-      wait to its first use, so the collectives run against the rest of backward.
-    - Inductor's peak-memory reordering (``reorder_for_peak_memory``, the
-      scheduler's last pass) is off for a backward that all-reduces. It picks the
-      order of lowest estimated peak among graph order and three topological sorts,
-      and the sorts know nothing of overlap. Two ways it lost the overlap (GPT
-      4x256, 12.6 MiB of gradients, generated code read):
-      - where backward adds to existing gradients (a compiled optimizer's
-        ``zero_grad(set_to_none=False)``, the synchronised step of gradient
-        accumulation), each bucket's copy-back into ``.grad`` frees the bucket, so
-        a sort moved the copy-back, and with it the wait, up to the bucket's
-        all-reduce (estimated peak 6.4 MB against 16.8 MB in graph order);
-      - where gradients are made anew, graph order and the best sort estimate
-        within 1 to 4% of each other, and the bucket boundaries decide: with
-        the traced auto plan of a sweep that lost its overlap (12 buckets of
-        about 1 MiB, then 0.56 MiB) a depth-first sort won (16.57 against
-        16.84 MB) and issued every all-reduce after the last gradient; with
-        caps of 1.5 and 2 MiB a sort pulled the waits up again; with 0.5, 1, 3
-        and 4 MiB graph order won.
-      PyTorch's python reducer still runs that pass. The cost is memory: where
-      gradients are made anew at most the 1 to 4% above; where they are added to,
-      the buckets live until the end of backward, up to the gradients' size again
-      (the 10.4 MB above). A ``no_sync`` backward has no all-reduce and keeps the
-      pass (16.5 MB against 6.4 MB there).
-    - Every rank traces the same backward and plans from the same graph and the
-      same cost model (rank 0's measurement, broadcast), so the buckets agree.
+    - Convert: the DDP module switches to the python reducer
+      (``_torch_internals.use_python_reducer``), as ``python_reducer`` does.
+    - Forward: compiled whole. With ``bucket_cap_mb="auto"`` the cost-model DP
+      (Note [Cost-model bucket plan]) plans it with ``gamma = 0`` (a boundary costs no
+      break here) over chunks of at least ``CostModel.min_bucket_bytes``, the first
+      chunk a bucket alone. Otherwise the caps are DDP's, the first bucket at most
+      ``FIRST_BUCKET_CAP`` unless DDP was given a per-bucket list. Rule and reason:
+      many tiny buckets, or a large first one, lose the overlap in the compiled graph
+      (measured: docs/ddp.md, docs/benchmarks/reading.md).
+    - Backward: ``compiled.backward(loss)`` runs under compiled autograd with our pass
+      (:class:`FuseByPlan`) in place of Inductor's fixed-size one: the all-reduces, in
+      gradient-ready order, are grouped by ``group_by_caps`` (bucket k closes when its
+      bytes reach cap k) into one concatenated all-reduce each; Inductor's
+      ``schedule_comm_wait`` delays each wait to its first use.
+    - Inductor's peak-memory reordering (``reorder_for_peak_memory``) is off for a
+      backward that all-reduces: its topological sorts know nothing of overlap, and can
+      pull each wait up to its all-reduce (where backward adds into existing ``.grad``)
+      or issue every all-reduce after the last gradient. The price is memory: the
+      buckets live to the end of backward. A ``no_sync`` backward keeps the pass.
+    - Every rank traces the same backward and plans from rank 0's cost model, so the
+      buckets agree.
 
 Notes
-    - Fusion is an Inductor pass: with another backend (``aot_eager``) the
-      gradients are all-reduced one per parameter, still inside the compiled graph.
-    - What it cannot run falls back to the split strategy with a warning (see
-      ``fallback_reason``): a torch without the pieces, a comm hook already
-      registered, ``find_unused_parameters=True`` (a parameter without gradient
-      on one rank would leave the ranks' all-reduces unmatched), DDP mixed precision.
-    - ``no_sync()`` works: the hooks skip the all-reduce while DDP's
-      ``require_backward_grad_sync`` is False; compiled autograd compiles that
-      backward as a graph of its own.
-
-Debugging
-    - ``compiled.traced.fused`` lists, per compiled backward, the fused buckets'
-      byte sizes in gradient-ready order; INFO logs them, and the auto plan's table.
-      A backward loaded from Inductor's FX graph cache (keyed with the pass's
-      ``uuid``, the caps) is fused as when compiled and records nothing.
+    - Fusion is an Inductor pass: with ``aot_eager`` the gradients are all-reduced one
+      per parameter, still inside the compiled graph.
+    - What it cannot run falls back to the split strategy with a warning
+      (``fallback_reason``): a torch without the pieces, a comm hook already
+      registered, ``find_unused_parameters=True`` (unmatched all-reduces), DDP mixed
+      precision. ``no_sync()`` works: compiled autograd compiles that backward apart.
+    - Debugging: ``compiled.traced.fused`` lists, per compiled backward, the fused
+      buckets' byte sizes; a backward loaded from Inductor's FX graph cache records nothing.
 """
 
 from __future__ import annotations

@@ -4,51 +4,33 @@ the power iteration, its all-reduces and its memories traced into the compiled b
 Note [Traced PowerSGD]
 
 Background
-    The traced strategy's python reducer calls a hook per gradient, with ``(grad, param)``,
-    inside the backward that compiled autograd traces (Note [Traced strategy]); PyTorch's
-    ``powerSGD_hook`` takes a DDP bucket and keeps its memories per bucket index
-    (Note [PowerSGD compression]). Sending each matrix's P and Q alone would cost two round
-    trips per matrix; PowerSGD gains on a slow link by sending few, small messages.
+    The traced strategy's python reducer calls a hook per gradient inside the backward
+    compiled autograd traces (Note [Traced strategy]); PyTorch's ``powerSGD_hook`` takes a
+    DDP bucket and keeps memories per bucket index (Note [PowerSGD compression]). Sending
+    each matrix's P and Q alone would cost two round trips per matrix, where PowerSGD
+    gains on a slow link by sending few, small messages.
 
 Algorithm
-    - Memories per parameter, made when compiling: for each gradient that PyTorch's rule would
-      compress (viewed as ``shape[0] x rest``, rank ``r = min(n, m, R)``, compressed when
-      ``2 (n + m) r < n m``) an error ``E`` (n x m, zeros) and a ``Q`` (m x r, normal, from a
-      generator seeded 0, the same on every rank). They are the compiled graph's inputs and
-      are written back in place.
-    - Hooks per parameter, with its index (:func:`attach`): compiled autograd traces them in
-      gradient-ready order, so the Python bookkeeping below runs once, while tracing, and
-      leaves a fixed graph. DDP's own hook reduces nothing (a no-op comm hook).
-    - Buckets: gradients gather until their bytes reach the plan's cap for that bucket (the
-      traced plan's caps, ``TracedPlan.caps``: ``bucket_cap_mb`` or the ``auto`` plan), the
-      last one closes with the last gradient. Each bucket goes in three stages, as PyTorch's
-      hook does:
-      1. ``M = grad + E``, ``P = M orth(Q)``; one all-reduce of the bucket's uncompressed
-         gradients and its P's, concatenated (PyTorch sends these two in turn);
-      2. the uncompressed gradients averaged; ``P = orth(P)``, ``Q = M^T P``; one all-reduce
-         of the bucket's Q's;
-      3. ``Q /= world``, ``grad = P Q^T``, ``E = M - grad``, the Q memory ``= Q``.
-      When bucket k closes, it enters stage 1, bucket k-1 stage 2 and bucket k-2 stage 3,
-      so each all-reduce is waited for only after the next bucket's gradients are computed
-      (Inductor's ``schedule_comm_wait`` moves each wait to its first use); the last
-      gradient drains the rest: the last bucket's two all-reduces and the one before it's
-      Q's run after backward, with nothing left to overlap. Every rank traces the same graph: the collectives go in one
-      order on all ranks (the reducer's hook needed a worker thread for that).
-    - ``orth``: Gram-Schmidt for ``r <= 2`` and for half dtypes, else QR, PyTorch's choice.
-    - Start: the first START synchronised steps all-reduce as the python reducer does, fused
-      by the plan; from step START the hooks compress, and the backward compiles once more.
-      A step is a synchronised backward run in ``compiled.backward`` (``backward_context``),
-      counted as it ends, so a forward without a backward (an evaluation on one rank) never
-      moves one rank's switch; a plain ``loss.backward()`` is not counted (it is warned about).
-    - A backward that gives some parameters no gradient leaves its last bucket unsent: it is
-      refused as ``compiled.backward`` ends, before the optimizer step (after a plain
-      ``loss.backward()``, at the next forward).
+    - Memories per parameter, made when compiling, for each gradient PyTorch's rule would
+      compress (``shape[0] x rest``, rank ``r = min(n, m, R)``, when ``2 (n + m) r < n m``):
+      an error ``E`` (zeros) and a ``Q`` (normal, generator seeded 0, equal on every rank),
+      graph inputs written back in place.
+    - Hooks per parameter (:func:`attach`) are traced in gradient-ready order, so the
+      bookkeeping runs once while tracing and leaves a fixed graph; DDP's own hook is a no-op.
+    - Buckets fill up to the traced plan's caps (``TracedPlan.caps``) and go in PyTorch's
+      three stages: (1) ``M = grad + E``, ``P = M orth(Q)``, one all-reduce of the
+      uncompressed gradients and the P's; (2) ``P = orth(P)``, ``Q = M^T P``, one
+      all-reduce of the Q's; (3) ``grad = P Q^T / world``, ``E = M - grad``. When bucket k
+      closes it enters stage 1, k-1 stage 2, k-2 stage 3, so each wait comes after the
+      next bucket's gradients; every rank traces one graph, so the collectives keep one
+      order. ``orth`` is Gram-Schmidt for ``r <= 2`` and half dtypes, else QR.
+    - The first START synchronised steps (counted as ``compiled.backward`` ends) reduce
+      uncompressed; then the backward compiles once more with compression. A backward
+      leaving some parameters without gradient is refused before the optimizer step.
 
 Numerics
-    Per matrix the arithmetic is PyTorch's hook's (tests/test_ddp_traced_powersgd.py, against
-    its hook with the same first Q). Two differences: PyTorch keeps an error for the whole
-    bucket, and so for the uncompressed tensors too (each rank's distance from the mean, which
-    sums to zero over the ranks), where this keeps none for them; and the first Q is drawn per
+    Per matrix the arithmetic is PyTorch's hook's (tests/test_ddp_traced_powersgd.py).
+    Unlike it, no error is kept for uncompressed tensors, and the first Q is drawn per
     matrix, not per bucket.
 """
 

@@ -1,5 +1,5 @@
 """benchmarks.sweep: which (mode, cap) pairs a sweep measures, the summary that answers
-issue 5's done-when (ours@auto vs the best fixed cap and builtin), and the tables
+the sweep's question (ours@auto vs the best fixed cap and builtin), and the tables
 (terminal and docs) with an ``auto`` cap. Hand-built rows; one tiny 2-rank smoke run."""
 
 import json

@@ -62,7 +62,7 @@ def _steps_with_eager_gradients(model, ddp, ref, compiled, steps):
 
 
 def test_without_realignment_the_split_gpt_drifts_from_its_partitions():
-    # The problem issue 5 is about: DDP rebuilds its buckets from the order in
+    # The problem realignment solves: DDP rebuilds its buckets from the order in
     # which the compiled partitions hand out gradients, which is not the reverse
     # graph order the plan counted in, so some buckets straddle two partitions.
     model, ddp, _, compiled = _gpt_pair(align_buckets=False)

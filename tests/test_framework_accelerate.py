@@ -51,7 +51,7 @@ def _train(compiled: bool, ckpt: Path) -> dict:
     data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=16)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     if compiled:
-        model = compile_ddp(model, backend="aot_eager")  # the one-liner on what prepare returned
+        model = compile_ddp(model, backend="aot_eager")  # the one-liner on what prepare returned
     rounds: list[int] = []  # the micro-step of each all-reduce of bucket 0: one per synchronised backward
     micro = [0]
 

@@ -1,6 +1,6 @@
 """``parallel=fsdp`` in the main job: the ``fsdp.*`` options compose, validate with
 their own messages and reach ``fsdp_opt``; under torchrun with 2 gloo ranks the
-issue's command exits 0, and a run killed mid-way resumes from its sharded DCP
+documented command exits 0, and a run killed mid-way resumes from its sharded DCP
 checkpoint to the same losses and final parameters as an uninterrupted run."""
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def test_bad_nonfinite_settings_are_refused_up_front(field, value, needle):
 
 
 def test_stop_ends_the_run_at_the_first_nan_and_keeps_the_finite_checkpoints(tmp_path):
-    # The case: inf from step 5, checkpoint_every=2, keep_last=2.
+    # The case: inf from step 5, checkpoint_every=2, keep_last=2.
     cfg = _job(tmp_path, steps=10, checkpoint_every=2, keep_last=2)
     with pytest.raises(NonFinite, match=r"^the loss at step 5 is nan, not finite, .*lower train\.lr.*"
                                         r"train\.on_nonfinite=skip.*the last finite checkpoint, \S+step_000004, is "

@@ -126,8 +126,8 @@ def test_sigint_to_the_process_group_saves(tmp_path):
 def test_an_error_on_rank_0_ends_the_job_promptly_every_time(tmp_path, torchrun):
     # Rank 0 raises at the start of step 3 (after the step-2 checkpoint) while rank 1 goes on into
     # step 3's collectives: the exception path used to hang in ~Reducer -> ~ProcessGroupGloo about one
-    # try in four (the issue saw it with an unwritable checkpoint_dir, which the up-front folder check
-    # now refuses before the group starts, so the error is injected by a step callback instead).
+    # try in four; an unwritable checkpoint_dir is refused before the group starts, so the error is
+    # injected by a step callback instead).
     for attempt in range(3):
         t0 = time.monotonic()
         proc = torchrun(tmp_path, *SMALL, "train.steps=4", "train.checkpoint_every=2",

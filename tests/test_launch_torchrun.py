@@ -31,7 +31,7 @@ def _assert_same_training(ref: dict, got: dict, ref_ckpt: Path, got_ckpt: Path, 
 
 
 def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path, torchrun):
-    # The "done when" command, verbatim.
+    # The documented two-rank command, verbatim.
     proc = torchrun(tmp_path, "compile.backend=aot_eager", "train.steps=5", "ddp.bucket_cap_mb=1",
                     "hydra.run.dir=run", timeout=240)
     _ok(proc)

@@ -1,4 +1,4 @@
-"""The main job as training teams run it, everything at once (issue 22's done-when): 2 ranks
+"""The main job as training teams run it, everything at once: 2 ranks
 under torchrun on a token file the test prepares, a cosine schedule with warm-up, gradient
 clipping, held-out evaluation, TensorBoard and a profiled step range."""
 

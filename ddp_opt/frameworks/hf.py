@@ -9,45 +9,30 @@ This module imports ``transformers`` and is imported only by its users; ``ddp_op
 Note [HF Trainer route]
 
 Background
-    The Trainer wraps the model in DDP inside ``train()`` (through Accelerate's
-    ``prepare``), after its callbacks exist; from ``on_train_begin`` on,
-    ``trainer.model_wrapped`` is that DDP module and ``trainer.model`` the user's model.
-    Its own recipe, ``TrainingArguments(torch_compile=True)``, hands the graph to
-    PyTorch's splitter; ``compile_for_ddp(model)`` before ``Trainer(...)`` gives the
-    Trainer an ``OptimizedModule``, whose ``forward`` signature its column check cannot
-    read and whose ``save_model`` writes ``_orig_mod.`` keys that ``from_pretrained``
-    silently ignores. And the Trainer's default ``ddp_find_unused_parameters=None``
-    builds DDP with ``find_unused_parameters=True`` for every model without gradient
-    checkpointing: such a DDP never rebuilds its buckets, so they could never be
-    realigned with the partitions.
+    The Trainer wraps the model in DDP inside ``train()``; from ``on_train_begin`` on,
+    ``trainer.model_wrapped`` is that DDP module. Its own recipe,
+    ``TrainingArguments(torch_compile=True)``, hands the graph to PyTorch's splitter; an
+    ``OptimizedModule`` given to ``Trainer(...)`` breaks its column check and saves
+    ``_orig_mod.`` keys that ``from_pretrained`` ignores. And its default
+    ``ddp_find_unused_parameters=None`` builds DDP with ``find_unused_parameters=True``
+    for most models, and such a DDP never rebuilds, so its buckets cannot be realigned.
 
 Algorithm
-    1. ``compile_trainer`` checks the arguments (not with ``torch_compile=True``) and
-       adds a :class:`DDPCompileCallback` that knows the Trainer (callbacks are not
-       given it).
-    2. ``on_train_begin``: when the Trainer chose ``find_unused_parameters=True`` by
-       its default (``ddp_find_unused_parameters`` unset) and no comm hook is
-       registered, turn it off before the first step, re-creating DDP's reducer with
-       the flag (one INFO line says so). Then ``compile_ddp(trainer.model_wrapped)``:
-       the user's model's ``forward`` is compiled in place, so ``trainer.model`` keeps
-       its class and its own keys, and ``save_model`` + ``from_pretrained`` round-trip.
-    3. ``on_pre_optimizer_step``, while the flag is off by our choice: if DDP's reducer
-       did not finish the step's reduction (a parameter got no gradient), stop before
-       the optimizer applies gradients that were not all-reduced, with the setting that
-       keeps DDP's search for unused parameters.
+    1. ``compile_trainer`` checks the arguments (not with ``torch_compile=True``) and adds
+       a :class:`DDPCompileCallback` that knows the Trainer.
+    2. ``on_train_begin``: when the Trainer chose ``find_unused_parameters=True`` by its
+       default and no comm hook is registered, turn it off (re-creating the reducer; one
+       INFO line), then ``compile_ddp(trainer.model_wrapped)``, which compiles the user's
+       ``forward`` in place, so ``save_model`` + ``from_pretrained`` round-trip.
+    3. ``on_pre_optimizer_step``, while the flag is off by our choice: a reduction left
+       unfinished (a parameter without gradient) stops the step before the optimizer
+       applies unreduced gradients, naming the setting that keeps DDP's search.
 
 Notes
-    - Why turn the flag off rather than realign under it: a reducer built with
-      ``find_unused_parameters=True`` never rebuilds, so realigning under it means
-      choosing its initial buckets through the reducer's constructor, one more private
-      interface; and with no unused parameter the flag only costs a walk of the
-      autograd graph every step. The Trainer's True is a default for any model without
-      gradient checkpointing, not a fact about this one, and a model that does leave
-      a parameter unused is stopped at that step, before its optimizer step, with the fix.
-    - ``ddp_find_unused_parameters=True`` given by the user is kept: ``compile_ddp``
-      then says once that DDP's buckets cannot be realigned.
-    - With one process (or FSDP, DeepSpeed) there is no DDP module: the callback warns
-      and leaves the model uncompiled.
+    - Turning the flag off beats realigning under it: that would need one more private
+      interface, and with no unused parameter the flag only costs a graph walk per step.
+    - ``ddp_find_unused_parameters=True`` given by the user is kept, with one line that
+      buckets cannot be realigned. Without a DDP module the callback warns and does nothing.
 """
 
 from __future__ import annotations

@@ -9,49 +9,30 @@ This module imports ``lightning.pytorch`` and is imported only by its users;
 Note [Lightning strategy]
 
 Background
-    Lightning's own recipe, ``trainer.fit(torch.compile(model))``, unwraps the
-    compiled module (``lightning.pytorch.utilities.compile.from_compiled``): it keeps
-    the dynamo context alone and re-applies it to ``forward`` and the ``*_step``
-    methods, so the forward hooks ``compile_for_ddp`` puts on the compiled module
-    (which keep PyTorch's splitter out) are dropped. PyTorch's splitter then cuts
-    the graph at its own cap first, ours plans each piece as one bucket, DDP's
-    buckets are never realigned, and at caps below 1 MiB PyTorch's splitter stops
-    on an assertion. ``compile_ddp`` needs the DDP module, and in Lightning only
-    the strategy builds it.
+    Lightning's own recipe, ``trainer.fit(torch.compile(model))``, unwraps the compiled
+    module and re-applies only the dynamo context, dropping the forward hooks that keep
+    PyTorch's splitter out: its splitter then cuts at its own cap, DDP's buckets are never
+    realigned, and small caps trip its assertions. ``compile_ddp`` needs the DDP module,
+    and in Lightning only the strategy builds it.
 
 Algorithm
-    - Construction: the keywords are shared out. The fields of ``DDPCompileConfig``,
-      ``bucket_cap_mb="auto"`` and ``torch.compile``'s keywords go to ``compile_ddp``;
-      the rest to ``DDPStrategy`` and DDP, a number for ``bucket_cap_mb`` included (the
-      graph is split at DDP's caps). The compile config is built and checked here, so a
-      bad setting fails before any process starts.
-    - ``configure_ddp`` (Lightning calls it while fitting, after the module is on its
-      device and converted by the precision plugin): wrap in DDP as ``DDPStrategy`` does
-      (its ``_setup_model``), then ``compile_ddp`` on that DDP module, which compiles the
-      LightningModule's ``forward`` in place. ``strategy.model`` stays the DDP module, so
-      Lightning's ``no_sync`` (gradient accumulation), its redirection of ``*_step``
-      through DDP's forward, precision, clipping and checkpoints (the LightningModule's
-      own keys) work as under ``DDPStrategy``; the handle is ``strategy.compiled``.
-    - Comm hooks (``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``) are
-      registered through the handle after the compile, on every device (``DDPStrategy``
-      registers them on CUDA only), so that realignment, which re-creates DDP's reducer,
-      keeps them.
-    - ``backward`` runs in ``compiled.backward_context()``: compiled autograd under
-      ``strategy="traced"``, nothing otherwise. Lightning's manual optimisation
-      (``manual_backward``) goes through it too.
-    - What is compiled is the LightningModule's ``forward``: a ``training_step`` that
-      never calls ``self(...)`` would train uncompiled, so the first training step checks
-      that the compiled forward ran with gradients, and warns if not.
-    - ``teardown`` drops the compiled forward: after ``fit`` the module is the user's own
-      again. ``validate``/``test``/``predict`` outside ``fit`` run it uncompiled, as
-      ``DDPStrategy`` runs them without DDP.
+    - Construction: ``DDPCompileConfig`` fields, ``bucket_cap_mb="auto"`` and
+      ``torch.compile`` keywords go to ``compile_ddp``, the rest to ``DDPStrategy``; the
+      config is checked here, so a bad setting fails before any process starts.
+    - ``configure_ddp``: wrap in DDP as ``DDPStrategy._setup_model`` does, then
+      ``compile_ddp``, which compiles the LightningModule's ``forward`` in place.
+      ``strategy.model`` stays the DDP module, so ``no_sync``, precision, clipping and
+      checkpoints work as under ``DDPStrategy``; the handle is ``strategy.compiled``.
+    - Comm hooks are registered through the handle, on every device, so realignment
+      keeps them. ``backward`` runs in ``compiled.backward_context()``.
+    - A ``training_step`` that never calls ``self(...)`` would train uncompiled: the first
+      step checks the compiled forward ran, and warns if not. ``teardown`` restores the
+      user's module.
 
 Notes
-    - Lightning internals used: ``DDPStrategy._setup_model`` (called, not overridden) and
-      ``LightningModule._compiler_ctx`` (set by ``from_compiled``; a module given already
-      compiled is refused, since compiling twice would nest two compilers). Both exist
-      through Lightning 2.x; ``tests/test_framework_lightning.py`` pins them.
-    - DDP's ``find_unused_parameters`` keeps ``DDPStrategy``'s default, False.
+    Lightning internals used, pinned by ``tests/test_framework_lightning.py``:
+    ``DDPStrategy._setup_model`` (called) and ``LightningModule._compiler_ctx`` (a module
+    given already compiled is refused: two nested compilers).
 """
 
 from __future__ import annotations

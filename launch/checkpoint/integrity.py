@@ -3,40 +3,27 @@
 Note [Checkpoint integrity]
 
 Background
-    A published checkpoint (``step_NNNNNN``, renamed from ``.tmp`` only once complete:
-    Note [Write, then publish] in ``launch.checkpoint.store``) can still be damaged on
-    disk afterwards: a file deleted by hand or by a cleanup script, a shard truncated by
-    a copy, bytes flipped by a bad disk. Loading such a checkpoint either fails deep in
-    DCP on every rank (tracebacks, exit 1) or, worse, trains on silently from wrong
-    weights. Deciding "legacy" from one missing file made the worst case the easy one: a
-    checkpoint whose ``identity.json`` was lost was resumed as if written before
-    identities existed, with no manifest check at all.
+    A published checkpoint (Note [Write, then publish]) can still be damaged later: a
+    file deleted by a cleanup script, a shard truncated by a copy, bytes flipped by a bad
+    disk. Loading it fails deep in DCP on every rank or, worse, trains on silently from
+    wrong weights. "Legacy" must not be decided from one missing file: a checkpoint that
+    lost its ``identity.json`` would then resume with no manifest check at all.
 
 Algorithm
-    - A checkpoint written by this code holds DCP's ``.metadata`` and its shards,
-      ``train_state.json``, ``identity.json`` and, written last, ``manifest.json``: the
-      size and checksum of every other file. :func:`missing_files` reads only names: a
-      published folder is *legacy* (written before identities and manifests) when it
-      has neither ``identity.json`` nor ``manifest.json``, and *damaged* when it lacks
-      ``.metadata`` or ``train_state.json``, or has one of identity and manifest but not
-      the other. A damaged checkpoint is never a candidate, whatever else it holds.
-    - :func:`write_manifest` records each file's size and :data:`CHECKSUM` of its bytes;
-      :func:`verify_manifest` recomputes them, and takes whichever algorithm each entry
-      names (:data:`ALGORITHMS`), so a manifest written with sha256 by an older version
-      still verifies.
-    - The checksum guards against corruption, not tampering: someone who can write the
-      folder can also rewrite the manifest, which is why a folder others can write is
-      refused before the job starts (``launch.checks.rules_train``, Note [Trusted
-      folders] in ``compiler.trust``). So a fast checksum is enough: CRC-32 finds every
-      error burst of up to 32 bits (a flipped byte or four) and misses a random
-      corruption with probability 2**-32 per file. ``benchmarks/checkpoint_checksum.py``
-      measures the choices on a checkpoint of more than 1 GiB (docs/reliability.md).
-    - The job makes the checkpoint folder with mode 0700, whatever the umask, so
-      that a folder it made itself is never refused by that check on resume.
-
-Notes
-    Sizes are compared before checksums, so a truncated file is named as such without
-    reading it.
+    - A checkpoint holds DCP's ``.metadata`` and shards, ``train_state.json``,
+      ``identity.json`` and, written last, ``manifest.json`` (every other file's size and
+      checksum). :func:`missing_files` reads only names: *legacy* has neither identity
+      nor manifest; *damaged* lacks ``.metadata`` or ``train_state.json`` or has only
+      one of the two, and is never a candidate.
+    - :func:`verify_manifest` recomputes sizes (first, so a truncated file is named
+      without reading it) and checksums, with the algorithm each entry names
+      (:data:`ALGORITHMS`), so older manifests still verify.
+    - The checksum guards against corruption, not tampering: whoever can write the
+      folder can rewrite the manifest, which is why such folders are refused up front
+      (Note [Trusted folders]). So CRC-32 is enough: it finds every burst up to 32 bits
+      and misses random corruption with probability 2**-32 per file (the choices
+      measured: docs/reliability.md). The job makes the folder 0700, so its own folder
+      is never refused on resume.
 """
 
 from __future__ import annotations

@@ -3,54 +3,33 @@
 Note [Resume policy]
 
 Background
-    ``train.checkpoint_dir`` (default ``checkpoints``, relative to where the job
-    starts) can hold checkpoints of another run, of this config under another
-    torchrun invocation, checkpoints damaged on disk, or ones written before
-    checkpoints carried an identity (Note [Checkpoint identity and manifest] in
-    ``launch.checkpoint.run_identity``).
+    ``train.checkpoint_dir`` can hold checkpoints of another run, of this config
+    under another torchrun invocation, damaged ones, or legacy ones written before
+    checkpoints carried an identity (Note [Checkpoint identity and manifest]).
 
 Algorithm
-    :func:`plan_resume` reads only small files, so ``launch.checks.rules_train`` runs it
-    before any process group starts (a refusal exits 2), and :func:`resume` runs
-    it again at load time:
-
-    - fresh run (``train.resume=false``, first torchrun attempt): nothing is
-      loaded; a folder already holding checkpoints is refused when this run would
-      write checkpoints there too.
+    :func:`plan_resume` reads only small files, so the checks run it before any
+    process group starts (a refusal exits 2) and :func:`resume` again at load time.
+    - Fresh run: nothing is loaded; a folder holding checkpoints is refused when this
+      run would write there too.
     - ``train.resume=true``: the newest checkpoint must have this run's identity
-      (else one message lists what differs); older ones of the same identity are
-      the fall-backs. A legacy checkpoint (neither identity nor manifest) is
-      accepted with a warning: the user asked for it, and the shapes are still
-      checked.
-    - Whatever the case, a published checkpoint that lacks a file (DCP's
-      ``.metadata``, ``train_state.json``, or one of identity and manifest) is
-      damaged: it is named and skipped with one line, never taken for a legacy
-      one, and the newest checkpoint left decides (Note [Checkpoint integrity] in
-      ``launch.checkpoint.integrity``).
-    - torchrun restart (``TORCHELASTIC_RESTART_COUNT > 0``) without
-      ``train.resume=true``: only checkpoints of this identity *and* this torchrun
-      invocation (``TORCHELASTIC_RUN_ID``) are this run's; the others are ignored
-      with a warning, and refused when this run writes checkpoints there.
-    - The world size may differ from the checkpoint's under ``parallel=ddp`` and
-      ``none`` (Note [Checkpoint identity and manifest]), with one line saying so:
-      an elastic restart on fewer or more nodes continues from its last
-      checkpoint. Under FSDP, where its newest checkpoint was written by another
-      number of ranks, the run is refused with what to do.
-
-    :func:`resume` then has rank 0 verify the candidates newest first against
-    their manifests and broadcast the first intact one (every rank loads the same
-    checkpoint); a corrupt one is skipped with a warning. Rank 0 alone reads the
-    bytes: the ranks share the files (a shared filesystem is required anyway), and
-    one reader costs 1/world_size of every rank reading them. Before loading, the
-    model's parameter names and shapes are compared with the checkpoint's
-    metadata, so that a checkpoint never loads partially. After loading,
-    ``train.lr`` and ``train.weight_decay`` from the config are set on the
-    optimizer's param groups, with one line when they differ from the checkpoint's.
+      (else one message lists what differs); older ones of it are fall-backs. A
+      legacy checkpoint loads with a warning: the user asked, and shapes are checked.
+    - A published checkpoint missing a file is damaged: named, skipped, never taken
+      for legacy (Note [Checkpoint integrity]).
+    - torchrun restart without ``train.resume``: only checkpoints of this identity and
+      this invocation (``TORCHELASTIC_RUN_ID``) are this run's.
+    - The world size may change under ``parallel=ddp`` and ``none`` (one line says so);
+      under FSDP the run is refused with what to do.
+    Rank 0 alone verifies candidates newest first against their manifests and
+    broadcasts the first intact one: the ranks share the files, and one reader costs
+    1/world_size of all reading. Names and shapes are compared before loading, so a
+    checkpoint never loads partially; ``train.lr`` and ``train.weight_decay`` come from
+    the config, with one line when they differ.
 
 Notes
-    Rank 0 checksums every file while the other ranks wait in a broadcast bounded by
-    ``train.timeout_s``: the checkpoint must be read within it. CRC-32 costs little
-    next to reading the bytes, so the disk sets the pace (docs/reliability.md).
+    The other ranks wait in a broadcast bounded by ``train.timeout_s`` while rank 0
+    checksums, so the checkpoint must be read within it (docs/reliability.md).
 """
 
 from __future__ import annotations

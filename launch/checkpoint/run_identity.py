@@ -3,45 +3,29 @@
 Note [Checkpoint identity and manifest]
 
 Background
-    A checkpoint folder is only worth loading when it continues *this* training
-    trajectory and when its bytes are the ones written. Neither held before: a
-    torchrun restart adopted whatever lay in ``train.checkpoint_dir``, a flipped
-    byte loaded silently, and a 4-layer checkpoint loaded partially into a
-    2-layer model.
+    A checkpoint folder is worth loading only when it continues *this* training
+    trajectory and its bytes are the ones written. Without checks, a torchrun restart
+    adopts whatever lies in ``train.checkpoint_dir``, a flipped byte loads silently, and
+    a 4-layer checkpoint loads partially into a 2-layer model.
 
 Algorithm
-    - The *identity* of a run is every config value that defines its training
-      trajectory, flattened to dotted keys (``model.n_layer``), plus the world
-      size (the data stream and the RNG are functions of (seed, rank, step)).
-      Its digest is the sha256 of that dict as canonical JSON. Values that may
-      change on resume are left out (:data:`RESUMABLE`): how long to train,
-      logging, checkpoint cadence, timeouts, how the same math is compiled or
-      bucketed, evaluation, and ``train.lr`` / ``train.weight_decay``, which the
-      resumed optimizer takes from the config (``launch.checkpoint.resume``). Trajectory keys
-      added later (:data:`ADDED_LATER`: the lr schedule, gradient clipping) are
-      left out at their defaults, so older checkpoints keep their digest.
-    - The world size may differ where every rank holds the whole model
-      (``parallel=ddp`` and ``none``: DCP loads the same full tensors on any number
-      of ranks): :func:`same_trajectory` then compares the rest. ``train.batch_size``
-      is the global batch, so the optimizer sees the same batch size; what changes is
-      which samples each rank draws from the step on (the data stream is a function
-      of rank). That is what an elastic restart on fewer or more nodes
-      (``torchrun --nnodes 1:2``) needs to continue at all. FSDP's shards keep the
-      world size in the comparison (resharding on load is not tested here).
-    - ``identity.json`` holds the fields, the digest and torchrun's
-      ``TORCHELASTIC_RUN_ID`` (not part of the digest: it tells one torchrun
-      invocation from another with the same config, so that a restart only
-      adopts checkpoints its own invocation wrote).
-    - ``manifest.json`` holds the size and checksum of every other file in the
-      folder. Rank 0 writes it last, before publishing (Note [Write, then
-      publish] in ``launch.checkpoint.store``); ``verify_manifest`` recomputes it
-      (Note [Checkpoint integrity] in ``launch.checkpoint.integrity``).
+    - The *identity* is every config value that defines the trajectory, as dotted keys,
+      plus the world size; its digest is the sha256 of the canonical JSON. Values that
+      may change on resume are left out (:data:`RESUMABLE`: length, logging, cadence,
+      timeouts, how the same math is compiled, ``train.lr``/``weight_decay``). Keys added
+      later (:data:`ADDED_LATER`) are left out at their defaults, so older checkpoints
+      keep their digest.
+    - Under ``parallel=ddp`` and ``none`` every rank holds the whole model, so
+      :func:`same_trajectory` ignores the world size: an elastic restart on fewer or
+      more nodes continues. FSDP keeps it (resharding on load is not tested).
+    - ``identity.json`` holds the fields, the digest and ``TORCHELASTIC_RUN_ID`` (outside
+      the digest), so a restart adopts only checkpoints its own invocation wrote.
+    - ``manifest.json``, written last by rank 0, holds every other file's size and
+      checksum (Note [Checkpoint integrity]).
 
 Notes
-    A checkpoint written before this change has neither file (a *legacy*
-    checkpoint); one with only one of them is damaged, not legacy
-    (``launch.checkpoint.integrity.missing_files``). ``launch.checkpoint.resume``
-    decides what to do with either.
+    A legacy checkpoint (written before identities existed) has neither file; one with
+    only one of them is damaged (``missing_files``); ``launch.checkpoint.resume`` decides.
 """
 
 from __future__ import annotations

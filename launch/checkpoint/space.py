@@ -3,31 +3,24 @@
 Note [Checkpoint write errors]
 
 Background
-    A checkpoint folder on a full disk failed with up to 195 lines of tracebacks from
-    every rank (``[enforce fail at inline_container.cc:672] unexpected pos``, "No space
-    left on device" missing in one try of three), left a partial ``step_*.tmp`` on
-    the full disk, and said nothing of which checkpoint was the last good one.
+    A checkpoint written to a full disk fails deep in the writer, on every rank, with
+    tracebacks that may not even say "No space left on device", leaves a partial
+    ``step_*.tmp`` on the full disk, and says nothing of the last good checkpoint.
 
 Algorithm
-    - Before a save, rank 0 compares the free space of the folder's filesystem with
-      the size of the newest published checkpoint (the next one is about as large),
-      and every rank agrees on the answer with one all-reduce: too little room stops
-      every rank before anything is written.
-    - A save that fails anyway (an I/O error, another writer filling the disk) has its
-      partial ``.tmp`` folder removed, and every rank raises
+    - Before a save, rank 0 compares the folder's free space with the newest published
+      checkpoint's size (the next is about as large), and every rank agrees with one
+      all-reduce: too little room stops every rank before anything is written.
+    - A save that fails anyway has its partial ``.tmp`` removed, and every rank raises
       :class:`CheckpointWriteError`: one line with what failed, the last good
       checkpoint and the room needed, exit code :data:`EXIT_CHECKPOINT_WRITE`.
-    - A folder that can no longer be written for another reason (it turned
-      read-only, lost its permissions, vanished or became a file) is not a full
-      disk: its line gives the errno and the path, says to make the folder
-      writable or choose another one, and gives no free-space advice. DCP wraps
-      each rank's error with its stack (a tuple); only the error itself is told.
-    - Rank 0 alone makes the folder before a save and publishes it after; a
-      failure there is agreed on by every rank with one all-reduce (:func:`agree`),
-      so every rank stops with the same line instead of waiting for rank 0.
-    - Rotation deletes the oldest checkpoint after the new one is published, so the
-      folder needs room for ``keep_last`` checkpoints plus the one being written
-      (``keep_last=1``: two checkpoints' room).
+    - A folder that cannot be written for another reason (read-only, no permission,
+      vanished, a file) is not a full disk: its line gives the errno and path and says
+      to make it writable or choose another. Only DCP's inner error is told.
+    - Rank 0 alone makes and publishes the folder; its failure is agreed on with one
+      all-reduce (:func:`agree`), so every rank stops with the same line.
+    - Rotation deletes the oldest checkpoint after publishing the new one, so the
+      folder needs room for ``keep_last`` checkpoints plus one.
 """
 
 from __future__ import annotations

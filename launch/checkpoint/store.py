@@ -3,39 +3,28 @@
 Note [Write, then publish]
 
 Background
-    A job can die at any instant, also half-way through writing a checkpoint. A
-    resume must never load such a checkpoint.
+    A job can die at any instant, also half-way through writing a checkpoint. A resume
+    must never load such a checkpoint.
 
 Algorithm
-    - Every rank writes its shards with ``dcp.save`` into ``step_NNNNNN.tmp``.
-      Model and optimizer state come from ``get_state_dict``, so the same code
-      serves DDP (replicated) and FSDP (sharded) models.
-    - Rank 0 adds ``train_state.json`` (the step; the data stream, the RNG and
-      the lr schedule are pure functions of (seed, rank, step), so the step is
-      all the position there is; the schedule's settings are recorded too), then
-      renames the folder to ``step_NNNNNN`` (atomic on POSIX) and
-      replaces the ``latest`` marker (written to a temporary file, then
-      ``os.replace``d). A barrier on either side keeps ranks in step (after
-      the save, an all-reduce that also tells every rank whether rank 0 published).
-    - Before the rename, rank 0 also writes ``identity.json`` and, last,
-      ``manifest.json`` with the size and checksum of every file (Note [Checkpoint
-      identity and manifest] in ``launch.checkpoint.run_identity``, Note [Checkpoint
-      integrity] in ``launch.checkpoint.integrity``); ``launch.checkpoint.resume`` checks both.
-    - Older published checkpoints beyond ``keep_last`` are removed.
-    - Only a finite model is published: before writing, every rank checks its
-      parameters and one all-reduce agrees (``launch.runtime.guard.model_finite``); a
-      non-finite model raises ``NonFinite`` and nothing is written. Rotation runs
-      only after a new (finite) checkpoint is published, so it never deletes the
-      last finite one (Note [Finite-loss guard] in ``launch.runtime.guard``).
-    - :func:`latest_checkpoint` only returns a published folder holding DCP's
-      ``.metadata`` and ``train_state.json``; ``*.tmp`` folders are never read.
-      :func:`published_checkpoints` returns every published folder, complete or
-      not: a published folder lacking a file was damaged after publishing, and the
-      resume names it and says why it is skipped rather than passing over it.
+    - Every rank writes its shards with ``dcp.save`` into ``step_NNNNNN.tmp``; state comes
+      from ``get_state_dict``, so the same code serves DDP and FSDP.
+    - Rank 0 adds ``train_state.json`` (the step is all the position there is: data, RNG
+      and lr schedule are functions of it), ``identity.json`` and, last,
+      ``manifest.json`` (Note [Checkpoint identity and manifest], Note [Checkpoint
+      integrity]), then renames the folder to ``step_NNNNNN`` (atomic on POSIX) and
+      replaces the ``latest`` marker. Barriers on either side keep ranks in step; the one
+      after tells every rank whether rank 0 published.
+    - Only a finite model is published (``launch.runtime.guard.model_finite``), and
+      rotation beyond ``keep_last`` runs after publishing, so it never deletes the last
+      finite checkpoint.
+    - :func:`latest_checkpoint` returns only a published folder with ``.metadata`` and
+      ``train_state.json``; ``*.tmp`` is never read. :func:`published_checkpoints` returns
+      every published folder, so a resume names a damaged one and says why it is skipped.
 
 Notes
-    On several machines, ``train.checkpoint_dir`` must be on a filesystem that
-    every node sees: rank 0 publishes what all ranks wrote.
+    On several machines ``train.checkpoint_dir`` must be on a filesystem every node sees:
+    rank 0 publishes what all ranks wrote.
 """
 
 from __future__ import annotations

@@ -3,45 +3,27 @@
 Note [Config errors under torchrun]
 
 Background
-    Every rank validates the same config and finds the same error. torchrun's agent
-    watches its workers: as soon as one exits non-zero it sends SIGTERM to the
-    others, prints a ``ChildFailedError`` traceback with a failure table, and, under
-    ``--max-restarts N``, starts the whole worker group again, N times. So a rank
-    that prints the message and exits can get the rank that was about to print it
-    killed first (no message at all), and a config error was retried N times.
+    Every rank finds the same config error. torchrun's agent, as soon as one worker
+    exits non-zero, SIGTERMs the others, prints a ``ChildFailedError`` table and, under
+    ``--max-restarts N``, restarts the group N times. So a rank that prints and exits can
+    get the rank about to print killed first (no message), and the error is retried.
 
 Algorithm
-    - Local rank 0 prints ``error: <message>`` on stderr, flushes, writes the message
-      to torchrun's error file (``TORCHELASTIC_ERROR_FILE``, so the failure table's
-      root cause shows it instead of "To enable traceback see ..."), then a marker
-      file keyed by torchrun's run id and the agent's pid, and exits with code 2.
-      The marker lives in this user's private runtime folder and is written and
-      read without following links (``compiler.trust``, Note [Trusted folders]):
-      its name is guessable from ``ps``, so in a shared ``/tmp`` another local user
-      could plant a link there (the job would overwrite the link's target) or a
-      marker of their own (a restart would exit 2 with their text). A marker this
-      user did not write reads as none.
-    - The other local ranks wait for that marker before they exit with code 2 (at
-      most ``WAIT_S``; if it never comes, local rank 0 did not find the error, and
-      the rank prints the message itself). Only the rank that printed writes the
-      error file, so the table names the message once, as the root cause.
-    - A worker that torchrun restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) and finds
-      the marker exits with code 2 at once, before composing the config: a config
-      error is not retried, and not printed again (local rank 0 writes the error
-      file again, so the table of the last attempt still shows the message).
+    - Local rank 0 prints ``error: <message>``, writes it to ``TORCHELASTIC_ERROR_FILE``
+      (so the failure table's root cause shows it), then a marker keyed by the run id
+      and the agent's pid, and exits 2. The marker lives in this user's private runtime
+      folder, written and read without following links (Note [Trusted folders]): its
+      name is guessable, and a planted link or marker must not be obeyed.
+    - The other local ranks wait (at most ``WAIT_S``) for the marker, then exit 2; if it
+      never comes they print the message themselves.
+    - A restarted worker that finds the marker exits 2 at once: a config error is not
+      retried and not printed again.
 
 Notes
-    What torchrun still does, and a worker cannot change: any worker exiting
-    non-zero makes the agent raise ``ChildFailedError``, so torchrun exits with code
-    1 (the workers' code 2 shows in its failure table), prints its own Python
-    traceback and the table (about 40 lines), and with ``--max-restarts N`` still
-    starts the group N more times (each attempt ends after Python start-up and the
-    imports, a few seconds). Exiting 0 instead would hide the failure from the shell.
-    torchrun gives workers an error file only when it keeps per-attempt logs (it
-    does by default in torch 2.13); without one the table says "To enable traceback
-    see ...". When the runtime folder cannot be used (another user took its path),
-    every local rank prints the message and a warning that says why, and a restart
-    composes the config again and finds the same error.
+    A worker cannot stop torchrun itself from exiting 1 with its own traceback and
+    table, nor from restarting the group (each attempt ends right after the imports);
+    exiting 0 would hide the failure. Without a usable runtime folder every local rank
+    prints the message with a warning that says why.
 """
 
 from __future__ import annotations

@@ -3,78 +3,58 @@
 Note [Token files]
 
 Background
-    nanoGPT's data format: one flat array of token ids (``uint16`` when the
-    vocabulary fits in 65,536 ids, else ``uint32``), no header, read with
-    ``numpy.memmap`` so that nothing is loaded up front and a file larger than
-    memory works. ``python -m launch.prepare_data`` writes one, with a sidecar
-    ``PATH.json`` (dtype, vocab_size, tokens, tokenizer) that this module reads.
+    nanoGPT's data format: one flat array of token ids (``uint16`` when the vocabulary
+    fits in 65,536 ids, else ``uint32``), no header, read without loading it up front.
+    ``python -m launch.prepare_data`` writes one, with a sidecar ``PATH.json`` (dtype,
+    vocab_size, tokens, tokenizer) that this module reads.
 
 Algorithm
-    - Split: the last ``floor(n * data.val_fraction)`` ids are the validation
-      region, the rest the train region. A window never crosses the boundary, so
-      no validation token is ever trained on.
-    - Train: the train region is cut into ``world_size`` equal contiguous slices,
-      one per rank. Rank ``r``'s batch at ``step`` is ``batch_size`` windows of
-      ``seq_len + 1`` ids whose starts are drawn uniformly in its slice by a
-      generator seeded with ``stream_seed(seed, r, step)``; inputs are the first
-      ``seq_len`` ids of each window, targets the last ``seq_len``.
-    - Validation (:meth:`TokenFile.eval_batch`): the same draw over the whole
-      validation region, with a salted seed (every rank reads the whole region,
-      each its own draws).
-    - So a batch is a pure function of (seed, step, rank, world size): there is no
-      loader state to checkpoint, and a resumed run replays exactly the batches
-      the interrupted one would have seen.
+    - Split: the last ``floor(n * data.val_fraction)`` ids are validation, the rest
+      train; no window crosses the boundary, so no validation token is trained on.
+    - Train: the train region is cut into ``world_size`` contiguous slices, one per
+      rank. Rank ``r``'s batch at ``step`` is ``batch_size`` windows of ``seq_len + 1``
+      ids with starts drawn in its slice by a generator seeded with
+      ``stream_seed(seed, r, step)``. Validation (:meth:`TokenFile.eval_batch`) draws
+      the same way over the whole validation region with a salted seed.
+    - So a batch is a pure function of (seed, step, rank, world size): no loader state
+      to checkpoint, and a resumed run replays exactly the batches it would have seen.
 
 Notes
-    - Training reads each window with ``os.pread`` from a descriptor opened once, and
-      checks the file's size before each batch: a file rewritten under a running job
-      stops it with one message (:class:`TokenFileChanged`), where reading a shrunk
-      memory map killed the workers with SIGBUS and no word. A file replaced by a
-      rename keeps being read as it was (the descriptor holds the old one).
-    - :func:`fingerprint` (size and a sha256 of :data:`SAMPLE_CHUNKS` sampled blocks,
-      about 4 MiB read whatever the size) goes into each checkpoint's identity; a
-      resume on a changed file is refused unless ``train.allow_data_change=true``.
-      The modification time is left out, so a copy or a restore of the same file resumes.
+    - Windows are read with ``os.pread`` from a descriptor opened once, and the size is
+      checked before each batch: a file rewritten under a running job stops it with
+      :class:`TokenFileChanged`, where a shrunk memory map would kill the workers with
+      SIGBUS and no word. A file replaced by a rename keeps being read as it was.
+    - :func:`fingerprint` (size and a sha256 of :data:`SAMPLE_CHUNKS` sampled blocks)
+      goes into each checkpoint's identity; a resume on a changed file is refused
+      unless ``train.allow_data_change=true``. The mtime is left out, so a copy resumes.
     - :func:`check_token_data` refuses a bad file before any process group starts
-      (missing, empty, a size that is not a whole number of ids of the dtype, too
-      short for one window in a rank's train slice or in the validation region,
-      ids past ``model.vocab_size``, a sidecar that disagrees with the settings).
-    - A file whose dtype nothing declares (no sidecar, ``data.dtype`` null) is read as
-      nanoGPT's ``uint16``, unless it looks like ``uint32`` (Note [Undeclared dtype]):
-      then it is refused with the fix instead of guessed.
-    - The id scan reads the whole file up to :data:`SCAN_LIMIT` ids; a larger file
-      is checked on :data:`SAMPLE_CHUNKS` evenly spaced chunks (the first and last
-      included). Every batch checks its own ids too, so an id past the vocabulary
-      outside the sample stops the step that reads it, with the same message,
-      instead of indexing out of the embedding.
+      (missing, empty, a partial id, too short for one window, ids past
+      ``model.vocab_size``, a sidecar that disagrees with the settings). The id scan
+      samples files past :data:`SCAN_LIMIT` ids; every batch checks its own ids too.
+    - A file whose dtype nothing declares is read as ``uint16`` unless it looks like
+      ``uint32`` (Note [Undeclared dtype]).
 
 Note [Undeclared dtype]
 
 Background
-    A token file has no header: nanoGPT's ``.bin`` files are ``uint16`` with no
-    sidecar, and the same bytes read with the wrong width are valid ids of garbage.
-    A little-endian ``uint32`` file read as ``uint16`` gives each id's low half, then
-    its high half: for ids below 65,536 every other id is 0, all ids fit the
-    vocabulary, and the job trained on it with exit 0.
+    A token file has no header, and the same bytes read with the wrong width are valid
+    ids of garbage. A little-endian ``uint32`` file read as ``uint16`` gives each id's
+    low half, then its high half: for ids below 65,536 every other id is 0, all ids fit
+    the vocabulary, and the job would train on it and exit 0.
 
 Algorithm
-    Only when neither a sidecar nor ``data.dtype`` names the dtype. A size that is
-    not a multiple of 4 cannot be ``uint32``: ``uint16``. Else the file is sampled
-    the way :func:`fingerprint` is (:data:`SAMPLE_CHUNKS` evenly spaced 64 KiB blocks,
-    the first and last included, the whole file when smaller) as pairs of ``uint16``
-    (low, high), and refused as ``uint32`` when every high half is at most
-    ``max(3, (model.vocab_size - 1) >> 16)`` while at least :data:`MIN_PAIRS` low
-    halves are larger. The high half of a ``uint32`` id is its id over 65,536: 0 for
-    vocabularies that fit ``uint16``, at most 3 for tokenizers up to 262,144 ids (so
-    a 100k-id file is caught whatever ``model.vocab_size`` says).
+    Only when neither a sidecar nor ``data.dtype`` names the dtype. A size that is not a
+    multiple of 4 is ``uint16``. Else the file is sampled as :func:`fingerprint` does, as
+    ``uint16`` pairs (low, high), and refused as ``uint32`` when every high half is at
+    most ``max(3, (model.vocab_size - 1) >> 16)`` while at least :data:`MIN_PAIRS` low
+    halves are larger (a ``uint32`` id's high half is at most 3 for tokenizers up to
+    262,144 ids).
 
 Notes
-    False positives: text tokenized to ``uint16`` has ids spread over the
-    vocabulary, so every odd-indexed id being 3 or less while the even ones are
-    larger does not happen; a file of mostly zeros with a few other ids (a test's,
-    not text) shows fewer than :data:`MIN_PAIRS` larger low halves and stays
-    ``uint16``. So does a ``uint32`` file that short: it is read as before. A
-    refusal names both fixes, so a rare false one costs one setting.
+    Text tokenized to ``uint16`` spreads its ids over the vocabulary, so every odd id
+    being 3 or less does not happen; a near-empty file shows fewer than
+    :data:`MIN_PAIRS` and stays ``uint16``. A refusal names both fixes, so a rare false
+    one costs one setting.
 """
 
 from __future__ import annotations

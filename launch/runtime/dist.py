@@ -22,42 +22,28 @@ Note [Reliable exit]
     that an interpreter shutdown could usefully do.
 
 Note [Exit on error]
-    An exception on one rank (rank 0 cannot write ``train.checkpoint_dir`` and
-    raises before the barrier that rank 1 already waits in) used to hang about
-    one try in four, until ``train.timeout_s``. The stacks: rank 0's main thread
-    in ``~Reducer -> ~ProcessGroupGloo``, waiting for the process group's mutex
-    while holding the GIL; rank 0's gloo thread waiting for the GIL; rank 1 in
-    the barrier. The exception unwound through ``teardown_distributed`` and the
-    entry point's ``except``; when the traceback was dropped, the last reference
-    to the DDP module went, its reducer's destructor released the process group,
-    and that destructor waited on a gloo thread that needed the GIL the main
-    thread held: a deadlock that no timeout of ours reaches. So on the entry
-    point's path (``launch.train.run(..., exit_on_error=True)``) an error is
-    printed, the streams flushed and the process ended with :func:`exit_now`
-    right in the ``except``, while the traceback still holds the model: no
-    destructor of DDP, the reducer or the process group runs at all. The peers
-    see the socket close (gloo raises at once in their next or current
-    collective) and leave the same way, and torchrun stops those still alive.
-    A stop every rank agreed on at the same step (preemption, a non-finite
-    loss) leaves the same way, with its own exit code and one line from rank 0.
-    ``run()`` called from Python (tests, notebooks) raises as before.
+    When one rank raises (say it cannot write ``train.checkpoint_dir``) while its
+    peer waits in a collective, the dropped traceback releases the last reference
+    to the DDP module; the reducer's destructor then waits for the process group's
+    mutex while holding the GIL, and a gloo thread waits for the GIL: a deadlock no
+    timeout of ours reaches. So on the entry point's path
+    (``launch.train.run(..., exit_on_error=True)``) an error is printed, the streams
+    flushed and the process ended with :func:`exit_now` right in the ``except``,
+    while the traceback still holds the model: no destructor of DDP, the reducer or
+    the process group runs. The peers see the socket close and leave the same way,
+    and torchrun stops those still alive. A stop every rank agreed on (preemption, a
+    non-finite loss) leaves the same way with its own exit code. ``run()`` called
+    from Python (tests, notebooks) raises.
 
 Note [Process-group teardown]
-    ``run()`` called from Python hung in a test about once in a CI run
-    (``test_skip_stops_after_max_consecutive_skips``, 2026-11-23): the main
-    thread in ``~Reducer -> ~ProcessGroupGloo``, joining the gloo threads while
-    holding the GIL; a gloo thread in ``~AsyncWork`` of the last all-reduce,
-    waiting for the GIL to release its tensors' Python objects. The reducer's
-    Python binding holds the GIL while it destroys what it owns, and after
-    ``destroy_process_group`` the reducer held the group's last reference, so the
-    group died with it, milliseconds after the last collective, before the gloo
-    thread had finished with it. A loop of init, a DDP backward, an all-reduce,
-    ``destroy_process_group`` and dropping the model hung within 50 tries in 4 of
-    4 runs. The process group's own Python object releases the GIL while it is
-    destroyed (pytorch/pytorch#154976). So :func:`destroy_process_group` keeps
-    that object after destroying the group, until the next
-    :func:`setup_distributed` (or the process ends): the reducer then never
-    holds the last reference, and the same loop ran 400 tries without a hang.
+    The reducer's Python binding holds the GIL while it destroys what it owns. If it
+    held the process group's last reference after ``destroy_process_group``, the
+    group would die with it, joining gloo threads that may still need the GIL to
+    release the last collective's tensors: a hang. The process group's own Python
+    object releases the GIL while it is destroyed (pytorch/pytorch#154976). So
+    :func:`destroy_process_group` keeps that object after destroying the group,
+    until the next :func:`setup_distributed` (or the process ends), and the reducer
+    never holds the last reference (measured: docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -4,39 +4,26 @@ model, stops being finite (``train.on_nonfinite``).
 Note [Finite-loss guard]
 
 Background
-    A learning rate too high, an fp16 overflow or a bad batch turns the loss into
-    inf/NaN, and from then on every step is NaN: a job that does not look keeps
-    going, exits 0, and its checkpoint rotation (``train.keep_last``) replaces the
-    last good checkpoints with NaN ones. Each rank sees only its own loss, so the
-    decision must be one that every rank takes at the same step.
+    A too-high lr, an fp16 overflow or a bad batch makes the loss inf/NaN, and every
+    later step too: a job that does not look exits 0, and rotation replaces the last good
+    checkpoints with NaN ones. Each rank sees only its own loss, so every rank must
+    decide at the same step.
 
 Algorithm
-    - ``stop`` (the default) costs no extra collective: ``launch.train._step``
-      already all-reduces a small stats tensor (loss, tokens) after every step,
-      and a sum with one non-finite term is non-finite, so every rank sees the
-      same non-finite mean loss at the same step and raises :class:`NonFinite`
-      (exit code :data:`EXIT_NONFINITE`, one line naming the step and what to try).
-    - ``skip`` must decide *before* the optimizer step: :func:`all_finite`
-      all-reduces one flag (MIN over ranks) between backward and
-      ``optimizer.step``. On a non-finite step the gradients are zeroed and the
-      update is not applied (Adam's moments and step count stay as they were);
-      the loop counts the step in ``metrics.json`` (``skipped_steps``) and stops
-      with :class:`NonFinite` after ``train.max_consecutive_skips`` in a row, so a
-      diverged run does not spin.
-    - A checkpoint is published only when every parameter is finite on every
-      rank (:func:`model_finite`, one all-reduce per save, in
-      ``launch.checkpoint.store.save_checkpoint``); otherwise the save raises
-      :class:`NonFinite` before writing anything. So every published checkpoint
-      is finite, and rotation, which runs only after a new one is published,
-      never deletes the last finite one.
+    - ``stop`` (default) costs no extra collective: the per-step stats all-reduce sums
+      the losses, and a sum with a non-finite term is non-finite on every rank, which
+      raises :class:`NonFinite` (exit :data:`EXIT_NONFINITE`, one line with what to try).
+    - ``skip`` must decide before the optimizer step: :func:`all_finite` all-reduces one
+      flag after backward; a non-finite step zeroes the gradients and applies no update,
+      is counted (``skipped_steps``), and ``train.max_consecutive_skips`` in a row stop
+      the run so a diverged run does not spin.
+    - A checkpoint is published only when every parameter is finite on every rank
+      (:func:`model_finite`), so rotation never deletes the last finite one.
 
 Notes
-    - The loss is checked, not the gradients: a finite loss with non-finite
-      gradients makes non-finite parameters, hence a non-finite loss one step
-      later (and no checkpoint in between).
-    - The extra all-reduce of ``skip`` is one float on the critical path of every
-      step: a median of 104 us (p90 156 us) on 2 CPU ranks over gloo on one
-      machine, against a ~37 ms step of the 2-layer test model there (~0.3%).
+    The loss is checked, not the gradients: non-finite gradients make a non-finite loss
+    one step later, with no checkpoint between. ``skip``'s all-reduce is one float per
+    step (measured: docs/reliability.md, Non-finite loss).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ Notes
     - Parity tolerances (tests/test_launch_step_multirank.py, 2 ranks, 3 steps
       of a small GPT): compiled DDP (aot_eager) in bf16 matches eager DDP in
       bf16 within 1e-3 on the losses and 1e-4 on the parameters (aot_eager runs
-      the same casts: 0.0 seen; the margin is for fusing backends); bf16 losses
-      match fp32 within 1e-2 (1e-4 seen: 8 bits of mantissa).
+      the same casts; the margin is for fusing backends); bf16 losses match fp32
+      within 1e-2 (bf16 keeps 8 bits of mantissa).
     - The warm-up pass runs under the same autocast as training: the autocast
       state is part of the guard, a different one would be a recompile.
 """

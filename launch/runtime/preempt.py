@@ -4,47 +4,31 @@ with a checkpoint, on every rank at the same step.
 Note [Preemption]
 
 Background
-    Schedulers (Slurm, Kubernetes, spot instances) stop a job with SIGTERM and
-    SIGKILL it after a grace period; Ctrl-C sends SIGINT to the foreground
-    process group. torchrun's agent, on SIGTERM/SIGINT/SIGHUP/SIGQUIT, sends
-    the same signal to every worker, waits ``--shutdown-timeout`` seconds
-    (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, default 30) and SIGKILLs the workers
-    still alive, then exits 1 itself (its ``SignalException`` is uncaught). With
-    Python's default handlers a signalled rank dies mid-step, its peers fail in
-    their next collective, and nothing is saved.
+    Schedulers stop a job with SIGTERM and SIGKILL it after a grace period; Ctrl-C sends
+    SIGINT. torchrun's agent forwards either to every worker, waits
+    ``--shutdown-timeout`` seconds and SIGKILLs the rest. With Python's default handlers
+    a signalled rank dies mid-step, its peers fail in their next collective, and
+    nothing is saved.
 
 Algorithm
-    - :class:`Preemption` installs handlers for SIGTERM and SIGINT that only
-      record the signal: a handler runs between two bytecodes of the main
-      thread, and raising there could leave a collective or a checkpoint write
+    - :class:`Preemption`'s handlers for SIGTERM and SIGINT only record the signal:
+      raising between two bytecodes could leave a collective or a checkpoint write
       half done.
-    - The stats all-reduce that ``launch.train._step`` already runs after every
-      step carries one more number: 1 when this rank has been signalled. After
-      it every rank knows, at the same step, whether any rank was signalled: no
-      extra collective.
-    - The loop then finishes that step as usual, saves a checkpoint (when
-      ``train.checkpoint_every > 0``) and raises :class:`Preempted`; the entry
-      point prints one line on rank 0 and every rank exits with
-      :data:`EXIT_PREEMPTED`. A resumed run (``train.resume=true``, or a torchrun
-      restart) continues from that step exactly as if never stopped (the data
-      and the RNG are functions of the step).
+    - The per-step stats all-reduce carries one more number, 1 when this rank was
+      signalled, so every rank learns at the same step whether any was: no extra
+      collective.
+    - The loop finishes that step, saves a checkpoint (when ``checkpoint_every > 0``)
+      and raises :class:`Preempted`; rank 0 prints one line and every rank exits with
+      :data:`EXIT_PREEMPTED`. A resume continues from that step exactly (the data and
+      the RNG are functions of the step).
 
 Notes
-    - Exit code 75 is ``EX_TEMPFAIL`` of ``sysexits.h`` ("temporary failure;
-      the user is invited to retry"): distinct from 1 (failure), 2 (bad config)
-      and 3 (non-finite loss), so a wrapper script can requeue on it. Under
-      torchrun the workers' code shows in the agent's failure table; the agent
-      itself exits 1 whichever way it ended badly.
-    - A signal repeated (the agent forwards the SIGTERM the whole process group
-      already got) changes nothing; the hard stop is the agent's SIGKILL after
-      its grace period, or a scheduler's.
-    - A signal during setup or warm-up is acted on after the first step; a rank
-      blocked in a collective runs the handler only when the collective returns.
-      A rank still waiting in the store for a peer's compile (the compile barrier, a
-      shared compile) 10 s after the signal stops there: the handler also calls
-      ``compiler.liveness.request_stop``, and the rank exits with :data:`EXIT_PREEMPTED`
-      and one line, saving nothing new (``launch.runtime.leave``; Note [Peer liveness]),
-      before torchrun's SIGKILL 30 s after the signal.
+    - Exit code 75 is ``EX_TEMPFAIL`` ("retry"), distinct from 1, 2 and 3, so a wrapper
+      can requeue on it; torchrun's agent itself exits 1.
+    - A repeated signal changes nothing. A signal during setup is acted on after the
+      first step; a rank blocked in a collective sees it when the collective returns.
+      A rank waiting in the store for a peer's compile stops there after a short grace
+      (``compiler.liveness.request_stop``, Note [Peer liveness]), before torchrun's SIGKILL.
 """
 
 from __future__ import annotations

@@ -4,47 +4,28 @@ a step ends by itself, with one line naming that peer.
 Note [Silent peer mid-step]
 
 Background
-    The step gate and the compile waits read the peers' heartbeats in the store
-    (Note [Peer liveness] in ``compiler.liveness``), but a rank whose peer stopped
-    (SIGSTOP, a debugger, a frozen node) in the middle of backward waits inside the
-    all-reduce: its main thread is in gloo's C++ until the process group's timeout,
-    then fails with a traceback that names no rank. torchrun's SIGTERM does nothing
-    to the stopped rank, and the job ended only at torchrun's SIGKILL. A peer that
-    died (``kill -9``, the OOM killer) closes its sockets, and the survivor failed at
-    once with "Connection reset by peer" and the same traceback.
+    A rank whose peer stopped (SIGSTOP, a debugger, a frozen node) mid-backward waits
+    inside the all-reduce, in C++, until the process group's timeout, then fails with a
+    traceback naming no rank; torchrun's SIGTERM does nothing to the stopped peer. A peer
+    that died closes its sockets, and the survivor fails at once, as namelessly.
 
 Algorithm
     :class:`PeerWatchdog` holds the launcher's run (world size above 1):
-
-    - It starts a :class:`compiler.liveness.PeerMonitor` (which keeps this rank's
-      heartbeat going for the whole run, whether or not compiles are shared or the
-      step gate is on), with ``dead_after_s`` = ``train.timeout_s``. On the entry
-      point's path (``exit_on_error``), when a peer has been silent that long the
-      monitor's thread prints one line naming it and what this rank was in (the step,
-      from a step callback) and ends the process with ``os._exit`` after flushing
-      (exit code 1, ``EXIT_PEER_LOST``): the main thread is stuck in C++ and cannot
-      raise, and the process ends by itself, before torchrun's kill.
-    - An error that leaves the run (a collective that timed out, or failed because
-      the peer's connection closed) is looked at before it goes on: when a peer is
-      gone or stopped (seen in ``/proc`` on this machine) or stopped beating within a
-      few beats, the error becomes :class:`compiler.liveness.PeerLost` with the same
-      line, which ``launch.runtime.leave`` prints without a traceback. Errors of
-      this rank's own, with every peer beating, go on as they were.
-    - A peer that died on this machine is named dead; when the kernel's OOM kill
-      count in this cgroup grew since the run started (Note [OOM kill count] in
-      ``launch.runtime.oom``), the line says the OOM killer probably killed it and
-      how to use less memory.
+    - It starts a :class:`compiler.liveness.PeerMonitor` (keeping this rank's heartbeat
+      for the whole run) with ``dead_after_s = train.timeout_s``. On the entry point's
+      path, a peer silent that long makes the monitor's thread print one line naming it
+      and this rank's step, and end the process (``EXIT_PEER_LOST``): the main thread is
+      stuck in C++ and cannot raise.
+    - An error leaving the run is checked first: a peer gone or stopped (``/proc`` on
+      this machine) or silent within a few beats turns it into
+      :class:`compiler.liveness.PeerLost`, printed without a traceback. A peer dead while
+      this cgroup's OOM kill count grew is named as probably OOM-killed (Note [OOM kill
+      count]).
 
 Notes
-    The watchdog watches from the start of the run until ``train`` returns; this
-    rank's heartbeat goes on until ``run()`` returns (after the process group's
-    teardown), so that a peer still finishing its run (a profile trace written by
-    rank 0) never sees it silent.
-    One line per process: the monitor's thread and :func:`launch.runtime.leave.leave`
-    claim the exit first (``claim_exit``); the other one waits for the process to end.
-    A live peer that compiles for hours beats all along and is never taken for dead.
-    ``run()`` called from Python never ends the process: the monitor only records, and
-    the collective's own error is translated when it comes.
+    The heartbeat runs until ``run()`` returns, so a peer still finishing never sees it
+    silent. One line per process (``claim_exit``). ``run()`` called from Python never
+    ends the process: the monitor only records.
 """
 
 from __future__ import annotations

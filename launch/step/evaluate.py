@@ -4,39 +4,27 @@
 Note [Evaluation]
 
 Background
-    The training loss is measured on the batch the step trains on; how well the
-    model does on data it does not train on needs batches of their own, the same
-    ones at every evaluation so that the numbers compare across steps.
+    The training loss is measured on the batch the step trains on; how the model does
+    on data it does not train on needs batches of their own, the same at every
+    evaluation so that the numbers compare across steps.
 
 Algorithm
-    - Held-out data: the dataset's ``eval_batch(index, rank, world_size,
-      batch_size, seq_len)``, with the contract of ``batch``, for ``index = 0 ..
-      train.eval_batches - 1``. The synthetic dataset's are the batches of the
-      steps ``-1, -2, ...`` of its stream (training uses steps ``>= 1``, warm-up
-      step 0; each batch is a function of (seed, rank, step), so these are other
-      batches of the same distribution). A user's dataset (``data._target_``)
-      without ``eval_batch`` is refused with ``train.eval_every > 0`` before the
-      job starts (``launch.checks.probe``).
-    - After every ``train.eval_every``-th step (and the last), each rank runs
-      ``train.eval_batches`` batches of the training micro-batch size at
-      ``train.seq_len`` under ``model.eval()`` and ``torch.no_grad()``, in the
-      training precision, and one all-reduce averages the mean losses over
-      ranks and batches.
-    - Uncompiled: evaluation runs under ``torch.compiler.set_stance("force_eager")``
-      through the model below DDP (no reducer, no gradient hooks), or the FSDP2
-      model itself (its hooks gather the shards). ``eval()`` and ``no_grad`` are
-      part of dynamo's guards, so a compiled evaluation would compile a graph
-      of its own (under DDP, a second set of split partitions), count as a
-      recompile of the training frames and toward their recompile limit, and
-      trip ``train.no_recompile_after_warmup``; eagerly, the training graphs are
-      neither recompiled nor re-entered (tested: the same graphs and
-      recompiles with and without evaluation, and the same training losses).
-      Evaluation is then as fast as the eager model: keep ``eval_batches`` small.
+    - Held-out data: the dataset's ``eval_batch(index, rank, world_size, batch_size,
+      seq_len)`` for ``index < train.eval_batches``. The synthetic dataset's are the
+      batches of steps ``-1, -2, ...`` of its stream. A dataset without ``eval_batch``
+      is refused with ``train.eval_every > 0`` before the job starts.
+    - After every ``train.eval_every``-th step (and the last), each rank runs those
+      batches under ``model.eval()`` and ``no_grad`` in the training precision; one
+      all-reduce averages the losses.
+    - Uncompiled (``set_stance("force_eager")``, through the model below DDP, or the
+      FSDP2 model itself): ``eval()`` and ``no_grad`` are in dynamo's guards, so a
+      compiled evaluation would compile graphs of its own, count as recompiles of the
+      training frames and trip ``train.no_recompile_after_warmup``. Keep
+      ``eval_batches`` small: evaluation runs at eager speed.
 
 Notes
-    Synthetic sequences are short arithmetic runs from a small space (start and
-    stride), so single held-out sequences can coincide with training ones; the
-    batches do not.
+    Synthetic sequences come from a small space, so single held-out sequences can
+    coincide with training ones; the batches do not.
 """
 
 from __future__ import annotations

@@ -3,45 +3,29 @@
 Note [Compiled optimizer step]
 
 Background
-    An eager AdamW step over many parameters is a long chain of small kernels
-    (even the ``foreach`` implementation launches a few per parameter group and
-    op). ``torch.compile`` of ``optimizer.step`` fuses the update into a few
-    kernels: on a GPU that is the difference between launch-bound and
-    bandwidth-bound, on a CPU it mostly saves Python overhead.
+    An eager AdamW step over many parameters is a long chain of small kernels.
+    ``torch.compile`` of ``optimizer.step`` fuses it into a few: on a GPU the difference
+    between launch-bound and bandwidth-bound, on a CPU mostly Python overhead saved.
 
 Algorithm
-    :func:`build_optimizer` makes AdamW with the ``fused`` implementation on
-    CUDA (one kernel per step, eager) and ``foreach`` elsewhere. With
-    ``compile.optimizer=true``, :class:`OptimizerStep` compiles a function that
-    calls ``optimizer.step()`` with the job's backend; its first call also
-    creates the optimizer state, so the first training step compiles it (once;
-    no optimizer step is taken during warm-up, which must not change the
+    :func:`build_optimizer` makes AdamW, ``fused`` on CUDA and ``foreach`` elsewhere. With
+    ``compile.optimizer=true``, :class:`OptimizerStep` compiles a function calling
+    ``optimizer.step()``; its first call creates the optimizer state, so the first
+    training step compiles it (warm-up takes no optimizer step: it must not change the
     weights).
 
 Notes
-    - Gradients at stable addresses: when the step is compiled, gradients are
-      zeroed in place (``zero_grad(set_to_none=False)``) rather than freed. The
-      compiled step reads the same gradient tensors every step (no fresh
-      allocation in backward, and, under CUDA graphs, no copy of each gradient
-      into the graph's static input buffers), and backward accumulates into
-      zeros, which gives exactly the values a fresh gradient would have.
-    - Parity (tests/test_launch_optim.py, aot_eager, 4 steps): after step 1
-      parameters equal the eager optimizer's within an ulp (1.2e-7 seen); later
-      steps carry those ulps on, within 1e-5 (rtol and atol), except the
-      attention's key bias, whose gradient is analytically zero (float noise
-      that Adam normalises to about lr * g / eps): within 1e-4 there.
-    - The compiled step's frames are compiled by dynamo like the model's: their
-      recompiles (none in the tests) count in the run's summary.
-    - A changing lr (Note [LR schedule] in ``launch.step.schedule``): a float lr in
-      the param groups is a constant to dynamo, so each new value recompiles
-      the step (5 graphs for 5 values, tested). With ``tensor_lr`` the compiled
-      step reads the lr from one 0-dim tensor per group, updated in place, so
-      the step compiles once. Around the compiled call only, each group's
-      ``lr`` is that tensor and, unless the group is ``fused`` or
-      ``capturable``, ``foreach`` is False: torch's foreach Adam refuses a
-      tensor lr without ``capturable``, which CPU tensors cannot be. Outside the
-      call the groups hold a float lr and their own flags, so checkpoints (and
-      DCP's eager ``_init_optim_state`` on load) never see the tensor.
+    - When the step is compiled, gradients are zeroed in place
+      (``zero_grad(set_to_none=False)``): the compiled step reads the same tensors every
+      step (no copy into CUDA graphs' static inputs), and accumulating into zeros gives
+      exactly a fresh gradient's values.
+    - Parity (tests/test_launch_optim.py): within an ulp after step 1, within 1e-5 later,
+      except a gradient that is analytically zero (float noise Adam normalises): 1e-4.
+    - A float lr is a constant to dynamo, so each new value recompiles. With ``tensor_lr``
+      the step reads each group's lr from a 0-dim tensor updated in place, and compiles
+      once. Only around the compiled call is ``lr`` that tensor (and ``foreach`` off
+      unless ``fused``/``capturable``: foreach Adam refuses a tensor lr on CPU), so
+      checkpoints never see it.
 
 Note [Gradient clipping]
 

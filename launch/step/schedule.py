@@ -4,39 +4,25 @@
 Note [LR schedule]
 
 Background
-    A transformer usually trains with a short linear warm-up (Adam's moment
-    estimates are poor in the first steps) and a decay to a small lr at the end
-    (cosine or linear). The lr must be the same at every step whether or not the
-    run was interrupted and resumed, and a changing lr must not recompile a
-    compiled optimizer step.
+    A transformer usually trains with a short linear warm-up (Adam's moments are poor in
+    the first steps) and a decay to a small lr. The lr must be the same at every step
+    whether or not the run was resumed, and must not recompile a compiled optimizer.
 
 Algorithm
-    The lr of step ``s`` (1-based: the update that step ``s`` applies) is a pure
-    function of ``s`` and the config, :meth:`Schedule.lr_at`, with ``W`` =
-    ``warmup_steps``, ``N`` = ``train.steps``:
-
-    - warm-up, ``s <= W``: ``lr * s / W`` (from ``lr / W`` up to ``lr``);
-    - then ``constant``: ``lr``; ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2``;
-      ``linear``: ``lr - (lr - min_lr) * p``, with ``p = (s - W) / (N - W)``, so the
-      last step runs at ``min_lr``.
-
-    The loop sets it on the optimizer before each step
-    (:meth:`launch.step.optim.OptimizerStep.set_lr`). Being a function of the step,
-    the checkpoint's step is all the position a resume needs; the schedule's
-    settings and the lr of the checkpoint's step are written to its
-    ``train_state.json`` too (:meth:`Schedule.state_dict`), and a resume whose
-    config plans another lr for the next step than the checkpoint's run would
-    have (``train.steps`` or ``train.lr`` changed) says so in one line
-    (:func:`resume_note`); the config wins, as it does for ``train.lr``.
+    The lr of step ``s`` (1-based) is a pure function of ``s`` and the config
+    (:meth:`Schedule.lr_at`; ``W = warmup_steps``, ``N = train.steps``,
+    ``p = (s - W) / (N - W)``): ``lr * s / W`` while ``s <= W``; then ``constant``: lr;
+    ``cosine``: ``min_lr + (lr - min_lr) * (1 + cos(pi p)) / 2``; ``linear``:
+    ``lr - (lr - min_lr) * p``, so the last step runs at ``min_lr``. The loop sets it
+    before each step (``OptimizerStep.set_lr``). The checkpoint's step is all the
+    position a resume needs; a resume whose config plans another lr for the next step
+    says so in one line (:func:`resume_note`), and the config wins.
 
 Notes
-    - The compiled optimizer step (``compile.optimizer=true``) reads the lr as
-      a tensor while the schedule changes it: a float lr is a constant to
-      dynamo, and every new value would recompile the step (Note [Compiled
-      optimizer step] in ``launch.step.optim``; tested).
-    - ``lr_schedule``, ``warmup_steps`` and ``min_lr`` define the trajectory
-      and are part of a checkpoint's identity; ``train.steps`` (the decay's
-      end) may change on resume, with the line above.
+    - The compiled optimizer reads the lr as a tensor, since a float lr is a constant to
+      dynamo (Note [Compiled optimizer step]).
+    - ``lr_schedule``, ``warmup_steps`` and ``min_lr`` are part of a checkpoint's
+      identity; ``train.steps`` may change on resume.
 """
 
 from __future__ import annotations
