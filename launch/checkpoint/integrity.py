@@ -38,7 +38,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 __all__ = ["ALGORITHMS", "CHECKSUM", "IDENTITY_FILE", "MANIFEST_FILE", "METADATA_FILE", "TRAIN_STATE_FILE",
-           "checksum", "missing_files", "is_legacy", "write_manifest", "verify_manifest"]
+           "checksum", "missing_files", "is_legacy", "write_manifest", "verify_manifest", "write_json"]
 
 IDENTITY_FILE = "identity.json"
 MANIFEST_FILE = "manifest.json"
@@ -117,7 +117,7 @@ def write_manifest(folder: str, algorithm: str = CHECKSUM) -> None:
     """Record the size and checksum of every file in ``folder`` (rank 0, after every rank wrote)."""
     files = {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)),
                    algorithm: checksum(os.path.join(folder, rel), algorithm)} for rel in _files(folder)}
-    _write_json(os.path.join(folder, MANIFEST_FILE), {"version": 1 if algorithm == "sha256" else 2, "files": files})
+    write_json(os.path.join(folder, MANIFEST_FILE), {"version": 1 if algorithm == "sha256" else 2, "files": files})
 
 
 def _entry(e: dict) -> tuple[int, str, str]:
@@ -149,7 +149,8 @@ def verify_manifest(folder: str) -> str | None:
     return None
 
 
-def _write_json(path: str, data: Any) -> None:
+def write_json(path: str, data: Any) -> None:
+    """``data`` as JSON at ``path``, atomically (a temporary file, fsync, ``os.replace``)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)

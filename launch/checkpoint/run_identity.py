@@ -39,7 +39,7 @@ from typing import Any
 
 from ..config.schema import ConfigError, JobConfig, ParallelMode
 from ..data.tokens import fingerprint
-from .integrity import IDENTITY_FILE, MANIFEST_FILE, verify_manifest, write_manifest  # re-exported here too
+from .integrity import IDENTITY_FILE, MANIFEST_FILE, verify_manifest, write_json, write_manifest  # re-exported too
 
 __all__ = [
     "RESUMABLE",
@@ -196,7 +196,7 @@ def world_size_change(saved: RunIdentity, now: RunIdentity) -> str | None:
 
 
 def write_identity(folder: str, identity: RunIdentity) -> None:
-    _write_json(os.path.join(folder, IDENTITY_FILE),
+    write_json(os.path.join(folder, IDENTITY_FILE),
                 {"version": _VERSION, "digest": identity.digest, "run_id": identity.run_id, "fields": identity.fields,
                  "data": identity.data})
 
@@ -230,12 +230,3 @@ def differences(saved: RunIdentity, now: RunIdentity) -> list[str]:
         if a != b:
             out.append(f"{key} {json.dumps(a)} in the checkpoint, {json.dumps(b)} now")
     return out
-
-
-def _write_json(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -45,12 +45,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config.schema import ConfigError, JobConfig, ModelName, ParallelMode
+from ..runtime.oom import CGROUP_V2_ROOTS, memory_cgroups
 
 __all__ = ["MemoryEstimate", "CgroupLimit", "estimate_memory", "available_memory", "cgroup_memory_limits",
            "check_memory", "check_folders"]
 
 GiB = 1024**3
-CGROUP_V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")  # the unified mount: pure v2, then hybrid
 _NO_LIMIT = 1 << 60  # v1 writes "no limit" as 9223372036854771712; no machine has an exbibyte
 
 
@@ -147,33 +147,16 @@ def cgroup_memory_limits(proc_cgroup: str = "/proc/self/cgroup", cgroup_v1: str 
                          cgroup_v2: tuple[str, ...] = CGROUP_V2_ROOTS) -> list[CgroupLimit]:
     """Every memory limit over this process, v1 and v2, its cgroup's and each ancestor's
     (Note [Memory a rank can use]); empty when there is none or nothing can be read."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
     found: list[CgroupLimit] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            root = next((r for r in cgroup_v2 if os.path.isfile(os.path.join(r, "cgroup.controllers"))), None)
-            if root is not None:
-                found += _limits_along(root, path, "memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):
-            found += _limits_along(cgroup_v1, path, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                                   "total_inactive_file")
+    for version, root, folder in memory_cgroups(proc_cgroup, cgroup_v1, cgroup_v2):
+        files = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        found += _limits_along(root, folder, *files)
     return found
 
 
-def _limits_along(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[CgroupLimit]:
-    """The limits of the cgroup ``path`` under the mount ``root`` and of each folder above it."""
-    root = os.path.abspath(root)
-    folder = os.path.normpath(os.path.join(root, path.lstrip("/")))
-    if not (folder == root or folder.startswith(root + os.sep)) or not os.path.isdir(folder):
-        folder = root  # a cgroup namespace, or the container's own cgroup mounted as the root
+def _limits_along(root: str, folder: str, limit_file: str, usage_file: str, inactive_key: str) -> list[CgroupLimit]:
+    """The limits of the cgroup ``folder`` under the mount ``root`` and of each folder above it."""
     found = []
     while True:
         limit = _read_bytes(os.path.join(folder, limit_file))

@@ -35,21 +35,22 @@ import os
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CGROUP_V2_ROOTS", "memory_cgroup_dirs", "oom_kills"]
+__all__ = ["CGROUP_V2_ROOTS", "memory_cgroup_dirs", "memory_cgroups", "oom_kills"]
 
 CGROUP_V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")  # the unified mount: pure v2, then hybrid
 
 
-def memory_cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup", cgroup_v1: str = "/sys/fs/cgroup/memory",
-                       cgroup_v2: tuple[str, ...] = CGROUP_V2_ROOTS) -> list[tuple[int, str]]:
-    """``(version, folder)`` of this process's memory cgroup, v1 and v2 (Note [OOM kill count]);
-    empty when ``proc_cgroup`` cannot be read."""
+def memory_cgroups(proc_cgroup: str = "/proc/self/cgroup", cgroup_v1: str = "/sys/fs/cgroup/memory",
+                   cgroup_v2: tuple[str, ...] = CGROUP_V2_ROOTS) -> list[tuple[int, str, str]]:
+    """``(version, mount root, folder)`` of this process's memory cgroup, v1 and v2 (Note [OOM kill
+    count]); empty when ``proc_cgroup`` cannot be read. Also read by the memory check
+    (``launch.checks.rules_resources``), which walks from the folder up to the root."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    found: list[tuple[int, str]] = []
+    found: list[tuple[int, str, str]] = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -58,10 +59,16 @@ def memory_cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup", cgroup_v1: str = 
         if hierarchy == "0" and controllers == "":
             root = next((r for r in cgroup_v2 if os.path.isfile(os.path.join(r, "cgroup.controllers"))), None)
             if root is not None:
-                found.append((2, _under(root, path)))
+                found.append((2, os.path.abspath(root), _under(root, path)))
         elif "memory" in controllers.split(","):
-            found.append((1, _under(cgroup_v1, path)))
+            found.append((1, os.path.abspath(cgroup_v1), _under(cgroup_v1, path)))
     return found
+
+
+def memory_cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup", cgroup_v1: str = "/sys/fs/cgroup/memory",
+                       cgroup_v2: tuple[str, ...] = CGROUP_V2_ROOTS) -> list[tuple[int, str]]:
+    """``(version, folder)`` of this process's memory cgroup, v1 and v2 (:func:`memory_cgroups`)."""
+    return [(version, folder) for version, _, folder in memory_cgroups(proc_cgroup, cgroup_v1, cgroup_v2)]
 
 
 def _under(root: str, path: str) -> str:
