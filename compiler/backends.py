@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from . import _torch_internals as _ti
+from .torch_release import warn_if_torch_untested
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def resolve_backend(
         ValueError: unknown backend name or mode, or mode/options given to a
             backend that cannot use them.
     """
+    warn_if_torch_untested()  # every entry point passes here before its first compile
     if callable(backend) and not isinstance(backend, str):
         _refuse_inductor_settings(
             mode, options,
