@@ -16,7 +16,7 @@ Algorithm
       the plan's predicted exposed communication over the measured one, before
       and after calibrating it on the measured rounds (backward scale and
       contention; Note [Calibration from a measured backward] in
-      ``ddp_opt.calibrate``), whether the calibrated model would choose another
+      ``ddp_opt.planning.calibrate``), whether the calibrated model would choose another
       plan, and the same ratio for the strategy's fixed caps, predicted with the
       contention fitted on ``auto`` (out of sample).
     - 2, traced strategy: ``ours_traced@auto`` over ``ours@auto`` (split).

@@ -195,9 +195,9 @@ def _calibration_rounds(r: DDPRunner) -> tuple[float, float, int] | None:
 
 def fitted_contention(runners: list[DDPRunner]) -> dict[str, tuple[str, float]]:
     """Per mode, (runner, contention) fitted on the measured rounds of its ``auto`` runner
-    (Note [Calibration from a measured backward] in ``ddp_opt.calibrate``); every runner of
+    (Note [Calibration from a measured backward] in ``ddp_opt.planning.calibrate``); every runner of
     that mode is then predicted with it, so the fixed caps' predictions are out of sample."""
-    from ddp_opt.calibrate import calibrate
+    from ddp_opt.planning.calibrate import calibrate
 
     out = {}
     for r in runners:
@@ -223,7 +223,7 @@ def _prediction(r: DDPRunner, fitted: dict[str, tuple[str, float]]) -> dict:
     }
     first = _calibration_rounds(r)
     if first and pred.units:
-        from ddp_opt.calibrate import calibrate
+        from ddp_opt.planning.calibrate import calibrate
 
         source, contention = fitted.get(r.mode.name, (None, None))
         out.update(calibrate(pred, first[0], contention=contention).as_dict(), contention_fitted_on=source,

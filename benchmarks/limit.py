@@ -65,7 +65,7 @@ def wire_kind(row: dict) -> str:
 def wire_numel(params, compression: str | None) -> int:
     """Elements each rank sends per step: every gradient's, or under PowerSGD the P and Q of each
     matrix worth compressing (PyTorch's rule: ``(n + m) r`` at least halves ``n m``) and the rest."""
-    from ddp_opt.powersgd import parse_compression
+    from ddp_opt.compression.powersgd import parse_compression
 
     spec = parse_compression(compression)
     rank = spec.rank if spec is not None else 0

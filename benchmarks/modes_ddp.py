@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler import resolve_backend
 from ddp_opt import compile_ddp, measure_alignment
-from ddp_opt.powersgd import parse_compression, sequenced_powersgd_hook
+from ddp_opt.compression.powersgd import parse_compression, sequenced_powersgd_hook
 
 from ._torch_internals import BuiltinBuckets, python_reducer_ddp, python_reducer_step
 from .core import ModeTable

@@ -48,7 +48,7 @@ def _cost_model(link: SimulatedLink, device):
     """One cost model for every runner that plans with one (``ddp_opt.CostModel``), measured
     on ``device`` (the gradients' and the link probe's: the rank's GPU on CUDA)."""
     from ddp_opt import CostModel
-    from ddp_opt.cost import measure_link, measure_rates
+    from ddp_opt.planning.cost import measure_link, measure_rates
 
     cost = CostModel(measure_link(link.probe, device=device), measure_rates(device))
     print0(f"[sweep] cost model: link {cost.link.alpha_s * 1e3:.3g} ms + {cost.link.bandwidth / 1e6:.4g} MB/s "
@@ -59,7 +59,7 @@ def _cost_model(link: SimulatedLink, device):
 
 def _print_auto_plans(runners: Sequence[DDPRunner]) -> None:
     """The plans made at cap auto (known once compiled), with their predicted times."""
-    from ddp_opt.graph_plan import describe
+    from ddp_opt.planning.auto import describe
 
     for r in runners:
         pred = r.mode.prediction(r)

@@ -1,7 +1,7 @@
 """Regional compile: find a model's repeated blocks and compile each in place.
 
 Both wrappers use it: ``ddp_opt`` compiles the blocks once and buckets DDP's
-gradients by whole blocks (Note [Regional compile] in ``ddp_opt.regional``),
+gradients by whole blocks (Note [Regional compile] in ``ddp_opt.strategies.regional``),
 ``fsdp_opt`` compiles each block before sharding it. Finding is pure inspection
 of the module tree (Note [Finding blocks]); :func:`compile_blocks` compiles the
 blocks in place.

@@ -1,26 +1,33 @@
 """DDP optimizer: plan gradient buckets from a captured graph, split the graph at
 the bucket boundaries DDP really uses, compile each partition.
 
+Packages by role: ``ddp_opt.planning`` (bucket plans and the cost model),
+``ddp_opt.strategies`` (how a compiled model is cut at its buckets),
+``ddp_opt.alignment`` (rank agreement and alignment with DDP's runtime buckets),
+``ddp_opt.compression`` (reduced-precision and PowerSGD hooks); the entry points
+(``api``, ``compile_first``, ``compiled``) and their handle parts sit above them.
+
 The names below are the public surface (at most 20). The building blocks behind them
-are imported from their modules: ``ddp_opt.autoplan`` (``simulate``, ``solve``,
-``UnitCost``), ``ddp_opt.cost`` (``measure_link``, ``measure_rates``),
-``ddp_opt.graph_plan`` (``plan_auto``), ``ddp_opt.calibrate``, ``ddp_opt.alignment``
-(``alignment_fraction``, ``runtime_buckets``), ``ddp_opt.agreement``
-(``check_plan_agreement``, ``plan_summary``), ``ddp_opt.plan`` (``partition_map``) and
-``ddp_opt.advice`` (the spellings of settings in messages)."""
+are imported from their modules: ``ddp_opt.planning.solver`` (``simulate``, ``solve``,
+``UnitCost``), ``ddp_opt.planning.cost`` (``measure_link``, ``measure_rates``),
+``ddp_opt.planning.auto`` (``plan_auto``), ``ddp_opt.planning.calibrate``,
+``ddp_opt.alignment.measure`` (``alignment_fraction``, ``runtime_buckets``),
+``ddp_opt.alignment.agreement`` (``check_plan_agreement``, ``plan_summary``),
+``ddp_opt.planning.buckets`` (``partition_map``) and ``ddp_opt.advice`` (the spellings
+of settings in messages)."""
 
 from .advice import ddp_advice
-from .agreement import PlanMismatchError
-from .alignment import Alignment, measure_alignment
+from .alignment.agreement import PlanMismatchError
+from .alignment.measure import Alignment, measure_alignment
 from .api import CompiledDDP, caps_from_ddp, compile_ddp
-from .autoplan import LinkEstimate, Timeline
-from .calibrate import Calibration
 from .compile_first import compile_for_ddp, compiled_ddp_of
+from .compression.powersgd import PowerSGD
 from .config import DDPCompileConfig
-from .cost import CostModel, DeviceRates
-from .optimizer import DDPOptimizer
-from .plan import Bucket, BucketCaps, format_buckets, plan_buckets
-from .powersgd import PowerSGD
+from .planning.buckets import Bucket, BucketCaps, format_buckets, plan_buckets
+from .planning.calibrate import Calibration
+from .planning.cost import CostModel, DeviceRates
+from .planning.solver import LinkEstimate, Timeline
+from .strategies.split import DDPOptimizer
 
 __all__ = [
     # entry points

@@ -21,15 +21,15 @@ from compiler.step_gate import gate_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, is_compiled, no_builtin_ddp_splitter, realign_unsupported_warning,
                                registered_hook_name)
-from .autoplan import LinkEstimate
+from .planning.solver import LinkEstimate
 from .compiled import CompiledDDP
-from .compression import OwnHook, hook_conflict, link_probe, own_hook
+from .compression.hooks import OwnHook, hook_conflict, link_probe, own_hook
 from .config import DDPCompileConfig, keyword_signature
-from .cost import CostModel, DeviceRates, measure_link, measure_rates
-from .powersgd import link_probe as powersgd_probe
-from .realign import never_rebuilds, no_rebuild_warning
-from .strategies import Setup, caps_from_ddp, ddp_backend
-from .traced import fallback_reason
+from .planning.cost import CostModel, DeviceRates, measure_link, measure_rates
+from .compression.powersgd import link_probe as powersgd_probe
+from .alignment.realign import never_rebuilds, no_rebuild_warning
+from .strategies.table import Setup, caps_from_ddp, ddp_backend
+from .strategies.traced import fallback_reason
 
 log = logging.getLogger(__name__)
 

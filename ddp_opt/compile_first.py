@@ -50,10 +50,10 @@ from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_spl
                                python_comm_hooks, registered_hook_name)
 from .api import keep_builtin_splitter_out, own_hook_for
 from .compiled import CompiledDDP
-from .compression import hook_conflict
+from .compression.hooks import hook_conflict
 from .config import DDPCompileConfig
-from .realign import never_rebuilds, no_rebuild_warning
-from .strategies import Setup, ddp_backend
+from .alignment.realign import never_rebuilds, no_rebuild_warning
+from .strategies.table import Setup, ddp_backend
 
 log = logging.getLogger(__name__)
 

@@ -40,14 +40,14 @@ from compiler import CompileCache
 from compiler.share import CompileShare
 from compiler.step_gate import StepGate
 
-from .alignment import Alignment
-from .autoplan import Timeline
-from .calibrate import Calibration, calibrate, calibrated_model
-from .compression import OwnHook
+from .alignment.measure import Alignment
+from .planning.solver import Timeline
+from .planning.calibrate import Calibration, calibrate, calibrated_model
+from .compression.hooks import OwnHook
 from .handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedBackward
-from .optimizer import DDPOptimizer
-from .plan import Bucket
-from .traced import TracedPlan
+from .strategies.split import DDPOptimizer
+from .planning.buckets import Bucket
+from .strategies.traced import TracedPlan
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class CompiledDDP:
             across realignment (Note [Reduced-precision all-reduce], Note [PowerSGD compression]);
             else None.
         traced_hook: under ``strategy="traced"`` with ``compression``, the traced hooks' state
-            (``ddp_opt.traced_powersgd.TracedPowerSGD``: memories, step count); else None.
+            (``ddp_opt.compression.traced_powersgd.TracedPowerSGD``: memories, step count); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
     """

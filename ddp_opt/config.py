@@ -20,10 +20,10 @@ import torch
 from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setting, keywords, not_compiled
 
 from .advice import API_SPELLING, Spelling
-from .autoplan import LinkEstimate
-from .compression import REDUCE_DTYPES, parse_reduce_dtype
-from .powersgd import PowerSGD, parse_compression
-from .cost import CostModel
+from .planning.solver import LinkEstimate
+from .compression.hooks import REDUCE_DTYPES, parse_reduce_dtype
+from .compression.powersgd import PowerSGD, parse_compression
+from .planning.cost import CostModel
 
 __all__ = ["DDPCompileConfig", "STRATEGIES"]
 

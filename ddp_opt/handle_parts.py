@@ -22,12 +22,12 @@ from compiler.cache import save_on_local_rank0
 from compiler.step_gate import StepGate
 
 from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
-from .agreement import agree_on_caps, next_plan_namespace
-from .alignment import Alignment
-from .compression import OwnHook
-from .plan import Bucket, realign_caps
-from .realign import check_realignment, realign_reducer
-from .traced import TracedPlan
+from .alignment.agreement import agree_on_caps, next_plan_namespace
+from .alignment.measure import Alignment
+from .compression.hooks import OwnHook
+from .planning.buckets import Bucket, realign_caps
+from .alignment.realign import check_realignment, realign_reducer
+from .strategies.traced import TracedPlan
 
 log = logging.getLogger(__name__)
 

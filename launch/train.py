@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from compiler import Diagnoser
-from ddp_opt.graph_plan import describe as describe_plan
+from ddp_opt.planning.auto import describe as describe_plan
 
 from .checkpoint.lock import checkpoint_folder_lock
 from .checkpoint.resume import resume

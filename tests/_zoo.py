@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler._torch_internals import graph_break_frame
 from ddp_opt import compile_ddp, measure_alignment
-from ddp_opt.alignment import runtime_buckets
+from ddp_opt.alignment.measure import runtime_buckets
 
 STEPS = 3
 VOCAB, SEQ, BATCH, IMAGE = 100, 12, 2, 16
@@ -161,7 +161,7 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
     ddp, ref = DDP(model, bucket_cap_mb=BUCKET_CAP_MB), DDP(ref_model, bucket_cap_mb=BUCKET_CAP_MB)
     recorder = GraphRecorder()
     warned = _Warnings()
-    logging.getLogger("ddp_opt.realign").addHandler(warned)
+    logging.getLogger("ddp_opt.alignment.realign").addHandler(warned)
     compiled = compile_ddp(ddp, backend="aot_eager", wrap_backend=recorder.wrap)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -173,7 +173,7 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
         graphs_after_step.append(len(recorder.graphs))
-    logging.getLogger("ddp_opt.realign").removeHandler(warned)
+    logging.getLogger("ddp_opt.alignment.realign").removeHandler(warned)
     pairs = [(name, p, q) for (name, p), q in zip(model.named_parameters(), ref_model.parameters())]
     param_diffs = {name: (p - q).abs().max().item() for name, p, q in pairs}
     worst = max(param_diffs, key=param_diffs.get)

@@ -87,7 +87,7 @@ def test_ddp_gradients_are_exact_with_the_hook(gloo):
 
 
 def test_probe_takes_the_hook_path_but_is_not_counted_and_fits_the_link(gloo):
-    from ddp_opt.cost import measure_link
+    from ddp_opt.planning.cost import measure_link
 
     link = SimulatedLink(LinkModel(alpha_s=2e-3, bandwidth=2e8))
     t = torch.full((1000,), 3.0)

@@ -1,6 +1,6 @@
 """The plan exchange's failure paths, in one process against a stand-in store: a peer
 that never publishes, a store that went away, and a mismatch that waits for every
-rank to see it before raising (Note [Plan agreement] in ddp_opt/agreement.py)."""
+rank to see it before raising (Note [Plan agreement] in ddp_opt/alignment/agreement.py)."""
 
 import json
 import logging
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from ddp_opt import agreement
-from ddp_opt.agreement import PlanMismatchError, peers_plans_if_ready, verify_plans
+from ddp_opt.alignment import agreement
+from ddp_opt.alignment.agreement import PlanMismatchError, peers_plans_if_ready, verify_plans
 
 KEY = "ddp_opt/plan/0/1"
 PLAN_A = [[16384, ["0.weight"]], [16384, ["1.weight"]]]
@@ -56,7 +56,7 @@ def store(monkeypatch):
 def test_a_peer_that_never_publishes_skips_the_check_with_a_warning(store, caplog):
     s = store(Store(wait_error=dist.DistStoreError("Socket Timeout")))
     s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
-    with caplog.at_level(logging.WARNING, logger="ddp_opt.agreement"):
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.alignment.agreement"):
         assert verify_plans(KEY, timeout_s=5) is False
     assert f"Plan agreement check skipped for {KEY}: not every rank published its bucket plan within 5s" \
         in caplog.text
@@ -65,7 +65,7 @@ def test_a_peer_that_never_publishes_skips_the_check_with_a_warning(store, caplo
 
 def test_a_store_that_went_away_is_named_as_such(store, caplog):
     store(Store(wait_error=dist.DistNetworkError("Broken pipe")))
-    with caplog.at_level(logging.WARNING, logger="ddp_opt.agreement"):
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.alignment.agreement"):
         assert verify_plans(KEY, timeout_s=5) is False
     assert "the process group's store could not be reached" in caplog.text
     assert "rank 0 unless torchrun started the job, exited?" in caplog.text and "Broken pipe" in caplog.text
@@ -77,7 +77,7 @@ def test_a_mismatch_waits_for_every_rank_to_see_it_before_raising(store, caplog)
     s = store(Store(on_wait={f"{KEY}/seen/g0-1/1": "1"}))
     s.set(f"{KEY}/g0-1/0", json.dumps(PLAN_A))
     s.set(f"{KEY}/g0-1/1", json.dumps(PLAN_B))
-    with caplog.at_level(logging.WARNING, logger="ddp_opt.agreement"), \
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.alignment.agreement"), \
             pytest.raises(PlanMismatchError, match=r"rank 0 planned 2 bucket\(s\), rank 1 planned 1"):
         peers_plans_if_ready(KEY, timeout_s=7)
     assert "(a PlanMismatchError follows); waiting up to 7s for every rank to compare the plans" in caplog.text

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp, measure_alignment
-from ddp_opt.alignment import alignment_fraction
+from ddp_opt.alignment.measure import alignment_fraction
 from launch.models import GPT, GPTConfig
 from tests._torch_range import needs_realignment
 
@@ -191,7 +191,7 @@ def test_partitions_of_every_graph_are_planned_and_realigned_with_a_loss_compute
 @needs_realignment
 def test_a_parameter_used_outside_every_graph_is_named_when_alignment_is_not_reached(caplog):
     model, ddp, ref, compiled = _broken_pair(eager_middle=True)
-    with caplog.at_level(logging.WARNING, logger="ddp_opt.realign"):
+    with caplog.at_level(logging.WARNING, logger="ddp_opt.alignment.realign"):
         for _ in range(4):
             x = torch.randn(4, 64)
             compiled(x).sum().backward()
@@ -220,7 +220,7 @@ class _Mixed(nn.Module):
 
 @needs_realignment
 def test_parameters_of_two_dtypes_are_bucketed_per_dtype_as_ddp_does(caplog):
-    from ddp_opt.alignment import runtime_buckets
+    from ddp_opt.alignment.measure import runtime_buckets
 
     cap = 64 * 64 * 4 / 2**20
     torch.manual_seed(0)
@@ -228,7 +228,7 @@ def test_parameters_of_two_dtypes_are_bucketed_per_dtype_as_ddp_does(caplog):
     eager = DDP(copy.deepcopy(model), bucket_cap_mb=cap)
     ref, ddp = DDP(copy.deepcopy(model), bucket_cap_mb=cap), DDP(model, bucket_cap_mb=cap)
     compiled = compile_ddp(ddp, backend="aot_eager")
-    with caplog.at_level(logging.INFO, logger="ddp_opt.realign"):
+    with caplog.at_level(logging.INFO, logger="ddp_opt.alignment.realign"):
         for _ in range(4):
             x = torch.randn(2, 64)
             eager(x).sum().backward()
@@ -249,6 +249,6 @@ def test_parameters_of_two_dtypes_are_bucketed_per_dtype_as_ddp_does(caplog):
     a = measure_alignment(ddp, compiled.buckets)
     assert a.aligned == [True] * 4 + [False] and a.fraction == pytest.approx(4 * 16384 / (4 * 16384 + 4 * 512))
     # the float64 bucket spanning every partition is DDP's doing, not a failed realignment: said, not warned
-    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ddp_opt.realign"]
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ddp_opt.alignment.realign"]
     assert not [m for level, m in messages if level >= logging.WARNING]
     assert any("DDP buckets the float64@cpu parameters apart" in m for _, m in messages)

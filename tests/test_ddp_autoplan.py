@@ -14,10 +14,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _capture import capture
 from ddp_opt import BucketCaps, CostModel, DeviceRates, LinkEstimate, compile_ddp, measure_alignment, plan_buckets
-from ddp_opt.autoplan import UnitCost, simulate, solve
-from ddp_opt.cost import measure_link
-from ddp_opt.cost import fit_link, node_backward_costs
-from ddp_opt.graph_plan import _unit_counts, unit_costs
+from ddp_opt.planning.solver import UnitCost, simulate, solve
+from ddp_opt.planning.cost import measure_link
+from ddp_opt.planning.cost import fit_link, node_backward_costs
+from ddp_opt.planning.auto import _unit_counts, unit_costs
 from launch.models import GPT, GPTConfig
 
 # --- the DP on hand-built tables ---------------------------------------------------
@@ -85,7 +85,7 @@ def test_dp_hand_cases():
 
 
 def test_robust_plan_hedges_against_a_wrong_backward_estimate():
-    from ddp_opt.autoplan import solve_robust
+    from ddp_opt.planning.solver import solve_robust
 
     # Comm-bound: 8 units of 1 s backward and 2 s transfer. At the estimate, the exact
     # optimum is indifferent to merging the last units (the link is busy anyway) ...
@@ -111,11 +111,11 @@ def test_robust_plan_hedges_against_a_wrong_backward_estimate():
     table = [UnitCost(rng.uniform(0, 1e-2), rng.randint(1, 2**22)) for _ in range(7)]
     assert solve_robust(table, LinkEstimate(1e-3, 1e8), 1e-4, scales=(1.0,)).finish_s == \
         pytest.approx(solve(table, LinkEstimate(1e-3, 1e8), 1e-4).finish_s)
-    assert "worst-case regret" in __import__("ddp_opt.autoplan", fromlist=["x"]).format_timeline(robust)
+    assert "worst-case regret" in __import__("ddp_opt.planning.solver", fromlist=["x"]).format_timeline(robust)
 
 
 def test_timeline_table_and_dict_name_the_prediction():
-    from ddp_opt.autoplan import format_timeline
+    from ddp_opt.planning.solver import format_timeline
 
     t = simulate([UnitCost(1e-3, 2**20), UnitCost(1e-3, 2**20)], [1, 1], LinkEstimate(1e-3, 1e8, "given"), 5e-4)
     table = format_timeline(t)
@@ -209,7 +209,7 @@ def test_the_default_floor_keeps_every_bucket_but_the_last_at_1_mib_where_single
     seen = {}
 
     def inspect(gm, example_inputs):
-        from ddp_opt.graph_plan import plan_auto
+        from ddp_opt.planning.auto import plan_auto
 
         assert CostModel(link, rates).min_bucket_bytes == 1 << 20
         _, floored, timeline = plan_auto(gm, CostModel(link, rates, 0.0))
@@ -233,7 +233,7 @@ def test_a_bad_min_bucket_bytes_says_what_it_expects(bad):
 
 def test_cost_estimate_adds_no_guards_under_dynamic_shapes(clean_dynamo):
     # Symbolic sizes are read as their hints: planning must not specialise the graph (a recompile per length).
-    from ddp_opt.graph_plan import plan_auto
+    from ddp_opt.planning.auto import plan_auto
 
     graphs = []
 
@@ -404,7 +404,7 @@ def test_launcher_accepts_auto_and_numbers_and_rejects_other_words():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_dp_with_a_pinned_first_bucket_finds_the_best_such_plan(seed):
-    from ddp_opt.autoplan import solve_robust
+    from ddp_opt.planning.solver import solve_robust
 
     rng = random.Random(100 + seed)
     n = rng.randint(2, 8)
@@ -431,7 +431,7 @@ def test_dp_with_a_pinned_first_bucket_finds_the_best_such_plan(seed):
 
 
 def test_a_plan_over_chunks_keeps_every_bucket_but_the_last_at_the_minimum_and_the_first_alone():
-    from ddp_opt.graph_plan import chunk_units, plan_auto
+    from ddp_opt.planning.auto import chunk_units, plan_auto
 
     torch.manual_seed(0)
     model = GPT(GPTConfig())

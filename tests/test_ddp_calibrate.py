@@ -1,4 +1,4 @@
-"""Calibrating the cost model's prediction to a measured backward (ddp_opt.calibrate):
+"""Calibrating the cost model's prediction to a measured backward (ddp_opt.planning.calibrate):
 the scale, the re-predicted timeline by hand, the re-plan under the plan's own rules,
 and CompiledDDP.calibrate's errors and result on a compiled model."""
 
@@ -7,9 +7,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import CostModel, DeviceRates, LinkEstimate, compile_ddp
-from ddp_opt.autoplan import UnitCost, simulate
-from ddp_opt.calibrate import calibrate, calibrated_model, fit_contention
-from ddp_opt.graph_plan import chunk_units, solve_table
+from ddp_opt.planning.solver import UnitCost, simulate
+from ddp_opt.planning.calibrate import calibrate, calibrated_model, fit_contention
+from ddp_opt.planning.auto import chunk_units, solve_table
 
 MS = 1e-3
 LINK = LinkEstimate(0.0, 1e6)  # 1 MB/s: 10 ms per 10 kB

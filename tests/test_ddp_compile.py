@@ -274,7 +274,7 @@ def test_parameter_free_graph_compiles_as_one_partition():
 def test_a_graph_without_backward_is_compiled_whole_and_never_planned(monkeypatch):
     # nanoGPT's estimate_loss() under no_grad on rank 0 only: no buckets to plan, nothing to agree on.
     published = []
-    monkeypatch.setattr("ddp_opt.optimizer.publish_plan", lambda *a: published.append(a) or True)
+    monkeypatch.setattr("ddp_opt.strategies.split.publish_plan", lambda *a: published.append(a) or True)
     seq = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     opt = DDPOptimizer(64 * 64 * 4, torch._dynamo.lookup_backend("aot_eager"))
     compiled = torch.compile(seq, backend=opt.compile_fn)

@@ -11,10 +11,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_opt.handle_parts as parts
-from ddp_opt.compression import own_hook
+from ddp_opt.compression.hooks import own_hook
 from ddp_opt.handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedBackward
-from ddp_opt.plan import Bucket
-from ddp_opt.strategies import STRATEGIES
+from ddp_opt.planning.buckets import Bucket
+from ddp_opt.strategies.table import STRATEGIES
 
 
 def _ddp(**kw):

@@ -217,7 +217,7 @@ def _agree_rank(rank, world_size):
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
     compiled = compile_ddp(DDP(model, bucket_cap_mb=64 * 64 * 4 / 2**20), backend="eager")
     compiled(torch.randn(2, 64))
-    from ddp_opt.agreement import check_plan_agreement
+    from ddp_opt.alignment.agreement import check_plan_agreement
 
     # The check ran at compile time; run it again by hand to see its verdict.
     verdict = check_plan_agreement(compiled.buckets, "test/agree", timeout_s=30)

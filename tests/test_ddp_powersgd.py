@@ -18,9 +18,9 @@ from benchmarks.peer_hooks import bucket_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp
 from ddp_opt._torch_internals import python_comm_hooks, registered_hook_name
-from ddp_opt import compression
-from ddp_opt.compression import own_hook
-from ddp_opt.powersgd import PowerSGD, SequencedState, parse_compression, sequenced_powersgd_hook
+from ddp_opt.compression import hooks as compression
+from ddp_opt.compression.hooks import own_hook
+from ddp_opt.compression.powersgd import PowerSGD, SequencedState, parse_compression, sequenced_powersgd_hook
 
 # Each Linear's weight (1.4 MB) fills a bucket at a cap of 1 MiB, so DDP's buckets, eager and realigned
 # alike, hold one matrix each, in the same order: PowerSGD's result for a bucket depends on the matrices
@@ -113,7 +113,7 @@ def test_a_bucket_layout_change_drops_powersgds_memories(gloo, caplog):
     own = own_hook(dist.group.WORLD, None, parse_compression("powersgd:2:2"))
     own.state.error_dict[0] = torch.ones(3)
     own.state.p_memory_dict[0], own.state.q_memory_dict[0] = torch.ones(2), torch.ones(2)
-    with caplog.at_level(logging.INFO, logger="ddp_opt.powersgd"):
+    with caplog.at_level(logging.INFO, logger="ddp_opt.compression.powersgd"):
         own.buckets_changed()
     assert not (own.state.error_dict or own.state.p_memory_dict or own.state.q_memory_dict)
     assert "the error feedback and the warm start restart from zero" in caplog.text
@@ -225,7 +225,7 @@ def test_a_compression_the_job_cannot_use_is_refused_before_a_process_group(over
 
 def test_the_auto_plan_measures_the_link_as_powersgd_sends_a_bucket(gloo, monkeypatch):
     import ddp_opt.api as api
-    from ddp_opt.powersgd import link_probe
+    from ddp_opt.compression.powersgd import link_probe
 
     sent = []
 

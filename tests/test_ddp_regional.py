@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import single_rank_group
 from ddp_opt import BucketCaps, compile_ddp, measure_alignment
-from ddp_opt.regional import find_ddp_blocks, plan_block_buckets
+from ddp_opt.strategies.regional import find_ddp_blocks, plan_block_buckets
 from launch.models import GPT, GPTConfig
 
 CFG8 = GPTConfig(n_layer=8, n_embd=32, n_head=2, vocab_size=64, block_size=16)

@@ -257,6 +257,6 @@ def test_break_reason_of_a_directly_used_ddpoptimizer_advises_the_plain_backend(
 
 def test_the_launcher_passes_its_own_spelling():
     from launch.runtime.parallel import OVERRIDE_SPELLING
-    from ddp_opt.optimizer import split_reason
+    from ddp_opt.strategies.split import split_reason
 
     assert "ddp.strategy=whole" in split_reason(OVERRIDE_SPELLING)

@@ -12,8 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler import SettingError
 from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
-from ddp_opt.plan import group_by_caps
-from ddp_opt.traced import TracedPlan
+from ddp_opt.planning.buckets import group_by_caps
+from ddp_opt.strategies.traced import TracedPlan
 from launch.models import GPT, GPTConfig
 
 STEPS = 4

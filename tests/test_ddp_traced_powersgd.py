@@ -12,8 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogona
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp
-from ddp_opt.powersgd import SequencedState, sequenced_powersgd_hook
-from ddp_opt.traced_powersgd import orthogonalize
+from ddp_opt.compression.powersgd import SequencedState, sequenced_powersgd_hook
+from ddp_opt.compression.traced_powersgd import orthogonalize
 
 RANK, START, STEPS = 4, 3, 7
 CAP_MB = 0.03  # 31 KB: below one 96 x 96 layer (36.9 KB), so each bucket closes at one such layer

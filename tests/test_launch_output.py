@@ -67,7 +67,7 @@ def test_step_lines_carry_an_eta_once_steps_are_timed():
 
 def test_console_log_records_read_like_the_jobs_own_lines():
     def record(level):
-        return logging.LogRecord("ddp_opt.optimizer", level, __file__, 1, "planned %d bucket(s)", (2,), None)
+        return logging.LogRecord("ddp_opt.strategies.split", level, __file__, 1, "planned %d bucket(s)", (2,), None)
 
     fmt = ConsoleFormatter()
     assert fmt.format(record(logging.INFO)) == "planned 2 bucket(s)"

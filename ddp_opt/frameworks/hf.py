@@ -48,7 +48,7 @@ from .._torch_internals import reducer_finalized, registered_hook_name, stop_fin
 from ..api import compile_ddp
 from ..compiled import CompiledDDP
 from ..config import DDPCompileConfig
-from ..realign import never_rebuilds
+from ..alignment.realign import never_rebuilds
 
 log = logging.getLogger(__name__)
 

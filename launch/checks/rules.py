@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ddp_opt.config import STRATEGIES
-from ddp_opt.powersgd import parse_compression
+from ddp_opt.compression.powersgd import parse_compression
 
 from ..config.schema import (
     CompileConfig,

@@ -24,7 +24,7 @@ from compiler.cache import open_cache
 from compiler.cputime import cpu_seconds
 from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
 from ddp_opt.advice import Spelling
-from ddp_opt.compression import own_hook, parse_reduce_dtype
+from ddp_opt.compression.hooks import own_hook, parse_reduce_dtype
 
 from ..config.schema import (CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig,
                              ParallelMode)

@@ -20,7 +20,7 @@ Notes
     - ``compile_ddp`` compiles the module *inside* DDP, so ``no_sync`` (a flag on
       the DDP wrapper, read outside the graph) is no guard of the compiled
       forward: sync and no-sync micro-steps share one graph.
-    - Bucket realignment (Note [Bucket realignment] in ``ddp_opt.realign``)
+    - Bucket realignment (Note [Bucket realignment] in ``ddp_opt.alignment.realign``)
       happens before a forward once DDP's reducer is finalized and the plan
       exists. With ``grad_accum > 1`` the first micro-step (no_sync) creates the
       plan and the second re-creates the reducer before its forward; the

@@ -59,13 +59,13 @@ from torch import fx
 from compiler import (DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions,
                       produces_gradients, split_graph)
 
-from ._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
-from .advice import API_SPELLING, DIRECT_SPELLING, Spelling
-from .agreement import PLAN_TIMEOUT_S, next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
-from .autoplan import Timeline
-from .cost import CostModel
-from .graph_plan import describe, plan_auto, predict_plan
-from .plan import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
+from .._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
+from ..advice import API_SPELLING, DIRECT_SPELLING, Spelling
+from ..alignment.agreement import PLAN_TIMEOUT_S, next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
+from ..planning.solver import Timeline
+from ..planning.cost import CostModel
+from ..planning.auto import describe, plan_auto, predict_plan
+from ..planning.buckets import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
 
 log = logging.getLogger(__name__)
 graph_log = logging.getLogger(__name__ + ".graphs")  # graph dumps, off unless asked for

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 from torch import fx
 
-from ._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MODE_EXIT, is_ddp_ignored,
+from .._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MODE_EXIT, is_ddp_ignored,
                                placeholder_parameter)
 
 log = logging.getLogger(__name__)

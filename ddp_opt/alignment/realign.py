@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import is_ddp_ignored, rebuild_reducer, reducer_finalized, registered_hook_name
-from .alignment import Alignment, measure_alignment, runtime_buckets
-from .plan import Bucket, main_kind, param_kind, realign_caps
+from .._torch_internals import is_ddp_ignored, rebuild_reducer, reducer_finalized, registered_hook_name
+from .measure import Alignment, measure_alignment, runtime_buckets
+from ..planning.buckets import Bucket, main_kind, param_kind, realign_caps
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The cost-model plan of a captured graph (Note [Cost-model bucket plan] in
-``ddp_opt.autoplan``): the graph's units and their costs (``ddp_opt.cost``) in, the
+``ddp_opt.planning.solver``): the graph's units and their costs (``ddp_opt.planning.cost``) in, the
 DP's caps, the buckets ``plan_buckets`` makes with them and their predicted timeline out.
 """
 
@@ -10,9 +10,9 @@ from typing import Sequence
 
 from torch import fx
 
-from .autoplan import LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
+from .solver import LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
 from .cost import CostModel, node_backward_costs
-from .plan import Bucket, BucketCaps, group_by_caps, plan_buckets
+from .buckets import Bucket, BucketCaps, group_by_caps, plan_buckets
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import add_python_reducer_hook, functional_all_reduce, is_ddp_ignored
-from .plan import BucketCaps
+from .._torch_internals import add_python_reducer_hook, functional_all_reduce, is_ddp_ignored
+from ..planning.buckets import BucketCaps
 from .powersgd import PowerSGD
 
 __all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "orthogonalize"]

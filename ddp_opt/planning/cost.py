@@ -1,5 +1,5 @@
 """Measurements and estimates for the cost-model bucket plan (Note [Cost-model
-bucket plan] in ``ddp_opt.autoplan``): the link (latency, bandwidth), this device's
+bucket plan] in ``ddp_opt.planning.solver``): the link (latency, bandwidth), this device's
 compute rates, and each graph node's backward seconds.
 
 Note [Cost measurement]
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example, size_hint
-from .autoplan import LinkEstimate
+from .._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example, size_hint
+from .solver import LinkEstimate
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from compiler.backend_chain import build_backend
 from compiler.share import CompileShare
 from compiler.step_gate import StepGate
 
-from ._torch_internals import bucket_settings, use_python_reducer
-from .config import DDPCompileConfig
-from .cost import CostModel
-from .optimizer import DDPOptimizer
-from .plan import Bucket, BucketCaps
+from .._torch_internals import bucket_settings, use_python_reducer
+from ..config import DDPCompileConfig
+from ..planning.cost import CostModel
+from .split import DDPOptimizer
+from ..planning.buckets import Bucket, BucketCaps
 from .regional import find_ddp_blocks, plan_block_buckets
 from .traced import TracedPlan
 

@@ -61,12 +61,12 @@ from torch.nn.parallel import DistributedDataParallel
 from compiler import BackendFn
 from compiler.step_gate import StepGate
 
-from ._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
+from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
-from .autoplan import Timeline
-from .cost import CostModel
-from .graph_plan import describe, plan_auto
-from .plan import BucketCaps, group_by_caps
+from ..planning.solver import Timeline
+from ..planning.cost import CostModel
+from ..planning.auto import describe, plan_auto
+from ..planning.buckets import BucketCaps, group_by_caps
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Cost-model bucket plan: choose bucket boundaries by dynamic programming to
 minimise the predicted end of gradient communication. Pure: cost tables in, plan
-out; nothing is measured or run here (``ddp_opt.cost`` measures).
+out; nothing is measured or run here (``ddp_opt.planning.cost`` measures).
 
 Note [Cost-model bucket plan]
 
@@ -13,7 +13,7 @@ Background
 Algorithm
     - Units: the finest legal split, ``plan_buckets`` with a 1-byte cap. Every plan
       ``plan_buckets`` can make is a merge of consecutive units, so the legality rules
-      stay in ``plan.py`` alone.
+      stay in ``planning/buckets.py`` alone.
     - Bucket ``k`` over units ``j..i`` is ready at ``R(i, k) = sum(c_0..c_i) + k * gamma
       + kappa * B(0..j-1)`` (``gamma``: one graph break; ``kappa``: the CPU the
       collective takes from backward, 0 unless calibrated, Note [Calibration from a

@@ -36,7 +36,7 @@ from torch import nn
 
 from compiler import find_blocks
 
-from .plan import Bucket, BucketCaps
+from ..planning.buckets import Bucket, BucketCaps
 
 __all__ = ["find_ddp_blocks", "plan_block_buckets"]
 

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .autoplan import LinkEstimate, Timeline, UnitCost, simulate
+from .solver import LinkEstimate, Timeline, UnitCost, simulate
 from .cost import CostModel
-from .graph_plan import solve_table
+from .auto import solve_table
 
 __all__ = ["Calibration", "calibrate", "calibrated_model", "fit_contention"]
 

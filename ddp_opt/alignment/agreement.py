@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from compiler.liveness import dead_after_s
 
-from ._torch_internals import default_store
-from .plan import Bucket
+from .._torch_internals import default_store
+from ..planning.buckets import Bucket
 
 log = logging.getLogger(__name__)
 

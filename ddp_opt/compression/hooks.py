@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import traced_powersgd
-from ._torch_internals import add_python_reducer_hook, functional_all_reduce
+from .._torch_internals import add_python_reducer_hook, functional_all_reduce
 from .powersgd import PowerSGD, forget_buckets, sequenced_powersgd_hook
 
 __all__ = ["REDUCE_DTYPES", "OwnHook", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",

@@ -16,8 +16,8 @@ from typing import Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import runtime_buckets
-from .plan import Bucket, kind_groups
+from .._torch_internals import runtime_buckets
+from ..planning.buckets import Bucket, kind_groups
 
 __all__ = ["Alignment", "alignment_fraction", "measure_alignment", "runtime_buckets"]
 
