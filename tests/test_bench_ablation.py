@@ -1,11 +1,11 @@
-"""benchmarks.ablation: each lever's ratio between runners of one sweep, or its ceiling."""
+"""benchmarks.render.ablation: each lever's ratio between runners of one sweep, or its ceiling."""
 
 import json
 
 import pytest
 
-from benchmarks.ablation import ablation_markdown, ablation_rows
-from benchmarks.readme_results import END, START, main
+from benchmarks.render.ablation import ablation_markdown, ablation_rows
+from benchmarks.render.readme_results import END, START, main
 
 
 def _row(mode, cap, steps, **more):

@@ -1,9 +1,9 @@
-"""benchmarks.compile_share: per-round ratios, the docs table, and its argument checks
+"""benchmarks.studies.compile_share: per-round ratios, the docs table, and its argument checks
 (the runs themselves are the benchmark's, not the tests')."""
 
 import pytest
 
-from benchmarks import compile_share
+from benchmarks.studies import compile_share
 
 
 def _row(mode, nproc, first, cpu, since):
@@ -23,7 +23,7 @@ def test_ratios_pair_the_runs_of_one_round():
 
 def test_the_readme_table_shows_every_measure_with_its_target():
     result = {"summary": compile_share.summarize(ROWS), "rows": ROWS, "backend": "inductor", "steps": 2, "runs": 2,
-              "cpus": 2, "command": "python -m benchmarks.compile_share"}
+              "cpus": 2, "command": "python -m benchmarks.studies.compile_share"}
     text = compile_share.results_markdown(result)
     assert "| 4 | one for all ranks | first step s (rank 0) | 30.0 | 70.0 | 0.44 [0.41, 0.47] | <= 0.5 |" in text
     assert "CPU s, all ranks, compile_ddp to first step end" in text and "(4 partition(s) per rank)" in text
@@ -38,7 +38,7 @@ def test_a_single_rank_count_is_refused_with_the_reason(capsys):
 def test_pytorchs_compile_on_one_rank_gets_its_own_columns_against_unshared():
     rows = ROWS + [_row("one_rank", 4, 54, 90, 72), _row("one_rank", 4, 64, 100, 80)]
     result = {"summary": compile_share.summarize(rows), "rows": rows, "backend": "inductor", "steps": 2, "runs": 2,
-              "cpus": 2, "command": "python -m benchmarks.compile_share", "torch": "2.15.0"}
+              "cpus": 2, "command": "python -m benchmarks.studies.compile_share", "torch": "2.15.0"}
     s = result["summary"]["shared/4"]["first_step_s"]
     assert s["one_rank"] == 59 and s["one_rank_ratio"] == pytest.approx((54 / 60 + 64 / 80) / 2)
     text = compile_share.results_markdown(result)

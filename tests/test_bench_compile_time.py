@@ -1,10 +1,10 @@
-"""benchmarks.compile_time: the done-when ratios and the docs section it regenerates."""
+"""benchmarks.studies.compile_time: the done-when ratios and the docs section it regenerates."""
 
 import json
 
 import pytest
 
-from benchmarks.compile_time import END, START, render, results_markdown, summarize
+from benchmarks.studies.compile_time import END, START, render, results_markdown, summarize
 
 
 def _row(mode, phase, first, step, run=0):
@@ -26,7 +26,7 @@ def _step_row(mode, rounds, cold):
     ratios = sorted(a / b for a, b in zip(rounds, nosplit))
     return {"mode": mode, "step_ms_rounds": rounds, "step_ms_median": sorted(rounds)[1], "compile_cold_s": cold,
             "ratio_vs_builtin": (ratios[1] + ratios[2]) / 2, "ratio_q1": ratios[0], "ratio_q3": ratios[3],
-            "rounds": 4, "command": "python -m benchmarks.ddp_compare --modes nosplit,ours,regional"}
+            "rounds": 4, "command": "python -m benchmarks.studies.ddp_compare --modes nosplit,ours,regional"}
 
 
 STEPS = [_step_row("nosplit", [100.0, 110.0, 120.0, 130.0], 60.0),
@@ -49,7 +49,7 @@ def test_summary_ratios_follow_the_issue_targets():
 
 
 def test_render_replaces_only_the_compile_section(tmp_path):
-    result = {"backend": "inductor", "nproc": 2, "steps": 8, "command": "python -m benchmarks.compile_time",
+    result = {"backend": "inductor", "nproc": 2, "steps": 8, "command": "python -m benchmarks.studies.compile_time",
               "rows": ROWS, "steps_interleaved": STEPS, "summary": summarize(ROWS, STEPS)}
     (tmp_path / "r.json").write_text(json.dumps(result))
     readme = tmp_path / "README.md"
@@ -62,11 +62,11 @@ def test_render_replaces_only_the_compile_section(tmp_path):
     assert "| whole8 cold / regional8 cold (restarts) | 4.00 | >= 2 |" in text
     assert "| regional | 15.0 | 112.2 | 1.020 [1.020, 1.020] |" in text
     assert "| regional8 / whole8 (nosplit) step, interleaved [IQR] | 1.020 [1.020, 1.020] | < 1.05 |" in text
-    assert "Command: `python -m benchmarks.compile_time`" in text
+    assert "Command: `python -m benchmarks.studies.compile_time`" in text
 
 
 def test_restarts_run_every_mode_cold_then_warm_in_rotating_order(monkeypatch, tmp_path):
-    import benchmarks.compile_time as ct
+    import benchmarks.studies.compile_time as ct
 
     calls = []
     monkeypatch.setattr(ct, "run_mode", lambda mode, out, phase, run=0, **kw: calls.append((mode, phase, run)) or
@@ -81,7 +81,7 @@ def test_restarts_run_every_mode_cold_then_warm_in_rotating_order(monkeypatch, t
 
 def test_only_quick_narrows_the_model(monkeypatch, tmp_path):
     # A real run measures the launcher's own model; --quick (a smoke run) narrows it.
-    import benchmarks.compile_time as ct
+    import benchmarks.studies.compile_time as ct
 
     calls = []
     monkeypatch.setattr(ct, "run_restarts", lambda modes, out, **kw: calls.append(kw) or [])
@@ -111,12 +111,12 @@ def test_the_wider_step_job_gets_its_own_ratios_and_table(tmp_path):
 
 
 def test_update_re_measures_some_modes_keeps_the_others_and_says_so():
-    from benchmarks.compile_time import merge_update
+    from benchmarks.studies.compile_time import merge_update
 
-    old = {"backend": "inductor", "nproc": 2, "steps": 8, "warm_runs": 3, "command": "python -m benchmarks.compile_time",
+    old = {"backend": "inductor", "nproc": 2, "steps": 8, "warm_runs": 3, "command": "python -m benchmarks.studies.compile_time",
            "rows": ROWS, "steps_interleaved": STEPS, "steps_interleaved_wide": []}
     fresh = [_row("ours", "cold", 70.0, 280.0), _row("ours", "warm", 7.0, 280.0)]
-    new = dict(old, command="python -m benchmarks.compile_time --modes ours --update", warm_runs=1, rows=fresh,
+    new = dict(old, command="python -m benchmarks.studies.compile_time --modes ours --update", warm_runs=1, rows=fresh,
                steps_interleaved=[])
     merged = merge_update(old, new, ["ours"])
     assert [r for r in merged["rows"] if r["mode"] == "ours"] == fresh
@@ -124,7 +124,7 @@ def test_update_re_measures_some_modes_keeps_the_others_and_says_so():
     assert merged["steps_interleaved"] == STEPS  # not re-run: kept
     assert summarize(merged["rows"])["ours_warm_over_cold"] == pytest.approx(0.1)
     merged["summary"] = summarize(merged["rows"], merged["steps_interleaved"])
-    assert ("Command: `python -m benchmarks.compile_time`; rows of `ours` re-measured later by "
-            "`python -m benchmarks.compile_time --modes ours --update` (1 warm run(s))") in results_markdown(merged)
+    assert ("Command: `python -m benchmarks.studies.compile_time`; rows of `ours` re-measured later by "
+            "`python -m benchmarks.studies.compile_time --modes ours --update` (1 warm run(s))") in results_markdown(merged)
     with pytest.raises(SystemExit, match=r"measured with nproc=2 and this run with 4; rows of both would not compare"):
         merge_update(old, dict(new, nproc=4), ["ours"])

@@ -1,8 +1,8 @@
-"""benchmarks.compression_report on hand-made rows: the table of a bf16 sweep and the compression
+"""benchmarks.render.compression_report on hand-made rows: the table of a bf16 sweep and the compression
 goal rows, each with the measured value beside its bound."""
 
-from benchmarks.compression_report import goals, results_markdown
-from benchmarks.limit import add_limit_columns, limit_parts
+from benchmarks.render.compression_report import goals, results_markdown
+from benchmarks.harness.limit import add_limit_columns, limit_parts
 
 
 def _row(mode, cap, steps, dtype):
@@ -34,13 +34,13 @@ def test_goal_rows_compare_each_bound_with_the_measured_value():
 
 
 def test_the_block_lists_rows_fastest_first_with_what_each_sends():
-    text = results_markdown(_rows(), command="python -m benchmarks.ddp_compare ...")
+    text = results_markdown(_rows(), command="python -m benchmarks.studies.ddp_compare ...")
     rows_table = text.split("Compression goals")[0]
     lines = [line for line in rows_table.splitlines() if line.startswith("| ")]
     assert lines[1] == ("| auto | ours_bf16 | bf16 | 6.3 | 57.0 [54.0, 60.0] | 0.950 [0.925, 0.975] | "
                         "0.570 [0.555, 0.585] | 1.10 | 52.0 |")
     assert lines[-1].startswith("| 1 | compiled_autograd | fp32 | 12.6 | 100.0")
-    assert "Command: `python -m benchmarks.ddp_compare ...`" in text and "Compression goals" in text
+    assert "Command: `python -m benchmarks.studies.ddp_compare ...`" in text and "Compression goals" in text
 
 
 def test_powersgd_rows_are_held_to_their_own_peer_and_to_045_of_the_best_fp32_peer():
@@ -60,7 +60,7 @@ def test_powersgd_rows_are_held_to_their_own_peer_and_to_045_of_the_best_fp32_pe
 def test_powersgd_sends_p_and_q_of_the_matrices_worth_compressing_and_the_rest_whole():
     import torch
 
-    from benchmarks.limit import wire_kind, wire_numel
+    from benchmarks.harness.limit import wire_kind, wire_numel
 
     params = [torch.zeros(600, 600), torch.zeros(600), torch.zeros(4, 600)]
     assert wire_numel(params, None) == 360_000 + 600 + 2_400

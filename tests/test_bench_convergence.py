@@ -1,4 +1,4 @@
-"""benchmarks.convergence without running it: arguments, the corpus, a run's summary, the
+"""benchmarks.studies.convergence without running it: arguments, the corpus, a run's summary, the
 tolerance and the docs block (the runs themselves are the benchmark's, under torchrun)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.convergence import _overrides, _verdict, corpus_text, parse_args, results_markdown, summarize
+from benchmarks.studies.convergence import _overrides, _verdict, corpus_text, parse_args, results_markdown, summarize
 
 
 def test_quick_defaults_explicit_flags_and_a_window_longer_than_the_run():

@@ -1,4 +1,4 @@
-"""benchmarks.core, the mode tables, benchmarks.report and benchmarks._torch_internals,
+"""benchmarks.harness.core, the mode tables, benchmarks.harness.report and benchmarks._torch_internals,
 without a process group: registration, the row pieces, the round loop, the tables."""
 
 import argparse
@@ -12,13 +12,13 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from benchmarks._torch_internals import BuiltinBuckets, cache_counts, graphs_compiled
-from benchmarks.cli import publish
-from benchmarks.core import Runner, compile_seconds, first_steps, loss_reference, max_loss_diff, measure_rounds, \
+from benchmarks.harness.cli import publish
+from benchmarks.harness.core import Runner, compile_seconds, first_steps, loss_reference, max_loss_diff, measure_rounds, \
     step_stats
-from benchmarks.ddp_bench import BenchConfig
-from benchmarks.fsdp_bench import FSDP_MODES, FSDPBenchConfig
-from benchmarks.modes_ddp import DDP_MODES, DEFAULT_CAP, build_runner
-from benchmarks.report import cap_label, fmt, markdown_table, with_iqr
+from benchmarks.studies.ddp_bench import BenchConfig
+from benchmarks.studies.fsdp_bench import FSDP_MODES, FSDPBenchConfig
+from benchmarks.studies.modes_ddp import DDP_MODES, DEFAULT_CAP, build_runner
+from benchmarks.harness.report import cap_label, fmt, markdown_table, with_iqr
 from fsdp_opt import FSDPCompileConfig
 
 

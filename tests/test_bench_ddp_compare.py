@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ddp_compare import ROW_KEYS, main, parse_args
+from benchmarks.studies.ddp_compare import ROW_KEYS, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 # ~2 MiB of gradients (vocab 1024 x 128 tied embedding + 2 blocks): at cap 1 MiB, 2-3 buckets.
@@ -35,7 +35,7 @@ def test_bad_link_fails_before_launching():
 def test_device_cuda_without_cuda_exits_before_launching(monkeypatch, capsys):
     import torch
 
-    import benchmarks.ddp_compare as ddp_compare
+    import benchmarks.studies.ddp_compare as ddp_compare
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(ddp_compare, "here_or_relaunched", lambda *a, **k: pytest.fail("launched anyway"))
@@ -49,7 +49,7 @@ def test_device_cuda_without_cuda_exits_before_launching(monkeypatch, capsys):
 
 
 def test_bad_mode_and_small_cap_are_named():
-    from benchmarks.ddp_bench import BenchConfig
+    from benchmarks.studies.ddp_bench import BenchConfig
 
     with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours"):
         BenchConfig(modes=("eager", "fast"))
@@ -59,7 +59,7 @@ def test_bad_mode_and_small_cap_are_named():
 
 
 def test_baseline_must_run_and_regional_stays_out_of_sweeps():
-    from benchmarks.ddp_bench import BenchConfig
+    from benchmarks.studies.ddp_bench import BenchConfig
 
     with pytest.raises(ValueError, match="--baseline nosplit is not among --modes eager,ours.*Add nosplit to --modes"):
         BenchConfig(modes=("eager", "ours"), baseline="nosplit")
@@ -72,7 +72,7 @@ def test_baseline_must_run_and_regional_stays_out_of_sweeps():
 def test_tiny_run_writes_rows_for_every_mode(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ddp_compare", *TINY, "--modes", "eager,builtin,nosplit,ours,regional",
+        [sys.executable, "-m", "benchmarks.studies.ddp_compare", *TINY, "--modes", "eager,builtin,nosplit,ours,regional",
          "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )
@@ -118,7 +118,7 @@ def test_tiny_run_writes_rows_for_every_mode(tmp_path):
 
 def test_relaunch_keeps_nproc_away_from_torchrun():
     # torchrun's parser reads a worker's --nproc as its own --nproc-per-node and exits
-    from benchmarks.torchrun import _without_nproc
+    from benchmarks.harness.torchrun import _without_nproc
 
     assert _without_nproc(["--nproc", "1", "--modes", "ours", "--nproc=2", "--json", "x"]) == ["--modes", "ours", "--json", "x"]
 
@@ -127,9 +127,9 @@ def test_relaunch_keeps_nproc_away_from_torchrun():
 def test_keep_grads_zeroes_the_gradients_in_place_between_steps(gloo, keep):
     # --keep-grads: every backward then adds to existing gradients (a compiled optimizer's way, and
     # gradient accumulation's synchronised step), the backward graph the traced strategy had to fix.
-    from benchmarks.ddp_bench import BenchConfig, run_step
-    from benchmarks.link import LinkModel, SimulatedLink
-    from benchmarks.modes_ddp import build_runner
+    from benchmarks.studies.ddp_bench import BenchConfig, run_step
+    from benchmarks.link.shaping import LinkModel, SimulatedLink
+    from benchmarks.studies.modes_ddp import build_runner
 
     assert parse_args(["--keep-grads"] if keep else []).keep_grads is keep
     cfg = BenchConfig(device="cpu", backend="eager", modes=("eager",), layers=1, embd=32, heads=2, vocab=64, seq=8,

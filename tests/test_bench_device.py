@@ -1,13 +1,13 @@
-"""benchmarks.device without a GPU: ``--device`` resolution, the process-group choice
+"""benchmarks.harness.device without a GPU: ``--device`` resolution, the process-group choice
 for ranks sharing GPUs, the CPU clock and peak memory, the job's device, and the
 peak-memory column of ddp_compare's table. The CUDA path itself: test_gpu_bench.py."""
 
 import pytest
 import torch
 
-from benchmarks.core import GPTJob, max_peak_mib
-from benchmarks.ddp_compare import format_table
-from benchmarks.device import choose_backend, clock, device_label, peak_bytes, place_rank, reset_peak, resolve_device
+from benchmarks.harness.core import GPTJob, max_peak_mib
+from benchmarks.studies.ddp_compare import format_table
+from benchmarks.harness.device import choose_backend, clock, device_label, peak_bytes, place_rank, reset_peak, resolve_device
 
 
 @pytest.mark.parametrize("available, requested, expected", [
@@ -73,7 +73,7 @@ def test_the_terminal_table_shows_peak_memory_and_a_dash_on_cpu():
 @pytest.mark.parametrize("gpus, devices, backend", [(1, [0, 0], "gloo"), (2, [0, 1], "nccl"), (4, [0, 1], "nccl")])
 def test_the_shaped_nets_two_nodes_count_the_ranks_of_both(monkeypatch, gpus, devices, backend):
     # Both nodes of --net shaped are namespaces of one machine with one local rank each: they see the same GPUs.
-    from benchmarks.device import machine_env
+    from benchmarks.harness.device import machine_env
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.fsdp_compare import END, ROW_KEYS, START, main, parse_args, replace_section, results_markdown
+from benchmarks.studies.fsdp_compare import END, ROW_KEYS, START, main, parse_args, replace_section, results_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 # Two blocks of ~0.19 MiB each: per_block has 2 units, grouped (0.3 MiB target) puts both in 1.
@@ -34,7 +34,7 @@ def test_bad_mode_fails_before_launching():
 def test_device_cuda_without_cuda_exits_before_launching(monkeypatch, capsys):
     import torch
 
-    import benchmarks.fsdp_compare as fsdp_compare
+    import benchmarks.studies.fsdp_compare as fsdp_compare
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(fsdp_compare, "here_or_relaunched", lambda *a, **k: pytest.fail("launched anyway"))
@@ -64,7 +64,7 @@ def test_tiny_run_writes_rows_table_and_readme_section(tmp_path):
     out, readme = tmp_path / "rows.json", tmp_path / "README.md"
     readme.write_text(f"# t\n{START}\n{END}\ntail\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fsdp_compare", *TINY, "--json", str(out), "--readme", str(readme)],
+        [sys.executable, "-m", "benchmarks.studies.fsdp_compare", *TINY, "--json", str(out), "--readme", str(readme)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -118,7 +118,7 @@ def test_bf16_and_replicate_modes_get_the_limit_and_peers_of_their_own_reduction
     readme.write_text(f"{START}\n{END}\n")
     modes = "eager,grouped,eager_bf16,grouped_bf16,replicate_eager,replicate_whole,replicate_grouped"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fsdp_compare", *TINY, "--modes", modes, "--json", str(out),
+        [sys.executable, "-m", "benchmarks.studies.fsdp_compare", *TINY, "--modes", modes, "--json", str(out),
          "--readme", str(readme)], cwd=REPO, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""benchmarks.gpu_check on this CPU machine: the refusal without CUDA, the JUnit reader,
+"""benchmarks.studies.gpu_check on this CPU machine: the refusal without CUDA, the JUnit reader,
 the merge of a check run in several calls, and the docs section rendered from it."""
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpu_check
+from benchmarks.studies import gpu_check
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 
 
 def _check_json(path: Path, env: dict, **steps) -> Path:
-    path.write_text(json.dumps({"command": f"python -m benchmarks.gpu_check ({path.stem})",
+    path.write_text(json.dumps({"command": f"python -m benchmarks.studies.gpu_check ({path.stem})",
                                 "started": "2026-11-22 18:00:00 UTC", "env": env, **steps}))
     return path
 
@@ -33,7 +33,7 @@ ENV = {"gpu": "NVIDIA H200", "capability": "sm_90", "gpu_mib": 143155, "torch": 
 TESTS = {"status": "ok", "seconds": 3.6, "command": "pytest -m gpu", "counts": {"passed": 1, "failed": 0, "error": 0,
                                                                              "skipped": 0},
          "cases": [{"test": "test_gpu_ddp::test_a", "outcome": "passed", "seconds": 1.5, "message": None}]}
-DDP = {"status": "ok", "seconds": 60.0, "command": "python -m benchmarks.ddp_compare --device cuda", "rows": [
+DDP = {"status": "ok", "seconds": 60.0, "command": "python -m benchmarks.studies.ddp_compare --device cuda", "rows": [
     {"mode": "builtin", "step_ms_median": 12.8, "ratio_vs_builtin": 1.0, "peak_mib": 1514.0, "compile_cold_s": 16.9,
      "compile_warm_s": 2.9, "partitions": 3, "loss_max_abs_diff": 9.5e-7},
     {"mode": "ours", "step_ms_median": 12.79, "ratio_vs_builtin": 1.001, "peak_mib": 1514.0, "compile_cold_s": 7.4,

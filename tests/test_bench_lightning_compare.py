@@ -1,18 +1,18 @@
-"""benchmarks.lightning_compare, the parts that run no process: the rows' ratios from what
+"""benchmarks.studies.lightning_compare, the parts that run no process: the rows' ratios from what
 each fit measured, the docs block rendered from a fixture JSON, and the refusals of the
-command line. The run itself needs root and a shaped link (benchmarks/netns.py)."""
+command line. The run itself needs root and a shaped link (benchmarks/link/netns.py)."""
 
 import json
 
 import pytest
 
-from benchmarks.lightning_compare import END, START, main, mode_rows, parse_args, results_markdown
+from benchmarks.studies.lightning_compare import END, START, main, mode_rows, parse_args, results_markdown
 
 JOB = dict(comm_ms=530.0, compute_ms=140.0, compute_fwd_ms=50.0, compute_bwd_ms=85.0, compute_opt_ms=5.0, grad_mib=12.6,
            backend="inductor", link_mbit=200.0, rounds=3, steps=20, fit_warmup=3,
            model="GPT(layers=4, embd=256, heads=4, vocab=512, seq=64), batch 8/rank", world_size=2,
            torch="2.13.0+cpu", lightning="2.6.6", date="2026-11-26", machine="2-core CPU (AMD EPYC)", cpus=2,
-           loadavg=[3.9, 5.2], command="python -m benchmarks.lightning_compare --link-mbit 200 --rounds 3 --out x.json")
+           loadavg=[3.9, 5.2], command="python -m benchmarks.studies.lightning_compare --link-mbit 200 --rounds 3 --out x.json")
 
 
 def _fits() -> dict:
@@ -58,7 +58,7 @@ def test_the_block_is_rendered_from_the_json_between_its_markers_only(tmp_path):
     assert "after the rounds, took 530 ms" in text
     assert "`ours` 1.00/5.60/6.00 MiB" in text
     assert "load average read 3.9 to 5.2 on 2 cores" in text and "compare the ratios" in text
-    assert "Command: `python -m benchmarks.lightning_compare --link-mbit 200 --rounds 3 --out x.json`" in text
+    assert "Command: `python -m benchmarks.studies.lightning_compare --link-mbit 200 --rounds 3 --out x.json`" in text
 
 
 def test_an_idle_machine_is_not_called_shared():
@@ -91,7 +91,7 @@ def test_without_lightning_it_stops_before_launching(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
-    monkeypatch.setattr("benchmarks.torchrun.here_or_relaunched", lambda *a, **k: pytest.fail("launched anyway"))
+    monkeypatch.setattr("benchmarks.harness.torchrun.here_or_relaunched", lambda *a, **k: pytest.fail("launched anyway"))
     with pytest.raises(SystemExit, match=r"lightning package is not installed, .* Install it \(pip install "
                                          r"lightning\)"):
         main(["--out", "x.json"])

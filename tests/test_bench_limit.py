@@ -1,8 +1,8 @@
-"""The physical limit's arithmetic and the best-peer ratio (benchmarks.limit), on hand-made rows."""
+"""The physical limit's arithmetic and the best-peer ratio (benchmarks.harness.limit), on hand-made rows."""
 
 import pytest
 
-from benchmarks.limit import FSDPLimitParts, LimitParts, add_limit_columns, against_peers, limit_parts
+from benchmarks.harness.limit import FSDPLimitParts, LimitParts, add_limit_columns, against_peers, limit_parts
 
 
 def _row(mode, runner, steps, fwd, bwd, opt):

@@ -1,4 +1,4 @@
-"""benchmarks.link: the link's time model, its parser, and the hook on a real
+"""benchmarks.link.shaping: the link's time model, its parser, and the hook on a real
 single-rank gloo group (the real all-reduce happens, delivery waits for the link)."""
 
 import time
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.link import LINK_PRESETS, LinkModel, SimulatedLink, parse_link
+from benchmarks.link.shaping import LINK_PRESETS, LinkModel, SimulatedLink, parse_link
 
 
 def test_presets_and_custom_values_parse():

@@ -1,13 +1,13 @@
-"""benchmarks.padding_compare without running it: arguments, the per-strategy
+"""benchmarks.studies.padding_compare without running it: arguments, the per-strategy
 summary over rounds, and the docs section renderer."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.padding_compare import END as PADDING_END
-from benchmarks.padding_compare import START as PADDING_START
-from benchmarks.padding_compare import _overrides, padding_markdown, parse_args, summarize, update_padding_section
+from benchmarks.studies.padding_compare import END as PADDING_END
+from benchmarks.studies.padding_compare import START as PADDING_START
+from benchmarks.studies.padding_compare import _overrides, padding_markdown, parse_args, summarize, update_padding_section
 
 
 def _metrics(real_tps, waste, warmup_s, graphs=4, recompiles=3):
@@ -38,7 +38,7 @@ def test_summary_takes_medians_over_rounds_and_flags_count_mismatches():
 
 def test_padding_section_renders_between_its_markers_only(tmp_path):
     result = {"meta": {"backend": "inductor", "device": "cpu", "nproc": 1, "steps": 30, "rounds": 2,
-                       "command": "python -m benchmarks.padding_compare"},
+                       "command": "python -m benchmarks.studies.padding_compare"},
               "rows": [summarize("max", [_metrics(50.0, 0.8, 2.0, 1, 0)], 32),
                        summarize("multiple", [_metrics(150.0, 0.3, 6.0)], 32)]}
     body = padding_markdown(result)

@@ -1,10 +1,10 @@
-"""benchmarks.plot redraws a benchmark's PNG from its JSON, the physical limit included."""
+"""benchmarks.harness.plot redraws a benchmark's PNG from its JSON, the physical limit included."""
 
 import json
 
 import pytest
 
-from benchmarks.plot import main, replot
+from benchmarks.harness.plot import main, replot
 
 pytest.importorskip("matplotlib")
 

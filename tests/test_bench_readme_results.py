@@ -1,10 +1,10 @@
-"""benchmarks.readme_results rewrites only the marked section of a file."""
+"""benchmarks.render.readme_results rewrites only the marked section of a file."""
 
 import json
 
 import pytest
 
-from benchmarks.readme_results import END, START, main, replace_section, results_markdown
+from benchmarks.render.readme_results import END, START, main, replace_section, results_markdown
 
 ROWS = [
     {"mode": m, "backend": "inductor" if m != "eager" else "eager", "link": "1ms,100MB/s", "bucket_cap_mb": cap,
@@ -12,7 +12,7 @@ ROWS = [
      "overlap": 0.5, "compile_s": 0.0 if m == "eager" else 10.0, "compile_cold_s": 0.0 if m == "eager" else 10.0,
      "compile_warm_s": 0.0 if m == "eager" else 3.0, "partitions": None if m == "eager" else 4,
      "loss_max_abs_diff": 1e-6, "exposed_comm_ms": 12.0, "mode_order": i, "world_size": 2, "rounds": 8,
-     "command": "python -m benchmarks.ddp_compare --caps 1,4"}
+     "command": "python -m benchmarks.studies.ddp_compare --caps 1,4"}
     for cap in (1.0, 4.0) for i, m in enumerate(("eager", "builtin", "nosplit", "ours"))
 ]
 

@@ -1,10 +1,10 @@
-"""benchmarks.stats: pure functions, no torch."""
+"""benchmarks.harness.stats: pure functions, no torch."""
 
 import math
 
 import pytest
 
-from benchmarks.stats import iqr, median, overlap_efficiency, per_round_ratios, quantile, ratio_summary
+from benchmarks.harness.stats import iqr, median, overlap_efficiency, per_round_ratios, quantile, ratio_summary
 
 
 def test_median_odd_even_and_empty():

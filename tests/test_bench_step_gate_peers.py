@@ -1,11 +1,11 @@
-"""benchmarks.step_gate_peers: its modes and its refusal of an unknown one (the runs
+"""benchmarks.studies.step_gate_peers: its modes and its refusal of an unknown one (the runs
 themselves are the step-gate tests' subject: tests/test_ddp_step_gate.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import step_gate_peers
+from benchmarks.studies import step_gate_peers
 
 
 def test_an_unknown_mode_is_refused_naming_the_modes(capsys):

@@ -1,4 +1,4 @@
-"""benchmarks.sweep: which (mode, cap) pairs a sweep measures, the summary that answers
+"""benchmarks.studies.sweep: which (mode, cap) pairs a sweep measures, the summary that answers
 the sweep's question (ours@auto vs the best fixed cap and builtin), and the tables
 (terminal and docs) with an ``auto`` cap. Hand-built rows; one tiny 2-rank smoke run."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ddp_compare import format_table, parse_args
-from benchmarks.readme_results import results_markdown, update_file
-from benchmarks.sweep import format_summary, sweep_runners, sweep_summary
+from benchmarks.studies.ddp_compare import format_table, parse_args
+from benchmarks.render.readme_results import results_markdown, update_file
+from benchmarks.studies.sweep import format_summary, sweep_runners, sweep_summary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def test_sweep_pairs_every_cap_with_ours_and_builtin_and_auto_with_ours_only():
 
 
 def test_caps_parse_auto_and_auto_needs_sweep():
-    from benchmarks.ddp_bench import BenchConfig
+    from benchmarks.studies.ddp_bench import BenchConfig
 
     args = parse_args(["--sweep", "--caps", "1,4,25,auto"])
     assert args.sweep and args.caps == (1.0, 4.0, 25.0, "auto")
@@ -102,7 +102,7 @@ def test_tables_show_the_auto_cap_last_with_its_prediction(tmp_path):
 @pytest.mark.slow
 def test_tiny_sweep_runs_auto_next_to_fixed_caps(tmp_path):
     out = tmp_path / "sweep.json"
-    cmd = [sys.executable, "-m", "benchmarks.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "2",
+    cmd = [sys.executable, "-m", "benchmarks.studies.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "2",
            "--embd", "128", "--heads", "2", "--vocab", "1024", "--seq", "16", "--batch", "2", "--caps", "1,auto",
            "--steps", "2", "--warmup", "1", "--link", "1ms,100MB/s", "--sweep", "--modes", "eager,builtin,ours",
            "--json", str(out)]

@@ -297,7 +297,7 @@ STEPS = 4
 
 
 def _auto_rank(rank, world_size):
-    from benchmarks.link import LinkModel, SimulatedLink
+    from benchmarks.link.shaping import LinkModel, SimulatedLink
 
     torch.manual_seed(0)
     # 1. compile_ddp measures (the probe crosses the benchmark's simulated link: real all-reduce +

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.peer_hooks import bucket_bf16_hook
+from benchmarks.link.peer_hooks import bucket_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp
 from ddp_opt._torch_internals import python_comm_hooks, registered_hook_name

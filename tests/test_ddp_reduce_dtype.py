@@ -1,7 +1,7 @@
 """compile_ddp(reduce_dtype=torch.bfloat16): the gradients all-reduced in bf16 under the split
 strategy (DDP's reducer, a comm hook kept across realignment), the traced strategy (the cast in the
 compiled backward) and compile_for_ddp, each step by step against eager DDP with the arithmetic of
-PyTorch's own bf16 compress hook (``benchmarks.peer_hooks``; Note [Reduced-precision all-reduce])."""
+PyTorch's own bf16 compress hook (``benchmarks.link.peer_hooks``; Note [Reduced-precision all-reduce])."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.peer_hooks import bucket_bf16_hook as torch_bf16_hook
+from benchmarks.link.peer_hooks import bucket_bf16_hook as torch_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp, compile_for_ddp, compiled_ddp_of
 from ddp_opt._torch_internals import registered_hook_name

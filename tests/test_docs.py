@@ -1,6 +1,6 @@
 """The documentation: the MkDocs site builds with no warning, the README stays a short
 front page, no page grows past 400 lines, and every generated table is what its
-committed JSON renders (``benchmarks.docs_pages``)."""
+committed JSON renders (``benchmarks.render.pages``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import docs_pages
-from benchmarks.report import replace_section
+from benchmarks.render import pages as docs_pages
+from benchmarks.harness.report import replace_section
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted((REPO / "docs").rglob("*.md"))
@@ -54,7 +54,7 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
 def test_the_readme_is_a_short_front_page_with_no_generated_block():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 300
-    assert not MARKER.search(readme), "generated blocks live in docs/ (python -m benchmarks.docs_pages)"
+    assert not MARKER.search(readme), "generated blocks live in docs/ (python -m benchmarks.render.pages)"
     assert max(len(line) for line in readme.splitlines() if not line.startswith("|")) <= 400
     # its first commands set up a machine and run the main job; the next run the tests
     commands = re.findall(r"```bash\n(.*?)```", readme, re.S)
@@ -85,7 +85,7 @@ def test_every_page_is_in_the_nav_once():
 
 
 def test_every_generated_block_is_what_its_committed_json_renders():
-    assert docs_pages.stale_pages() == [], "run `python -m benchmarks.docs_pages`"
+    assert docs_pages.stale_pages() == [], "run `python -m benchmarks.render.pages`"
     blocks = {(b.page, b.start) for b in docs_pages.BLOCKS}
     found = {(str(p.relative_to(REPO)), m.group(0)) for p in PAGES for m in MARKER.finditer(p.read_text())}
     assert found - {("docs/getting-started.md", "<!-- torch-matrix:start -->")} == blocks

@@ -1,4 +1,4 @@
-"""The benchmarks' CUDA path (Note [Benchmark device] in ``benchmarks.device``) on one
+"""The benchmarks' CUDA path (Note [Benchmark device] in ``benchmarks.harness.device``) on one
 GPU: ``ddp_compare`` and ``fsdp_compare --quick --device cuda --nproc 1`` end to end
 (rows on the GPU, a peak memory per mode, compiled losses next to eager's), and the
 simulated link's comm hook under DDP on a CUDA model. Checks the rows, never the
@@ -45,7 +45,7 @@ def _check_cuda_rows(rows: list[dict], modes: list[str]) -> None:
 
 
 def test_ddp_compare_quick_on_one_gpu(tmp_path):
-    rows, proc = _run("benchmarks.ddp_compare",
+    rows, proc = _run("benchmarks.studies.ddp_compare",
                       ["--quick", "--device", "cuda", "--nproc", "1", "--link", "none", "--backend", "inductor"],
                       tmp_path / "ddp.json")
     _check_cuda_rows(rows, ["eager", "builtin", "nosplit", "ours"])
@@ -55,7 +55,7 @@ def test_ddp_compare_quick_on_one_gpu(tmp_path):
 
 
 def test_fsdp_compare_quick_on_one_gpu(tmp_path):
-    rows, proc = _run("benchmarks.fsdp_compare", ["--quick", "--device", "cuda", "--nproc", "1"],
+    rows, proc = _run("benchmarks.studies.fsdp_compare", ["--quick", "--device", "cuda", "--nproc", "1"],
                       tmp_path / "fsdp.json")
     _check_cuda_rows(rows, ["eager", "per_block", "grouped"])
     for r in rows:
@@ -67,7 +67,7 @@ def test_fsdp_compare_quick_on_one_gpu(tmp_path):
 def test_simulated_link_hook_on_cuda_gives_exact_gradients_after_the_link():
     """The hook's CUDA future (devices=[the bucket's]) and side stream under a real DDP
     reducer over NCCL: gradients equal a plain model's, and backward waits for the link."""
-    from benchmarks.link import LinkModel, SimulatedLink
+    from benchmarks.link.shaping import LinkModel, SimulatedLink
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""Two nodes on this machine (benchmarks.netns): the shaped link is made as asked and
+"""Two nodes on this machine (benchmarks.link.netns): the shaped link is made as asked and
 leaves nothing behind (also after an exception, SIGTERM or SIGKILL of its holder), and
 the main job as 2 nodes x 1 rank over it (torchrun c10d rendezvous) trains exactly as
 ``--standalone --nproc-per-node 2`` does. Skipped with the reason where namespaces
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.netns import PREFIX, namespaces, parse_rate, rate_bits_per_s, shaped_network, unavailable_reason
+from benchmarks.link.netns import PREFIX, namespaces, parse_rate, rate_bits_per_s, shaped_network, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def test_the_link_is_shaped_as_asked_and_removed_after_an_error():
 HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from benchmarks.netns import shaped_network
+from benchmarks.link.netns import shaped_network
 with shaped_network("100mbit") as net:
     print(" ".join(n.namespace for n in net.nodes), flush=True)
     time.sleep(60)
@@ -135,8 +135,8 @@ def test_the_main_job_on_two_nodes_over_a_shaped_link_trains_as_on_one(tmp_path,
     (["--net", "shaped:800mbit", "--link", "1ms,100MB/s"], "are two links at once"),
 ])
 def test_ddp_compare_net_flags_are_refused_before_launching(argv, message, capsys, monkeypatch):
-    from benchmarks import netns
-    from benchmarks.ddp_compare import parse_args
+    from benchmarks.link import netns
+    from benchmarks.studies.ddp_compare import parse_args
 
     monkeypatch.setattr(netns, "unavailable_reason", lambda: None)  # refused whether or not namespaces can be made
 
@@ -146,8 +146,8 @@ def test_ddp_compare_net_flags_are_refused_before_launching(argv, message, capsy
 
 
 def test_without_namespaces_net_says_why_and_points_at_the_simulated_link(monkeypatch, capsys):
-    from benchmarks import netns
-    from benchmarks.fsdp_compare import parse_args
+    from benchmarks.link import netns
+    from benchmarks.studies.fsdp_compare import parse_args
 
     monkeypatch.setattr(netns, "unavailable_reason", lambda: "making network namespaces needs root")
     with pytest.raises(SystemExit) as e:
@@ -162,7 +162,7 @@ def test_ddp_compare_runs_as_two_nodes_over_the_shaped_link(tmp_path):
     out = tmp_path / "rows.json"
     before = set(namespaces())
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "1",
+        [sys.executable, "-m", "benchmarks.studies.ddp_compare", "--device", "cpu", "--backend", "aot_eager", "--layers", "1",
          "--embd", "64", "--heads", "2", "--vocab", "256", "--seq", "16", "--batch", "2", "--caps", "1", "--steps",
          "2", "--warmup", "1", "--modes", "eager,ours,compiled_autograd", "--net", "shaped:800mbit", "--json", str(out), "--plot", ""],
         cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -178,8 +178,8 @@ def test_ddp_compare_runs_as_two_nodes_over_the_shaped_link(tmp_path):
 
 
 def test_compiled_autograd_is_refused_with_the_simulated_link_it_would_not_pay():
-    from benchmarks.ddp_bench import BenchConfig
-    from benchmarks.link import parse_link
+    from benchmarks.studies.ddp_bench import BenchConfig
+    from benchmarks.link.shaping import parse_link
 
     with pytest.raises(ValueError, match=r"compiled_autograd with --link 1ms,100MB/s: .* never reach DDP's comm hook"
                                          r".*--net shaped:RATE"):

@@ -28,7 +28,7 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import markdown_table, update_section, write_json  # noqa: E402
+from benchmarks.harness.report import markdown_table, update_section, write_json  # noqa: E402
 
 START, END = "<!-- torch-matrix:start -->", "<!-- torch-matrix:end -->"
 JSON = ROOT / "benchmarks" / "results" / "torch_matrix.json"

@@ -40,7 +40,7 @@ OVERRIDE_SPELLING = Spelling(
     bucket_cap="ddp.bucket_cap_mb={}", bucket_cap_list="ddp.bucket_cap_mb_list={}", auto="ddp.bucket_cap_mb=auto",
     keep_aligned="Keep bucket realignment on (ddp.align_buckets=true)",
     regional="ddp.strategy=regional", cache_dir="compile.cache_dir=DIR",
-    compare="python -m benchmarks.ddp_compare --modes eager,nosplit,ours --caps {}", no_split="ddp.strategy=whole",
+    compare="python -m benchmarks.studies.ddp_compare --modes eager,nosplit,ours --caps {}", no_split="ddp.strategy=whole",
 )
 
 __all__ = ["CausalLM", "OVERRIDE_SPELLING", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs",

@@ -1,12 +1,12 @@
 """Lightning's own compile idiom against ``CompiledDDPStrategy``, side by side on a shaped
 link between two nodes (see Note [Lightning on a shaped link]).
 
-    python -m benchmarks.lightning_compare --link-mbit 200 --rounds 6 --out RESULTS/lightning_shaped_200mbit.json
-    python -m benchmarks.lightning_compare --render --out RESULTS/lightning_shaped_200mbit.json
+    python -m benchmarks.studies.lightning_compare --link-mbit 200 --rounds 6 --out RESULTS/lightning_shaped_200mbit.json
+    python -m benchmarks.studies.lightning_compare --render --out RESULTS/lightning_shaped_200mbit.json
 
 (``RESULTS`` = ``benchmarks/results``.)
 The first runs a 2-node torchrun job (one rank per node, each node in its own network
-namespace, ``benchmarks.netns``; needs root and iproute2) and writes the JSON rows; the
+namespace, ``benchmarks.link.netns``; needs root and iproute2) and writes the JSON rows; the
 second writes the docs block of ``docs/frameworks/lightning.md`` from them.
 
 Note [Lightning on a shaped link]
@@ -17,12 +17,12 @@ Background
     ``strategy=CompiledDDPStrategy(...)``. Both are measured the way users run them:
     through ``Trainer.fit``, over a real link every mode pays alike. Absolute times from
     separate runs mean nothing on the shared development machines (Note [Interleaved
-    benchmark core] in ``benchmarks.core``), so the modes share one job and take turns.
+    benchmark core] in ``benchmarks.harness.core``), so the modes share one job and take turns.
 
 Algorithm
     1. Every mode gets its own LightningModule around the repository's GPT, built from
        the same seed (the same weights), and sees the same batches step by step.
-    2. Rounds (``benchmarks.rounds``): one warm-up round, then ``--rounds`` measured ones;
+    2. Rounds (``benchmarks.harness.rounds``): one warm-up round, then ``--rounds`` measured ones;
        each round runs one ``Trainer.fit`` per mode, the order rotating. Lightning does not
        spawn: the ranks are torchrun's, and the process group exists before the Trainer.
     3. Each fit starts as a restarted job would: ``torch.compiler.reset()`` before a
@@ -38,7 +38,7 @@ Algorithm
     6. The compute of a step: a copy of the eager GPT, with no DDP and no communication,
        takes its turn in every round (``--steps`` plain steps after ``--fit-warmup``). The
        comm: after the rounds, one all-reduce of all the gradient bytes over the link, a
-       barrier before each repeat (``benchmarks.limit.measure_comm``). No bucketing carries
+       barrier before each repeat (``benchmarks.harness.limit.measure_comm``). No bucketing carries
        the gradients faster than that one message, and overlap hides at most the backward.
 
 Notes
@@ -48,7 +48,7 @@ Notes
     - ``ours`` keeps DDP's default cap; ``ours_auto`` is ``bucket_cap_mb="auto"``, its
       link measured by ``compile_ddp`` over the same link.
     - This module imports neither torch nor Lightning, so ``--render`` and
-      ``benchmarks.docs_pages`` read the JSON only; the ranks run ``benchmarks.lightning_fits``.
+      ``benchmarks.render.pages`` read the JSON only; the ranks run ``benchmarks.studies.lightning_fits``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .report import fmt, markdown_table, update_section, with_iqr
-from .stats import median, ratio_summary
+from ..harness.report import fmt, markdown_table, update_section, with_iqr
+from ..harness.stats import median, ratio_summary
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ __all__ = ["LightningMode", "MODES", "BASELINE", "START", "END", "PAGE", "parse_
 
 START = "<!-- bench:lightning:start -->"
 END = "<!-- bench:lightning:end -->"
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "frameworks" / "lightning.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "frameworks" / "lightning.md"
 BASELINE = "lightning_compile"  # the ratio column divides by Lightning's own idiom, round by round
 COMMAND_ENV = "BENCH_LIGHTNING_COMMAND"  # the user's command line, handed to the workers by relaunch
 DDP_DEFAULT_CAP_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
@@ -118,7 +118,7 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.lightning_compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.lightning_compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON rows: written by a run, read by --render")
     p.add_argument("--render", action="store_true", help="write the docs block from --out; run nothing")
@@ -194,7 +194,7 @@ def results_markdown(rows: Sequence[dict]) -> str:
     text = (
         f"Lightning {r0['lightning']}, torch {r0['torch']}, {r0['date']}, {r0['machine']}: two nodes of one rank "
         f"each, joined by a link shaped to {r0['link_mbit']:g} Mbit/s (network namespaces and `tc tbf`, "
-        f"`benchmarks/netns.py`), gloo. {r0['model']}, {r0['grad_mib']:.1f} MiB of float32 gradients, "
+        f"`benchmarks/link/netns.py`), gloo. {r0['model']}, {r0['grad_mib']:.1f} MiB of float32 gradients, "
         f"`{r0['backend']}`, SGD. Each mode trains through `Trainer(accelerator=\"cpu\", devices=1, num_nodes=2, "
         f"max_steps=...)`; a round runs one fit per mode, the order rotating, and {r0['rounds']} measured rounds "
         f"follow one warm-up round. Every fit starts as a restarted job (`torch.compiler.reset()`, Inductor's "
@@ -218,7 +218,7 @@ def results_markdown(rows: Sequence[dict]) -> str:
             f"`{r['mode']}` {'/'.join(f'{m:.2f}' for m in r.get('bucket_mib') or [])} MiB" for r in ours) + "."
     table = format_table(rows)
     return "\n\n".join([text, table, after, f"Command: `{r0['command']}`",
-                        "Generated by `python -m benchmarks.lightning_compare --render --out "
+                        "Generated by `python -m benchmarks.studies.lightning_compare --render --out "
                         "benchmarks/results/lightning_shaped_200mbit.json`."])
 
 
@@ -234,17 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         render(args.out, args.page)
         print(f"updated {args.page}")
         return 0
-    from .torchrun import here_or_relaunched, inside_torchrun
+    from ..harness.torchrun import here_or_relaunched, inside_torchrun
 
     if not inside_torchrun():
         import importlib.util
 
         if importlib.util.find_spec("lightning") is None:
-            raise SystemExit("benchmarks.lightning_compare: the lightning package is not installed, and every mode "
+            raise SystemExit("benchmarks.studies.lightning_compare: the lightning package is not installed, and every mode "
                              "trains through Lightning's Trainer. Install it (pip install lightning), or run "
-                             "benchmarks.ddp_compare for the same comparison without Lightning.")
+                             "benchmarks.studies.ddp_compare for the same comparison without Lightning.")
     net = f"shaped:{args.link_mbit:g}mbit" if args.link_mbit > 0 else "local"
-    return here_or_relaunched("benchmarks.lightning_compare", argv, 2, COMMAND_ENV, lambda: _run(args), net=net)
+    return here_or_relaunched("benchmarks.studies.lightning_compare", argv, 2, COMMAND_ENV, lambda: _run(args), net=net)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """The DDP benchmark's modes, one object each, registered in ``DDP_MODES``, and the
-runner that carries a mode's DDP model through ``benchmarks.core``.
+runner that carries a mode's DDP model through ``benchmarks.harness.core``.
 
 Every mode wraps the same DDP model (same seed, same bucket cap, on the job's
 device: on CUDA the model is moved to the rank's GPU before DDP wraps it, with
@@ -21,11 +21,11 @@ from compiler import resolve_backend
 from ddp_opt import compile_ddp, measure_alignment
 from ddp_opt.compression.powersgd import parse_compression, sequenced_powersgd_hook
 
-from ._torch_internals import BuiltinBuckets, python_reducer_ddp, python_reducer_step
-from .core import ModeTable
+from .._torch_internals import BuiltinBuckets, python_reducer_ddp, python_reducer_step
+from ..harness.core import ModeTable
 from .ddp_mode import DEFAULT_CAP, DDPMode, DDPRunner
-from .link import SimulatedLink
-from .peer_hooks import bucket_bf16_hook, per_gradient_bf16_hook
+from ..link.shaping import SimulatedLink
+from ..link.peer_hooks import bucket_bf16_hook, per_gradient_bf16_hook
 
 __all__ = ["DDPMode", "DDP_MODES", "DDPRunner", "build_runner", "DEFAULT_CAP"]
 

@@ -1,14 +1,14 @@
 """The interleaved DDP benchmark, run inside each torchrun rank (see Note [Interleaved
 DDP benchmark]). ``run_cap`` measures every mode at one bucket cap and returns
-rank 0's rows; ``benchmarks.sweep`` measures every (mode, cap) pair at once;
+rank 0's rows; ``benchmarks.studies.sweep`` measures every (mode, cap) pair at once;
 ``ddp_compare`` is the command line around both.
 
 Note [Interleaved DDP benchmark]
 --------------------------------
 Background and the shared schedule: Note [Interleaved benchmark core] in
-``benchmarks.core``.
+``benchmarks.harness.core``.
 
-Modes (``benchmarks.modes_ddp``): ``eager``, ``builtin`` (PyTorch's splitter),
+Modes (``benchmarks.studies.modes_ddp``): ``eager``, ``builtin`` (PyTorch's splitter),
 ``nosplit`` (``strategy="whole"``), ``ours`` (split at DDP's real buckets) and
 ``regional`` (Note [Regional compile]); every DDP model gets the simulated-link comm
 hook (Note [Simulated link]).
@@ -49,15 +49,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._torch_internals import graphs_compiled
-from .core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
+from .._torch_internals import graphs_compiled
+from ..harness.core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
-from .device import clock, peak_bytes, reset_peak
-from .limit import WIRE_BYTES, add_limit_columns, limit_parts, measure_comm, wire_kind, wire_numel
-from .link import LinkModel, SimulatedLink
+from ..harness.device import clock, peak_bytes, reset_peak
+from ..harness.limit import WIRE_BYTES, add_limit_columns, limit_parts, measure_comm, wire_kind, wire_numel
+from ..link.shaping import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
-from .report import cap_label, nan_to_none, print0
-from .stats import median, overlap_efficiency
+from ..harness.report import cap_label, nan_to_none, print0
+from ..harness.stats import median, overlap_efficiency
 
 __all__ = ["BenchConfig", "Timed", "run_cap", "run_step", "run_round", "row_for", "link_comm_s", "finish_rows"]
 
@@ -72,7 +72,7 @@ class BenchConfig(GPTJob):
     net: str = "local"  # the network the ranks talk over (--net): local, or shaped:RATE between two namespaces
     caps: tuple[float | str, ...] = (1.0, 4.0, 25.0)  # "auto": ours with compile_ddp(bucket_cap_mb="auto")
     cache_root: str | None = None
-    sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.sweep)
+    sweep: bool = False  # one interleaved phase over all (mode, cap) pairs (benchmarks.studies.sweep)
     # The mode whose per-round steps the ratio column divides by; None: builtin when it runs.
     baseline: str | None = None
     # Zero the gradients in place between steps (zero_grad(set_to_none=False), as launch does with a
@@ -91,7 +91,7 @@ class BenchConfig(GPTJob):
         if self.sweep and "regional" in self.modes:
             raise ValueError(
                 "--sweep does not take the regional mode: a sweep varies the bucket cap, and regional compile's "
-                "buckets are whole blocks. Run regional without --sweep (python -m benchmarks.ddp_compare "
+                "buckets are whole blocks. Run regional without --sweep (python -m benchmarks.studies.ddp_compare "
                 "--modes nosplit,ours,regional --baseline nosplit --layers 8)."
             )
         if "auto" in self.caps and not self.sweep:
@@ -272,7 +272,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "first_step_cold_s": first[0],
         "first_step_warm_s": first[1],
         "compute_ms": compute * 1e3,
-        # the parts of the physical limit (benchmarks.limit)
+        # the parts of the physical limit (benchmarks.harness.limit)
         "fwd_ms": median(r.nosync_fwd_s) * 1e3,
         "bwd_ms": median([fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)]) * 1e3,
         "opt_ms": median(r.opt_s) * 1e3,
@@ -299,7 +299,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
 
 def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink, prefix: str = "") -> dict[str, float]:
     """The link time of all gradient bytes in one message (the ``comm`` of Note [Physical limit of
-    a step] in ``benchmarks.limit``), measured on every rank, per reduce dtype the runners use (a
+    a step] in ``benchmarks.harness.limit``), measured on every rank, per reduce dtype the runners use (a
     bf16 mode's limit counts bf16 bytes); rank 0 says what it measured."""
     comm = {}
     kinds = {wire_kind({"reduce_dtype": r.mode.reduce_dtype, "compression": r.mode.compression}): r for r in runners}

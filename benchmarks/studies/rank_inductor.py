@@ -2,7 +2,7 @@
 ``$DISTCOMPILE_INDUCTOR_BASE/rank<LOCAL_RANK>``, as ranks on different machines have,
 then runs a module as ``python -m`` would:
 
-    torchrun --nproc-per-node 4 -m benchmarks.rank_inductor launch.train compile=inductor
+    torchrun --nproc-per-node 4 -m benchmarks.studies.rank_inductor launch.train compile=inductor
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 def main() -> None:
     if len(sys.argv) < 2 or "DISTCOMPILE_INDUCTOR_BASE" not in os.environ:
-        raise SystemExit("usage: DISTCOMPILE_INDUCTOR_BASE=DIR torchrun ... -m benchmarks.rank_inductor MODULE [ARGS]: "
+        raise SystemExit("usage: DISTCOMPILE_INDUCTOR_BASE=DIR torchrun ... -m benchmarks.studies.rank_inductor MODULE [ARGS]: "
                          "the base directory holds one Inductor cache directory per local rank.")
     base = os.environ["DISTCOMPILE_INDUCTOR_BASE"]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{os.environ.get('LOCAL_RANK', '0')}")

@@ -1,11 +1,11 @@
 """Eager DDP vs PyTorch's splitter vs compiling without splitting vs ours, side by side
 in one torchrun job, over a simulated inter-node link (see Note [Interleaved DDP
-benchmark] in ``benchmarks.ddp_bench`` and Note [Simulated link] in ``benchmarks.link``).
+benchmark] in ``benchmarks.studies.ddp_bench`` and Note [Simulated link] in ``benchmarks.link.shaping``).
 
-    python -m benchmarks.ddp_compare --quick --json bench_out/quick.json
-    python -m benchmarks.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
-    python -m benchmarks.ddp_compare --sweep --caps 1,4,25,auto --modes eager,builtin,ours --json bench_out/sweep.json
-    python -m benchmarks.ddp_compare --modes eager,nosplit,ours,regional --baseline nosplit --layers 8 --caps 25 --link none
+    python -m benchmarks.studies.ddp_compare --quick --json bench_out/quick.json
+    python -m benchmarks.studies.ddp_compare --caps 1,4,25 --link 1ms,100MB/s --json bench_out/full.json
+    python -m benchmarks.studies.ddp_compare --sweep --caps 1,4,25,auto --modes eager,builtin,ours --json bench_out/sweep.json
+    python -m benchmarks.studies.ddp_compare --modes eager,nosplit,ours,regional --baseline nosplit --layers 8 --caps 25 --link none
 
 Run outside torchrun, it relaunches itself under ``torch.distributed.run
 --standalone --nproc-per-node N``; rank 0 prints progress to stderr and the table
@@ -16,7 +16,7 @@ else on the CPU over gloo. On CUDA each rank takes GPU ``LOCAL_RANK % GPUs``, ov
 NCCL when every rank has a GPU of its own and over gloo when ranks must share one
 (rank 0 says which, and why); step times wait for the GPU and every row gets the
 peak GPU memory of its mode (``peak_mib``; Note [Benchmark device] in
-``benchmarks.device``). ``--device cuda`` on a machine without CUDA stops before
+``benchmarks.harness.device``). ``--device cuda`` on a machine without CUDA stops before
 launching anything (exit code 2).
 """
 
@@ -27,9 +27,9 @@ import sys
 import time
 from typing import Sequence
 
-from .cli import add_common_args, check_device, check_net, new_parser, fill_defaults, job_kwargs, process_group, publish
-from .report import cap_label, fmt, print0, terminal_table, with_iqr
-from .torchrun import here_or_relaunched
+from ..harness.cli import add_common_args, check_device, check_net, new_parser, fill_defaults, job_kwargs, process_group, publish
+from ..harness.report import cap_label, fmt, print0, terminal_table, with_iqr
+from ..harness.torchrun import here_or_relaunched
 
 __all__ = ["main", "parse_args", "format_table", "ROW_KEYS"]
 
@@ -57,7 +57,7 @@ def _floats(text: str) -> tuple[float | str, ...]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = new_parser("benchmarks.ddp_compare", __doc__, "aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB")
+    p = new_parser("benchmarks.studies.ddp_compare", __doc__, "aot_eager, 3 warmup + 8 measured rounds, cap 4 MiB")
     p.add_argument("--modes", default="eager,builtin,nosplit,ours",
                    help="comma-separated modes: eager, builtin, nosplit, ours, regional (default: all but regional)")
     p.add_argument("--baseline", default=None,
@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="DDP bucket_cap_mb values to sweep (default 1,4,25); auto = compile_ddp's cost-model plan "
                         "(needs --sweep)")
     p.add_argument("--sweep", action="store_true",
-                   help="measure every (mode, cap) pair in ONE interleaved phase (benchmarks.sweep), no warm-compile "
+                   help="measure every (mode, cap) pair in ONE interleaved phase (benchmarks.studies.sweep), no warm-compile "
                         "phase; eager/nosplit run once at cap 25")
     p.add_argument("--keep-grads", action="store_true",
                    help="zero the gradients in place between steps (zero_grad(set_to_none=False), as launch does with "
@@ -113,7 +113,7 @@ def _cells(r: dict) -> list:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The rows as a terminal table (the docs' comes from ``benchmarks.readme_results``)."""
+    """The rows as a terminal table (the docs' comes from ``benchmarks.render.readme_results``)."""
     return terminal_table(HEADERS, [_cells(r) for r in rows])
 
 
@@ -126,7 +126,7 @@ def _cache_cell(events: dict | None) -> str:
 def _config(args: argparse.Namespace):
     """The ``ddp_bench.BenchConfig`` of the flags; raises ValueError on a bad link or mode."""
     from .ddp_bench import BenchConfig
-    from .link import parse_link
+    from ..link.shaping import parse_link
 
     return BenchConfig(**job_kwargs(args), link=parse_link(args.link), net=args.net, caps=args.caps,
                        cache_root=args.cache_root, sweep=args.sweep, baseline=args.baseline,
@@ -137,9 +137,9 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .ddp_bench import run_cap
-    from .link import SimulatedLink
+    from ..link.shaping import SimulatedLink
     from .modes_ddp import DDP_MODES
-    from .plot import plot_rows
+    from ..harness.plot import plot_rows
     from .sweep import format_summary, run_sweep, sweep_summary
 
     cfg = _config(args)
@@ -158,7 +158,7 @@ def _worker(args: argparse.Namespace) -> int:
                 print("\n" + summary, flush=True)
             print0(f"ddp_compare: done in {time.perf_counter() - t0:.0f} s. compile s = first step minus median step; "
                    "cold = fresh inductor cache dir, warm = dynamo reset + same cache dir, same process.")
-            publish(rows, args, module="benchmarks.ddp_compare", command_env=COMMAND_ENV,
+            publish(rows, args, module="benchmarks.studies.ddp_compare", command_env=COMMAND_ENV,
                     plot=lambda path: plot_rows(rows, path))
     return 0
 
@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     _config(args)  # fail before launching anything
-    return here_or_relaunched("benchmarks.ddp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args),
+    return here_or_relaunched("benchmarks.studies.ddp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args),
                               net=args.net)
 
 

@@ -60,15 +60,15 @@ def relaunch(module: str, argv: Sequence[str], nproc: int, command_env: str) -> 
 def relaunch_on_nodes(module: str, argv: Sequence[str], nproc: int, command_env: str, rate: str) -> int:
     """Start ``python -m module argv`` as a 2-node torchrun job, ``nproc // 2`` ranks per node,
     each node in its own network namespace and the nodes joined by a link shaped to ``rate``
-    (Note [A shaped link between namespaces] in ``benchmarks.netns``); return the first
+    (Note [A shaped link between namespaces] in ``benchmarks.link.netns``); return the first
     non-zero exit code of the two nodes' torchrun, or 0. Both nodes are killed, and the
     namespaces removed, when this returns, raises or is interrupted."""
     from .device import machine_env
-    from .netns import shaped_network
+    from ..link.netns import shaped_network
 
     job = ["-m", module, *_without_nproc(argv)]
     env = dict(os.environ, **{command_env: shlex.join(["python", "-m", module, *argv])})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
                                                     env.get("PYTHONPATH")) if p)
     # torchrun sets OMP_NUM_THREADS=1 only for more than one rank per node; here the two nodes share
     # one machine, and a rank per node with every core's threads oversubscribed it (measured: a
@@ -136,7 +136,7 @@ def run_main_job(overrides: Sequence[str], run_dir: Path, *, nproc: int, env: Ma
                  entry: Sequence[str] = ("launch.train",), what: str | None = None) -> tuple[dict, float]:
     """One run of the main job in a new process: ``python -m launch.train OVERRIDES`` (under
     torchrun for ``nproc`` > 1; ``entry`` = a wrapper module and its arguments, such as
-    ``("benchmarks.rank_inductor", "launch.train")``), its Hydra run directory ``run_dir``.
+    ``("benchmarks.studies.rank_inductor", "launch.train")``), its Hydra run directory ``run_dir``.
     Returns its ``metrics.json`` and the wall seconds of the whole process.
 
     Raises:

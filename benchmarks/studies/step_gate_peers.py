@@ -1,8 +1,8 @@
 """A recompile on one rank only, longer than the process group's timeout: what PyTorch's
 own mechanisms do, and what ``compile_ddp``'s step gate does (Note [Step gate]).
 
-    python -m benchmarks.step_gate_peers                 # every mode, one 2-rank gloo job each
-    python -m benchmarks.step_gate_peers --modes gate    # one mode
+    python -m benchmarks.studies.step_gate_peers                 # every mode, one 2-rank gloo job each
+    python -m benchmarks.studies.step_gate_peers --modes gate    # one mode
 
 Two gloo ranks on this machine train a small MLP for 4 steps; at step 2 rank 1 alone gets a
 batch of another size (a shape only it sees), so rank 1 alone recompiles, and that

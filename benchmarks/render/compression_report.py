@@ -3,7 +3,7 @@
 that sends the same and to the best fp32 peer, and its distance from the limit of its own bytes;
 then the compression goal rows, each with the measured value beside its bound.
 
-    python -m benchmarks.compression_report benchmarks/results/ddp_shaped_200mbit_bf16.json   # print the block
+    python -m benchmarks.render.compression_report benchmarks/results/ddp_shaped_200mbit_bf16.json   # print the block
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from .limit import PEER_MODES, wire_kind
-from .report import cap_label, fmt, markdown_table, with_iqr
+from ..harness.limit import PEER_MODES, wire_kind
+from ..harness.report import cap_label, fmt, markdown_table, with_iqr
 
 __all__ = ["START", "END", "goals", "results_markdown", "main"]
 
@@ -23,7 +23,7 @@ END = "<!-- bench:compression:end -->"
 
 
 def _ratio(mine: dict, other: dict) -> float:
-    from .stats import ratio_summary
+    from ..harness.stats import ratio_summary
 
     return ratio_summary(mine["step_ms_rounds"], other["step_ms_rounds"])[0]
 
@@ -74,7 +74,7 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
             f"`{r0.get('net', '?')}`, torch {r0.get('torch', '?')}, {r0.get('rounds', '?')} interleaved rounds; "
             "ratios are medians of per-round ratios. Each row's limit is fwd + max(bwd, comm) + opt with comm one "
             "all-reduce of the bytes it sends (Note [Physical limit of a step]). Generated "
-            "by `python -m benchmarks.docs_pages` from the sweep's JSON.")
+            "by `python -m benchmarks.render.pages` from the sweep's JSON.")
     parts = [text]
     if command or r0.get("command"):
         parts.append(f"Command: `{command or r0['command']}`")
@@ -84,7 +84,7 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compression_report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.render.compression_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", type=Path, help="a ddp_compare --json file")
     print(results_markdown(json.loads(p.parse_args(argv).json.read_text())))

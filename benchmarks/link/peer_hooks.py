@@ -9,7 +9,7 @@ parameter to be named ``bucket`` (the python reducer passes ``(grad, param)`` in
 import torch
 import torch.distributed as dist
 
-from ._torch_internals import bf16_compress, functional_all_reduce
+from .._torch_internals import bf16_compress, functional_all_reduce
 
 __all__ = ["bucket_bf16_hook", "per_gradient_bf16_hook"]
 

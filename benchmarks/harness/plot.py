@@ -1,10 +1,10 @@
 """The benchmarks' plots (matplotlib, Agg backend): for DDP, step time against
 bucket cap, one line per mode, and a second panel with each mode's per-round ratio
 to ``builtin`` and its IQR (``plot_caps``); for FSDP, one bar per mode (``plot_modes``).
-Both draw the physical limit (``benchmarks.limit``) when the rows carry it. Training-loss
-curves, one line per run (``plot_losses``, ``benchmarks.convergence``).
+Both draw the physical limit (``benchmarks.harness.limit``) when the rows carry it. Training-loss
+curves, one line per run (``plot_losses``, ``benchmarks.studies.convergence``).
 
-    python -m benchmarks.plot benchmarks/results/ddp_shaped_100mbit.json   # redraw a PNG from its JSON
+    python -m benchmarks.harness.plot benchmarks/results/ddp_shaped_100mbit.json   # redraw a PNG from its JSON
 """
 
 from __future__ import annotations
@@ -154,9 +154,9 @@ def plot_rows(rows: Sequence[dict], png: str | Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", help="rows written by benchmarks.ddp_compare or benchmarks.fsdp_compare --json")
+    p.add_argument("json", help="rows written by benchmarks.studies.ddp_compare or benchmarks.studies.fsdp_compare --json")
     p.add_argument("png", nargs="?", default=None, help="where to write (default: the JSON path with .png)")
     args = p.parse_args(argv)
     print(f"wrote {replot(args.json, args.png)}")

@@ -1,5 +1,5 @@
 """The DDP benchmark's mode interface: :class:`DDPMode`, what a mode does and reports, and
-:class:`DDPRunner`, one mode's model and measurements (the modes: ``benchmarks.modes_ddp``)."""
+:class:`DDPRunner`, one mode's model and measurements (the modes: ``benchmarks.studies.modes_ddp``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ._torch_internals import BuiltinBuckets
-from .core import Runner
-from .link import SimulatedLink
-from .report import cap_label
+from .._torch_internals import BuiltinBuckets
+from ..harness.core import Runner
+from ..link.shaping import SimulatedLink
+from ..harness.report import cap_label
 
 __all__ = ["DEFAULT_CAP", "DDPMode", "DDPRunner"]
 
@@ -94,5 +94,5 @@ class DDPMode:
         return None
 
     def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
-        """The caps a sweep (``benchmarks.sweep``) runs this mode at."""
+        """The caps a sweep (``benchmarks.studies.sweep``) runs this mode at."""
         return [DEFAULT_CAP]

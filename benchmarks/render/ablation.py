@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .limit import PEER_MODES
-from .stats import ratio_summary
+from ..harness.limit import PEER_MODES
+from ..harness.stats import ratio_summary
 
 __all__ = ["ablation_rows", "ablation_markdown"]
 
@@ -136,13 +136,13 @@ def ablation_rows(rows: Sequence[dict], before: Sequence[dict] | None = None) ->
 
 def ablation_markdown(rows: Sequence[dict], before: Sequence[dict] | None = None) -> str:
     """The ablation as a Markdown table with its one-line reading ("" without our auto rows)."""
-    from .report import markdown_table, with_iqr
+    from ..harness.report import markdown_table, with_iqr
 
     found = ablation_rows(rows, before)
     if not found:
         return ""
     lines = [[r["lever"], r["what"], f"`{r['comparison']}`", with_iqr(r["ratio"], r["ratio_q1"], r["ratio_q3"])
               if r["ratio_q1"] is not None else f"{r['ratio']:.3f}", r["note"]] for r in found]
-    return ("Lever by lever (Note [Lever ablation] in `benchmarks.ablation`): medians of per-round ratios [IQR] "
+    return ("Lever by lever (Note [Lever ablation] in `benchmarks.render.ablation`): medians of per-round ratios [IQR] "
             "between runners of this sweep, below 1 is faster; levers not built show their ceiling:\n\n"
             + markdown_table(["lever", "what", "comparison", "ratio [IQR]", "note"], lines))

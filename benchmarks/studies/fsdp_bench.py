@@ -5,7 +5,7 @@ returns rank 0's rows; ``fsdp_compare`` is the command line around it.
 Note [Interleaved FSDP benchmark]
 ---------------------------------
 Background and the shared schedule: Note [Interleaved benchmark core] in
-``benchmarks.core``.
+``benchmarks.harness.core``.
 
 Modes (``FSDP_MODES``), all ``fsdp_opt.apply`` on the repo's GPT:
 
@@ -52,16 +52,16 @@ Measured (rank 0's clocks; losses and memory from all ranks):
   ``max(fwd + bwd, 2 ag + rs, fwd + rs) + opt``; replicate:
   ``fwd + max(bwd, all-reduce) + opt``), ``step_over_limit`` and
   ``ratio_vs_best_peer`` (the fastest of ``limit.FSDP_PEER_MODES`` that reduces the
-  same way; Note [Physical limit of a step] in ``benchmarks.limit``).
+  same way; Note [Physical limit of a step] in ``benchmarks.harness.limit``).
 - device: ``cuda: <GPU name>`` or ``cpu``.
 
-On CUDA (Note [Benchmark device] in ``benchmarks.device``): each rank runs on
+On CUDA (Note [Benchmark device] in ``benchmarks.harness.device``): each rank runs on
 ``cuda:(LOCAL_RANK % GPUs)`` over NCCL (gloo when ranks share a GPU), the model
 is built on the CPU from the seed and moved to the GPU before sharding, the mesh
 is a CUDA mesh over all ranks, batches are drawn on the CPU and moved, and the
 clock reads around a step follow ``torch.cuda.synchronize()``.
 
-Notes: the simulated link of ``benchmarks.link`` is a DDP comm hook and does not
+Notes: the simulated link of ``benchmarks.link.shaping`` is a DDP comm hook and does not
 apply here: FSDP's collectives run over plain gloo (loopback on one machine) or
 NCCL.
 """
@@ -79,12 +79,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fsdp_opt
 
-from .core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps, gather_rank0, job_columns, \
+from ..harness.core import FRESH, GPTJob, ModeTable, Runner, compile_seconds, first_steps, gather_rank0, job_columns, \
     loss_reference, max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
-from .device import clock, peak_bytes, reset_peak
-from .limit import FSDP_PEER_MODES, FSDPLimitParts, LimitParts, add_limit_columns, measure_comm, measure_fsdp_comm
-from .report import print0
-from .stats import median
+from ..harness.device import clock, peak_bytes, reset_peak
+from ..harness.limit import FSDP_PEER_MODES, FSDPLimitParts, LimitParts, add_limit_columns, measure_comm, measure_fsdp_comm
+from ..harness.report import print0
+from ..harness.stats import median
 
 __all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "compute_runners", "run_fsdp"]
 
@@ -175,7 +175,7 @@ class FSDPRunner(Runner):
 def compute_runners(cfg: FSDPBenchConfig) -> list[FSDPRunner]:
     """The unsharded copies of the model whose forward and backward, with no communication at
     all, are the compute of the physical limit (Note [Physical limit of a step] in
-    ``benchmarks.limit``): eager when an uncompiled mode runs, per-block compiled when a
+    ``benchmarks.harness.limit``): eager when an uncompiled mode runs, per-block compiled when a
     compiled one does."""
     out = []
     for compiled in sorted({FSDP_MODES[m].compiled for m in cfg.modes}):

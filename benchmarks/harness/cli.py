@@ -1,6 +1,6 @@
 """Command-line pieces the interleaved benchmarks (``ddp_compare``, ``fsdp_compare``)
 share: the model and run flags (``--device`` among them, see Note [Benchmark device]
-in ``benchmarks.device``), filling unset flags from the quick or full defaults, the
+in ``benchmarks.harness.device``), filling unset flags from the quick or full defaults, the
 device and process group of a worker, and rank 0's outputs."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_
     p.add_argument("--net", default="local",
                    help="local: every rank on this machine's loopback (default); shaped:RATE (tc units, e.g. "
                         "shaped:800mbit = 100 MB/s): two nodes of --nproc/2 ranks, each in its own network namespace, "
-                        "joined by a link shaped to RATE (needs root and iproute2; benchmarks.netns)")
+                        "joined by a link shaped to RATE (needs root and iproute2; benchmarks.link.netns)")
     p.add_argument("--json", default=None, help="write the rows here (a JSON list)")
     p.add_argument("--plot", default=None, help=f"{plot_help} (default: the --json path with .png)")
 
@@ -79,7 +79,7 @@ def check_net(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.
     """``--net``: ``local`` or ``shaped:RATE`` with RATE checked; a shaped net needs an even
     ``--nproc`` and a machine that can make namespaces (checked only by the launcher, not
     by the ranks it starts, which run inside them). Errors exit here with code 2."""
-    from . import netns
+    from ..link import netns
     from .torchrun import inside_torchrun
 
     if args.net == "local":

@@ -6,7 +6,7 @@
 Note [A shaped link between namespaces]
 
 Background
-    A comm hook that delays DDP's bucket futures (``benchmarks.link``) only works for
+    A comm hook that delays DDP's bucket futures (``benchmarks.link.shaping``) only works for
     modes that go through DDP's reducer; all-reduces that compiled autograd traces
     into the backward graph never reach it. A real link between real processes
     charges every mode the same way, whoever issues the collectives.
@@ -24,7 +24,7 @@ Algorithm
       gives the variables that bind gloo to the veth (``GLOO_SOCKET_IFNAME``), and
       NCCL (its sockets, and a host id per node so that it never joins the nodes'
       GPUs past the link). Both nodes see the machine's GPUs: ``place_rank`` counts
-      the ranks of both (Note [Benchmark device] in ``benchmarks.device``).
+      the ranks of both (Note [Benchmark device] in ``benchmarks.harness.device``).
       ``/etc/netns/<namespace>/hosts`` (which ``ip netns exec`` mounts over
       ``/etc/hosts``) names the two addresses ``node0`` and ``node1``, and the
       machine's hostname, which the namespaces share, as the node's own address:

@@ -1,5 +1,5 @@
-"""The fits of ``benchmarks.lightning_compare`` inside each torchrun rank (Note [Lightning on
-a shaped link] in ``benchmarks.lightning_compare``): a LightningModule around the repository's
+"""The fits of ``benchmarks.studies.lightning_compare`` inside each torchrun rank (Note [Lightning on
+a shaped link] in ``benchmarks.studies.lightning_compare``): a LightningModule around the repository's
 GPT per mode, one ``Trainer.fit`` per mode and round timed by a Callback, the compute probe that
 takes its turn in the same rounds, and rank 0's rows. Imports torch and Lightning; the command
 line and the docs block do not."""
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.compile import to_uncompiled
 
-from ._torch_internals import BuiltinBuckets, inductor_cache_at, room_for_compiled_copies
-from .cli import process_group
-from .core import GPTJob, gather_rank0
+from .._torch_internals import BuiltinBuckets, inductor_cache_at, room_for_compiled_copies
+from ..harness.cli import process_group
+from ..harness.core import GPTJob, gather_rank0
 from .lightning_compare import COMMAND_ENV, MODES, LightningMode, format_table, mode_rows
-from .limit import measure_comm
-from .report import print0, write_json
-from .rounds import interleaved_rounds
-from .stats import median
+from ..harness.limit import measure_comm
+from ..harness.report import print0, write_json
+from ..harness.rounds import interleaved_rounds
+from ..harness.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def run_job(args: argparse.Namespace) -> int:
                     steps=args.steps, fit_warmup=args.fit_warmup, model=gpt.model_label(), world_size=job.world,
                     torch=torch.__version__, lightning=lightning.__version__, date=datetime.date.today().isoformat(),
                     machine=_machine(), cpus=os.cpu_count(), loadavg=[round(x, 2) for x in loads],
-                    command=os.environ.get(COMMAND_ENV, "python -m benchmarks.lightning_compare"))
+                    command=os.environ.get(COMMAND_ENV, "python -m benchmarks.studies.lightning_compare"))
                 rows = _rows(runners, extra, gathered)
                 write_json(rows, args.out)
                 print(format_table(rows), flush=True)

@@ -8,8 +8,8 @@ round; the folder is removed at the end. The files were just written, so they ar
 page cache: the figures are the checksum's own cost, not the disk's (a resume from a cold cache
 adds the disk's read time, the same for every algorithm).
 
-    python -m benchmarks.checkpoint_checksum                    # 1.25 GiB, 3 rounds
-    python -m benchmarks.checkpoint_checksum --render benchmarks/results/checkpoint_checksum.json docs/reliability.md
+    python -m benchmarks.studies.checkpoint_checksum                    # 1.25 GiB, 3 rounds
+    python -m benchmarks.studies.checkpoint_checksum --render benchmarks/results/checkpoint_checksum.json docs/reliability.md
 
 The docs page's section between ``<!-- bench:checksum:start -->`` and ``<!-- bench:checksum:end -->``
 is regenerated from the JSON (``--readme``/``--render``).
@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .report import markdown_table, update_section, write_result
-from .stats import median
+from ..harness.report import markdown_table, update_section, write_result
+from ..harness.stats import median
 
 START, END = "<!-- bench:checksum:start -->", "<!-- bench:checksum:end -->"
 JSON = "benchmarks/results/checkpoint_checksum.json"
@@ -83,7 +83,7 @@ def measure(gib: float, rounds: int, where: str | None) -> dict:
                      "verify_gib_per_s": size / 2**30 / verify, "write_over_save": write / save_s,
                      "write_runs_s": t["write"], "verify_runs_s": t["verify"]})
     return {
-        "command": "python -m benchmarks.checkpoint_checksum",
+        "command": "python -m benchmarks.studies.checkpoint_checksum",
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()}-core CPU dev machine ({platform.machine()})",
         "torch": torch.__version__,

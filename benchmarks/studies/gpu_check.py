@@ -1,9 +1,9 @@
 """One command that checks a GPU machine end to end, and writes what it saw as JSON.
 
-    python -m benchmarks.gpu_check                     # all steps; JSON to benchmarks/results/gpu_check.json
-    python -m benchmarks.gpu_check --steps ddp,fsdp    # only the benchmarks
-    python -m benchmarks.gpu_check --render benchmarks/results/gpu_check.json docs/gpu.md
-    python -m benchmarks.gpu_check --merge a.json b.json --json benchmarks/results/gpu_check.json
+    python -m benchmarks.studies.gpu_check                     # all steps; JSON to benchmarks/results/gpu_check.json
+    python -m benchmarks.studies.gpu_check --steps ddp,fsdp    # only the benchmarks
+    python -m benchmarks.studies.gpu_check --render benchmarks/results/gpu_check.json docs/gpu.md
+    python -m benchmarks.studies.gpu_check --merge a.json b.json --json benchmarks/results/gpu_check.json
 
 Steps, each a subprocess with its own time limit, run in order; a failing or timed-out
 step is recorded (with the tail of its output) and the next one still runs, and the
@@ -14,11 +14,11 @@ JSON is rewritten after every step, so a check cut short keeps what it finished:
    into one row per test: outcome, seconds, and the first line of a failure. The
    benchmark tests (tests/test_gpu_bench.py) are left out here: steps 3 and 4 run the
    same commands at full size.
-3. ``ddp``: ``benchmarks.ddp_compare --device cuda`` on one rank (NCCL), no simulated
+3. ``ddp``: ``benchmarks.studies.ddp_compare --device cuda`` on one rank (NCCL), no simulated
    link: eager DDP, PyTorch's splitter, compile without splitting and ours, interleaved
    round by round: step time, peak ``torch.cuda.max_memory_allocated``, cold compile
    (fresh Inductor dir) and warm compile (the same dir after a reset: a restart's cost).
-4. ``fsdp``: ``benchmarks.fsdp_compare --device cuda`` on one rank, the same model.
+4. ``fsdp``: ``benchmarks.studies.fsdp_compare --device cuda`` on one rank, the same model.
 
 One GPU has no link between ranks, so steps 3 and 4 measure compiled step time,
 memory and compile time, not overlap of communication (that needs several GPUs).
@@ -42,12 +42,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .report import fmt, markdown_table, update_section, with_iqr, write_json
+from ..harness.report import fmt, markdown_table, update_section, with_iqr, write_json
 
 __all__ = ["main", "STEPS", "merge", "render", "results_markdown", "read_junit"]
 
 START, END = "<!-- bench:gpu:start -->", "<!-- bench:gpu:end -->"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = ("env", "tests", "ddp", "fsdp")
 # A model with some GPU work per step (~21 M parameters, ~84 MiB of float32 gradients).
 MODEL = ["--layers", "4", "--embd", "512", "--heads", "8", "--seq", "256", "--batch", "16", "--vocab", "8192"]
@@ -126,14 +126,14 @@ def run_steps(steps: Sequence[str], work: Path, json_path: Path, timeouts: dict[
     """Run ``steps``; with ``update``, start from the JSON already at ``json_path`` and replace
     only those steps (each step's rows name their own command)."""
     result: dict[str, Any] = json.loads(json_path.read_text()) if update and json_path.exists() else {}
-    check = {"command": "python -m benchmarks.gpu_check " + " ".join(sys.argv[1:]),
+    check = {"command": "python -m benchmarks.studies.gpu_check " + " ".join(sys.argv[1:]),
              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     actions: dict[str, Callable[[], Any]] = {
         "env": environment,
         "tests": lambda: _tests(work, timeouts["tests"]),
-        "ddp": lambda: _bench("benchmarks.ddp_compare", ["--link", "none", "--caps", "25", "--steps", "10",
+        "ddp": lambda: _bench("benchmarks.studies.ddp_compare", ["--link", "none", "--caps", "25", "--steps", "10",
                                                          "--warmup", "3"], work, timeouts["bench"]),
-        "fsdp": lambda: _bench("benchmarks.fsdp_compare", ["--steps", "10", "--warmup", "3"], work, timeouts["bench"]),
+        "fsdp": lambda: _bench("benchmarks.studies.fsdp_compare", ["--steps", "10", "--warmup", "3"], work, timeouts["bench"]),
     }
     for name in steps:
         print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
@@ -188,7 +188,7 @@ def _fsdp_rows(rows: list[dict]) -> list[list]:
 
 def _provenance(step: dict) -> str:
     check = step.get("check") or {}
-    return f"`{check.get('command') or 'python -m benchmarks.gpu_check'}`, {check.get('started') or 'time not recorded'}"
+    return f"`{check.get('command') or 'python -m benchmarks.studies.gpu_check'}`, {check.get('started') or 'time not recorded'}"
 
 
 def results_markdown(result: dict) -> str:
@@ -216,7 +216,7 @@ def results_markdown(result: dict) -> str:
                      f"`{step['command']}`")
         if step["rows"]:
             parts.append(markdown_table(headers, cells(step["rows"])))
-    parts.append("Generated by `python -m benchmarks.gpu_check --render` from the check's JSON.")
+    parts.append("Generated by `python -m benchmarks.studies.gpu_check --render` from the check's JSON.")
     return "\n\n".join(parts)
 
 
@@ -225,7 +225,7 @@ def render(json_path: str | Path, readme: str | Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {', '.join(STEPS)}")
     p.add_argument("--json", default="benchmarks/results/gpu_check.json")

@@ -29,12 +29,12 @@ from typing import Sequence
 
 import torch
 
-from .core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring, runner_measures
+from ..harness.core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring, runner_measures
 from .ddp_bench import BenchConfig, finish_rows, fitted_contention, link_comm_s, row_for, run_round, run_step
-from .link import SimulatedLink
+from ..link.shaping import SimulatedLink
 from .modes_ddp import DDP_MODES, DEFAULT_CAP, DDPRunner, build_runner
-from .report import cap_label, fmt, markdown_table, print0
-from .stats import ratio_summary
+from ..harness.report import cap_label, fmt, markdown_table, print0
+from ..harness.stats import ratio_summary
 
 __all__ = ["sweep_runners", "run_sweep", "sweep_summary", "format_summary", "DEFAULT_CAP"]
 

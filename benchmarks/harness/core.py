@@ -22,7 +22,7 @@ Algorithm:
    ``cache=SAME``: one reset, then each compiled runner in its own directory again
    (what a restarted job with a warm on-disk cache pays). ``cache=None``: no
    reset, no directory. AOTAutograd / FX graph cache outcomes are counted per step.
-3. Rounds (``measure_rounds``): ``warmup + rounds`` rounds over ``benchmarks.rounds``;
+3. Rounds (``measure_rounds``): ``warmup + rounds`` rounds over ``benchmarks.harness.rounds``;
    each round every runner in turn, the order rotating; the family's
    ``run_round`` times its steps. The first ``warmup`` rounds are dropped.
 4. Rows: rank 0's clocks; losses and peak memory (and anything else per rank)
@@ -32,7 +32,7 @@ Algorithm:
    median step; peak MiB (CUDA only) = max over ranks and measured steps.
 
 Notes: the job runs on its ``device`` (Note [Benchmark device] in
-``benchmarks.device``): on CUDA every mode's model is built on the CPU from the
+``benchmarks.harness.device``): on CUDA every mode's model is built on the CPU from the
 seed and moved to the rank's GPU, batches are drawn on the CPU and moved, and the
 families' clocks wait for the GPU (``device.clock``).
 """
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from launch.models import GPT, GPTConfig
 
-from ._torch_internals import cache_counts, inductor_cache_at, room_for_compiled_copies
+from .._torch_internals import cache_counts, inductor_cache_at, room_for_compiled_copies
 from .device import device_label
 from .report import nan_to_none, print0
 from .rounds import interleaved_rounds
@@ -70,7 +70,7 @@ class GPTJob:
     """The model (the repo's GPT) and the round schedule of an interleaved job; each
     family's config extends it with its modes and settings."""
 
-    device: str = "cpu"  # "cpu" or "cuda", resolved (benchmarks.device.resolve_device)
+    device: str = "cpu"  # "cpu" or "cuda", resolved (benchmarks.harness.device.resolve_device)
     backend: str = "inductor"
     warmup: int = 3
     rounds: int = 10
@@ -87,7 +87,7 @@ class GPTJob:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(
                 f"device {self.device!r}: a job runs on 'cpu' or 'cuda'. Resolve --device auto first "
-                "(benchmarks.device.resolve_device), or pass device='cpu'."
+                "(benchmarks.harness.device.resolve_device), or pass device='cpu'."
             )
         if self.rounds < 1 or self.warmup < 0:
             raise ValueError(
