@@ -61,7 +61,7 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 30
               pg_timeout_s: float | None = None, port: int | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks
     (``pg_timeout_s``: the process group's collective timeout; default torch's; ``port``: the
-    store's, for a store the test started, with ``TORCHELASTIC_USE_AGENT_STORE=True`` set).
+    store's, for a store the test started, with ``TORCHELASTIC_USE_AGENT_STORE=True`` and MASTER_ADDR/MASTER_PORT naming it set).
 
     Returns each rank's return value; raises with a rank's traceback if one failed,
     or if the ranks did not finish within ``timeout`` seconds (a hang)."""

@@ -269,15 +269,23 @@ def _kernel_blob(rel: str, data: bytes) -> bytes:
 
 
 @pytest.mark.slow
+def _agent_store(monkeypatch, port: int) -> None:
+    """The ranks are clients of the store at 127.0.0.1:``port``, as under torchrun's agent store
+    (torch 2.15 honours TORCHELASTIC_USE_AGENT_STORE only for MASTER_ADDR:MASTER_PORT)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+
+
 def test_a_forger_on_the_store_gets_nothing_written_and_the_job_trains_as_undisturbed(tmp_path, monkeypatch, run_ranks):
     # The ranks hold a fixed cluster secret; the forger, a plain client of the job's store, does not.
     # It knows the compiles' keys (list_keys() of an identical earlier run shows them), claims every
     # one before the ranks start, and publishes a payload whose header checksum matches, with an
     # artifact whose key is an absolute path into a folder of this test and a kernel library.
     monkeypatch.setenv("DISTCOMPILE_SHARE_SECRET", "fixed secret of the job")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the ranks are clients of the test's store
     scope = ShareSecret(b"fixed secret of the job", "env").scope
     first = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    _agent_store(monkeypatch, first.port)
     undisturbed = run_ranks(_job_rank, str(tmp_path / "inductor0"), port=first.port, timeout=600)
     claims = [k[:-len("/claim")] for k in first.list_keys() if k.endswith("/claim")]
     assert claims and all(f"/c/{scope}/" in k for k in claims)
@@ -292,6 +300,7 @@ def test_a_forger_on_the_store_gets_nothing_written_and_the_job_trains_as_undist
         store.set(f"{key}/part0", payload)
         store.set(key, json.dumps({"failed": False, "bytes": len(payload), "artifacts": len(artifacts),
                                    "sha256": hashlib.sha256(payload).hexdigest(), "parts": 1}))
+    _agent_store(monkeypatch, store.port)
     forged = run_ranks(_job_rank, str(tmp_path / "inductor1"), port=store.port, timeout=600)
 
     assert not target.exists() and not list((tmp_path / "inductor1").rglob("forged.so"))
