@@ -47,16 +47,21 @@ def test_outside_ddp_it_is_torch_compile():
     assert compiled_ddp_of(compiled) is None  # no DDP seen, nothing split
 
 
-def test_under_ddp_on_one_rank_it_splits_at_ddps_caps_and_trains_like_eager(gloo):
-    model, ref = _model(), _model()
-    ddp = DDP(compile_for_ddp(model, backend="aot_eager"), bucket_cap_mb=64 / 2**20)  # 64 B: one bucket a layer
-    ref_ddp = DDP(ref, bucket_cap_mb=64 / 2**20)
-    for step in range(3):
+def _train_like_eager(ddp, model, ref_ddp, ref, steps=3):
+    """Three steps of ``ddp`` and the eager ``ref_ddp`` on the same batches; the gradients equal at each."""
+    for step in range(steps):
         x = torch.randn(4, 8)
         ddp(x).sum().backward()
         ref_ddp(x).sum().backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} {name}: {m}")
+
+
+def test_under_ddp_on_one_rank_it_splits_at_ddps_caps_and_trains_like_eager(gloo):
+    model, ref = _model(), _model()
+    ddp = DDP(compile_for_ddp(model, backend="aot_eager"), bucket_cap_mb=64 / 2**20)  # 64 B: one bucket a layer
+    ref_ddp = DDP(ref, bucket_cap_mb=64 / 2**20)
+    _train_like_eager(ddp, model, ref_ddp, ref)
     state = compiled_ddp_of(ddp.module)
     assert [b.params for b in state.buckets] == [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
 
@@ -82,12 +87,7 @@ def test_a_wrapper_that_keeps_only_dynamo_ctx_still_splits_at_ddp_opts_plan(gloo
     model.forward = compiled.dynamo_ctx(model.forward)  # from_compiled's own line
     ddp = DDP(model, bucket_cap_mb=64 / 2**20)  # below PyTorch's 1 MiB first bucket: its splitter asserts there
     ref_ddp = DDP(ref, bucket_cap_mb=64 / 2**20)
-    for step in range(3):
-        x = torch.randn(4, 8)
-        ddp(x).sum().backward()
-        ref_ddp(x).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} {name}: {m}")
+    _train_like_eager(ddp, model, ref_ddp, ref)
     state = compiled_ddp_of(compiled)
     assert [b.params for b in state.buckets] == [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
     assert state.aligned_caps is not None and state.realignment.fraction == 1.0
