@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 __all__ = ["CONTRACT_TESTS_COMMAND", "untested_torch_message", "warn_if_torch_untested"]
 
 # What a user runs from a checkout of the toolkit (docs/getting-started.md, "PyTorch releases").
-CONTRACT_TESTS_COMMAND = "python -m pytest -q tests/test_torch_contracts.py tests/test_launch_torch_internals.py"
+CONTRACT_TESTS_COMMAND = ("python -m pytest -q tests/test_torch_contracts.py tests/test_torch_contracts_ddp.py "
+                          "tests/test_launch_torch_internals.py")
 
 _warned = False
 

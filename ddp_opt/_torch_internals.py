@@ -1,6 +1,6 @@
 """Every private torch name ``ddp_opt`` uses, in one place.
 
-Each access says what it relies on; ``tests/test_torch_contracts.py`` pins each
+Each access says what it relies on; ``tests/test_torch_contracts_ddp.py`` pins each
 one, so a torch upgrade that changes one fails there first.
 
 Version gate: bucket realignment re-creates DDP's reducer through DDP's private

@@ -16,7 +16,8 @@ UNTESTED = (
     r"private torch access is feature-detected and a missing one turns its feature off with a warning, but the "
     r"private torch accesses of compiler, ddp_opt, fsdp_opt and launch \(each package's _torch_internals\.py\) "
     r"have not been checked on it\. Run the contract tests against your torch from a checkout of the toolkit: "
-    r"python -m pytest -q tests/test_torch_contracts\.py tests/test_launch_torch_internals\.py; report a failure "
+    r"python -m pytest -q tests/test_torch_contracts\.py tests/test_torch_contracts_ddp\.py "
+    r"tests/test_launch_torch_internals\.py; report a failure "
     r"as an issue with the output\.$"
 )
 
