@@ -42,15 +42,8 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
     compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="inductor", share=share)
     if damage:  # every part of every publication of every rank is damaged on its way into the store
         compiled.share.store = _DamagingStore(compiled.share.store)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, hits0 = [], aot_counts()[1]
-    for step in range(steps):
-        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(10 * step + rank))
-        loss = torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    hits0 = aot_counts()[1]
+    losses = sgd_steps(compiled, model, rank, steps)
     CppBuilder.build = build
     n_parts = len(compiled.ddp_optimizer.records)
     stats = compiled.share.stats if compiled.share is not None else SimpleNamespace(
@@ -60,6 +53,20 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
             "compiled": stats.compiled, "loaded": stats.loaded, "fell_back": stats.fell_back,
             "installed": stats.kernels_installed,
             "statuses": {r.status for r in compiled.ddp_optimizer.records}}
+
+
+def sgd_steps(compiled, model, rank, steps):
+    """``steps`` SGD steps of the tiny GPT (vocabulary 64) on this rank's own batches; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 class _DamagingStore:

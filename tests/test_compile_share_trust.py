@@ -239,6 +239,7 @@ def _job_rank(rank, world_size, inductor_dir):
     from _jobs import TINY_GPT
     from ddp_opt import compile_ddp
     from launch.models import GPT, GPTConfig
+    from test_compile_share_ranks import sgd_steps
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
     warned = []
@@ -248,15 +249,7 @@ def _job_rank(rank, world_size, inductor_dir):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY_GPT))
     compiled = compile_ddp(DDP(model, bucket_cap_mb=0.01), backend="aot_eager")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(2):
-        x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(10 * step + rank))
-        loss = torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = sgd_steps(compiled, model, rank, 2)
     stats = compiled.share.stats
     return {"losses": losses, "warnings": warned, "rejected": getattr(stats, "rejected", 0), "loaded": stats.loaded,
             "compiled": stats.compiled}
