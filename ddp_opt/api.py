@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import CompileCache, compile_blocks
+from compiler import CompileCache, SettingError, compile_blocks
 from compiler.cache import open_cache
 from compiler.share import share_for_group
 from compiler.step_gate import gate_for_group
@@ -30,6 +30,7 @@ from .compression.powersgd import link_probe as powersgd_probe
 from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, caps_from_ddp, ddp_backend
 from .strategies.traced import fallback_reason
+from .in_backward.stepper import BucketStep
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,16 @@ def compile_ddp(ddp_model: DistributedDataParallel, *, config: DDPCompileConfig 
             cache) is waited for there, as long as it is alive, and never inside a
             collective, whose timeout a long compile would trip (Note [Step gate]).
             A few requests to the store per step. False: no gate.
+        optimizer: None, or the optimizer of this model's parameters (``torch.optim.SGD``,
+            ``AdamW``, ...): each bucket's parameters are updated by it inside backward, as soon
+            as the bucket's gradients are reduced, and their gradients freed right after
+            (Note [Optimizer in backward]). Its own groups, state and hyper-parameters are used, so
+            LR schedulers act on it and its ``state_dict`` checkpoints as before; the loop's
+            ``optimizer.step()`` and ``zero_grad()`` after backward find no gradients and change
+            nothing. Under ``no_sync`` the update waits for the synchronising backward. Not with
+            global-norm clipping or a GradScaler after backward (they need every gradient before any
+            update), an optimizer whose step takes a closure (LBFGS), ``find_unused_parameters=True``
+            or a comm hook of the user's.
         config: all of the above as one :class:`DDPCompileConfig` (validated when
             built), instead of the keyword arguments; not both.
         **more: passed on to ``torch.compile``.
@@ -227,6 +238,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     own = own_hook_for(ddp_model, config)
     if hook is not None and own is not None:
         raise hook_conflict("compile_ddp", own, hook)
+    in_backward = _in_backward(ddp_model, config, hook)
     strategy = config.strategy
     if strategy == "traced":
         why = fallback_reason(ddp_model)
@@ -249,6 +261,10 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "be lost with the old reducer. Register the hook on the object compile_ddp returns instead "
             "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
         )
+    if in_backward is not None and traced:
+        raise SettingError(
+            "optimizer", "compile_ddp(strategy='traced', optimizer=...): the traced backward does not run the "
+            "update yet. Pass strategy='split' to update each bucket inside backward, or drop optimizer=.")
     cost_model = resolve_cost_model(ddp_model, config)
     caps = caps_from_ddp(ddp_model)
     cache = None
@@ -275,7 +291,26 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     keep_builtin_splitter_out(ddp_model)
     return CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=strategy,
                        block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
-                       gate=gate, own_hook=own)
+                       gate=gate, own_hook=own, in_backward=in_backward)
+
+
+def _in_backward(ddp_model: DistributedDataParallel, config: DDPCompileConfig, hook: str | None) -> BucketStep | None:
+    """The optimizer in backward of ``config.optimizer``, or None; refused where it cannot be exact."""
+    if config.optimizer is None:
+        return None
+    if hook is not None:
+        raise ValueError(
+            f"compile_ddp(optimizer=...) follows each bucket's reduction with its update through a comm hook of "
+            f"its own, and the comm hook {hook!r} is already registered on this DDP module; DDP calls one hook. "
+            "Drop the hook (reduce_dtype= and compression= work with optimizer=), or drop optimizer= and call "
+            "optimizer.step() after backward.")
+    if ddp_model.find_unused_parameters:
+        raise ValueError(
+            "compile_ddp(optimizer=...) with find_unused_parameters=True: DDP hands an unused parameter's bucket a "
+            "zero gradient, and updating from it would move that parameter (momentum, weight decay) where "
+            "optimizer.step() after backward leaves it alone. Pass find_unused_parameters=False (with static_graph="
+            "True if some parameters are unused every step), or drop optimizer=.")
+    return BucketStep(config.optimizer)
 
 
 def own_hook_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> OwnHook | None:

@@ -48,6 +48,7 @@ from .handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedB
 from .strategies.split import DDPOptimizer
 from .planning.buckets import Bucket
 from .strategies.traced import TracedPlan
+from .in_backward.stepper import BucketStep
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class CompiledDDP:
             else None.
         traced_hook: under ``strategy="traced"`` with ``compression``, the traced hooks' state
             (``ddp_opt.compression.traced_powersgd.TracedPowerSGD``: memories, step count); else None.
+        in_backward: with ``optimizer=``, the :class:`ddp_opt.in_backward.BucketStep` that updates each
+            bucket inside backward (``updates`` counts them; Note [Optimizer in backward]); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
     """
@@ -97,7 +100,7 @@ class CompiledDDP:
                  align_buckets: bool = False, *, strategy: str, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
                  traced: TracedPlan | None = None, gate: StepGate | None = None,
-                 own_hook: OwnHook | None = None) -> None:
+                 own_hook: OwnHook | None = None, in_backward: BucketStep | None = None) -> None:
         self.ddp_model = ddp_model
         self.strategy = strategy
         self.ddp_optimizer = ddp_optimizer
@@ -107,7 +110,8 @@ class CompiledDDP:
         self.gate = gate
         self.traced = traced
         self.own_hook = own_hook
-        self._comm_hooks = CommHooks(ddp_model, own_hook, traced=traced is not None)
+        self.in_backward = in_backward
+        self._comm_hooks = CommHooks(ddp_model, own_hook, traced=traced is not None, stepper=in_backward)
         planned = ddp_optimizer is not None or block_buckets is not None
         # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
         auto = ddp_optimizer is not None and ddp_optimizer.auto_plan

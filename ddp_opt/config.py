@@ -24,6 +24,7 @@ from .planning.solver import LinkEstimate
 from .compression.hooks import REDUCE_DTYPES, parse_reduce_dtype
 from .compression.powersgd import PowerSGD, parse_compression
 from .planning.cost import CostModel
+from .in_backward.stepper import refusal
 
 __all__ = ["DDPCompileConfig", "STRATEGIES"]
 
@@ -66,6 +67,8 @@ class DDPCompileConfig(CompileOptions):
         None, why="a comm hook on DDP's reducer, outside the compiled graphs (refused under 'traced')")
     step_gate: bool = not_compiled(True, why="a wait in the store before each step's first collective; no graph "
                                              "changes")
+    optimizer: torch.optim.Optimizer | None = not_compiled(
+        None, why="the user's optimizer, run per bucket after each reduction (Note [Optimizer in backward])")
     wrap_backend: Callable[[Callable], Callable] | None = not_compiled(
         None, why="an observer of the backend (Diagnoser().wrap); its output is the backend's")
     torch_compile_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -90,6 +93,7 @@ class DDPCompileConfig(CompileOptions):
         object.__setattr__(self, "reduce_dtype", self._checked_reduce_dtype())
         object.__setattr__(self, "compression", self._checked_compression())
         self._check_plan_choice()
+        self._check_optimizer()
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
                             "such as compiler.diagnose.Diagnoser().wrap, or None.")
@@ -154,6 +158,13 @@ class DDPCompileConfig(CompileOptions):
                                               "gradients cross the link, through one comm hook each, and DDP calls "
                                               "one hook. Pass one of the two.")
         return spec
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer is None:
+            return
+        why = refusal(self.optimizer)
+        if why is not None:
+            raise SettingError("optimizer", f"compile_ddp(optimizer=...): {why}.")
 
     @property
     def uses_cost_model(self) -> bool:

@@ -28,6 +28,8 @@ from .compression.hooks import OwnHook
 from .planning.buckets import Bucket, realign_caps
 from .alignment.realign import check_realignment, realign_reducer
 from .strategies.traced import TracedPlan
+from .in_backward.split import allreduce_hook, leave_grads, then_step
+from .in_backward.stepper import BucketStep
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,22 @@ class CommHooks:
     registered again on the reducer realignment re-creates (Note [Bucket realignment]).
 
     With ``reduce_dtype`` or ``compression`` under the reducer strategies, ``own_hook`` is
-    registered here first; under ``strategy="traced"`` no bucket hook can be registered."""
+    registered here first; under ``strategy="traced"`` no bucket hook can be registered.
+    With ``stepper`` (``optimizer=``), the hook (``own_hook``'s or DDP's own reduction) is
+    followed by each bucket's update (Note [Update after the reduction])."""
 
     def __init__(self, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None,
-                 traced: bool = False) -> None:
-        self.ddp_model, self.own_hook, self.traced = ddp_model, own_hook, traced
+                 traced: bool = False, stepper: BucketStep | None = None) -> None:
+        self.ddp_model, self.own_hook, self.traced, self.stepper = ddp_model, own_hook, traced, stepper
         self.hooks: list[tuple[Any, Callable]] = []
-        if own_hook is not None and not traced:
+        if traced:
+            return
+        if stepper is not None:
+            state, hook = ((own_hook.state, own_hook.bucket) if own_hook is not None
+                           else (ddp_model.process_group, allreduce_hook))
+            self._add(state, then_step(hook, stepper))
+            leave_grads(ddp_model)
+        elif own_hook is not None:
             self._add(own_hook.state, own_hook.bucket)
 
     def register(self, state: Any, hook: Callable) -> None:
@@ -62,6 +73,12 @@ class CommHooks:
                 f"{self.own_hook.setting}, which all-reduces the gradients through a comm hook of its own, "
                 f"and DDP calls one hook. Compile with {name}=None to reduce through your hook, or drop the "
                 f"hook and keep {name}.")
+        if self.stepper is not None:
+            raise ValueError(
+                f"register_comm_hook({getattr(hook, '__qualname__', hook)!r}): this model was compiled with "
+                "optimizer=..., whose update follows each bucket's reduction through a comm hook of its own, and "
+                "DDP calls one hook. Drop optimizer= to reduce through your hook (and call optimizer.step() after "
+                "backward), or drop the hook; reduce_dtype= and compression= work with optimizer=.")
         if self.traced:
             raise RuntimeError(
                 "register_comm_hook: this model was compiled with strategy='traced', whose gradients are "
@@ -74,6 +91,11 @@ class CommHooks:
     def _add(self, state: Any, hook: Callable) -> None:
         self.hooks.append((state, hook))
         self.ddp_model.register_comm_hook(state, hook)
+
+    def reducer_changed(self) -> None:
+        """Realignment re-created DDP's reducer: it must leave the updated gradients freed too."""
+        if self.stepper is not None and not self.traced:
+            leave_grads(self.ddp_model)
 
     def current(self) -> list[tuple[Any, Callable]]:
         """The hooks to register on a new reducer: those on DDP itself where they can be read
@@ -125,6 +147,7 @@ class Realigner:
                           "align_buckets=False to skip realignment.", stacklevel=3)
         elif len(buckets) >= self.min_buckets:
             self.aligned_caps = realign_reducer(self.ddp_model, buckets, self.comm_hooks.current())
+            self.comm_hooks.reducer_changed()
             self._changed()
 
     def after_forward(self) -> None:

@@ -1,0 +1,22 @@
+"""Every private torch access of ``ddp_opt.in_backward``, one function each, each naming
+what it reaches and why (as ``ddp_opt._torch_internals`` does for the rest of ddp_opt)."""
+
+from __future__ import annotations
+
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ddp_reduced_parameters", "reducer_leaves_grads"]
+
+
+def reducer_leaves_grads(ddp_model: DistributedDataParallel) -> None:
+    """DDP's C++ reducer stops copying the reduced buckets back into ``.grad`` at the end of backward."""
+    # Reducer._set_optimizer_in_backward(): DDP's own switch for _apply_optimizer_in_backward, whose hook
+    # has stepped and freed the gradients; set on DDP's current reducer (a rebuilt one needs it again).
+    ddp_model.reducer._set_optimizer_in_backward()
+
+
+def ddp_reduced_parameters(ddp_model: DistributedDataParallel) -> list:
+    """The parameters DDP's python reducer all-reduces from its post-accumulate-grad hooks, in its order."""
+    # DDP._module_parameters: the parameters DDP syncs (those in _ddp_params_and_buffers_to_ignore left out);
+    # DDP._register_accum_grad_hook hooks each of them that requires grad.
+    return [p for p in ddp_model._module_parameters if p.requires_grad]
