@@ -238,7 +238,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     own = own_hook_for(ddp_model, config)
     if hook is not None and own is not None:
         raise hook_conflict("compile_ddp", own, hook)
-    in_backward = _in_backward(ddp_model, config, hook)
+    in_backward = in_backward_for("compile_ddp", ddp_model, config, hook)
     strategy = config.strategy
     if strategy == "traced":
         why = fallback_reason(ddp_model)
@@ -294,19 +294,20 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
                        gate=gate, own_hook=own, in_backward=in_backward)
 
 
-def _in_backward(ddp_model: DistributedDataParallel, config: DDPCompileConfig, hook: str | None) -> BucketStep | None:
+def in_backward_for(entry: str, ddp_model: DistributedDataParallel, config: DDPCompileConfig,
+                    hook: str | None) -> BucketStep | None:
     """The optimizer in backward of ``config.optimizer``, or None; refused where it cannot be exact."""
     if config.optimizer is None:
         return None
     if hook is not None:
         raise ValueError(
-            f"compile_ddp(optimizer=...) follows each bucket's reduction with its update through a comm hook of "
+            f"{entry}(optimizer=...) follows each bucket's reduction with its update through a comm hook of "
             f"its own, and the comm hook {hook!r} is already registered on this DDP module; DDP calls one hook. "
             "Drop the hook (reduce_dtype= and compression= work with optimizer=), or drop optimizer= and call "
             "optimizer.step() after backward.")
     if ddp_model.find_unused_parameters:
         raise ValueError(
-            "compile_ddp(optimizer=...) with find_unused_parameters=True: DDP hands an unused parameter's bucket a "
+            f"{entry}(optimizer=...) with find_unused_parameters=True: DDP hands an unused parameter's bucket a "
             "zero gradient, and updating from it would move that parameter (momentum, weight decay) where "
             "optimizer.step() after backward leaves it alone. Pass find_unused_parameters=False (with static_graph="
             "True if some parameters are unused every step), or drop optimizer=.")

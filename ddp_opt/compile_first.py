@@ -48,7 +48,7 @@ from compiler.step_gate import gate_for_group
 
 from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, no_builtin_ddp_splitter,
                                python_comm_hooks, registered_hook_name)
-from .api import keep_builtin_splitter_out, own_hook_for
+from .api import in_backward_for, keep_builtin_splitter_out, own_hook_for
 from .compiled import CompiledDDP
 from .compression.hooks import hook_conflict
 from .config import DDPCompileConfig
@@ -187,6 +187,7 @@ class _DeferredBackend:
         own = own_hook_for(ddp_model, config)
         if hook is not None and own is not None:  # before anything is attached
             raise hook_conflict("compile_for_ddp", own, hook)
+        in_backward = in_backward_for("compile_for_ddp", ddp_model, config, hook)
         self.ddp_model = ddp_model
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:
@@ -211,7 +212,7 @@ class _DeferredBackend:
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
         self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=config.strategy,
-                                      share=share, gate=gate, own_hook=own)
+                                      share=share, gate=gate, own_hook=own, in_backward=in_backward)
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

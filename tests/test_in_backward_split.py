@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.link.peer_hooks import bucket_bf16_hook as torch_bf16_hook
-from ddp_opt import compile_ddp
+from ddp_opt import compile_ddp, compile_for_ddp, compiled_ddp_of
 
 STEPS, WIDTH, CAP_MB = 4, 48, 0.012  # several buckets, so the reducer is realigned after step 1
 
@@ -48,7 +48,7 @@ def _train(rank: int, call, model, opt, backward, *, accum: int, steps: range, s
     return {"losses": losses, "grads_left": grads_left, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def _run(rank: int, name: str, accum: int, reduce_dtype, ours: bool, steps: range = range(STEPS),
+def _run(rank: int, name: str, accum: int, reduce_dtype, ours: bool | str, steps: range = range(STEPS),
          state: dict | None = None) -> dict:
     ddp = DDP(_model(), bucket_cap_mb=CAP_MB)
     opt = _optimizer(name, ddp.module)
@@ -61,9 +61,18 @@ def _run(rank: int, name: str, accum: int, reduce_dtype, ours: bool, steps: rang
         if reduce_dtype is not None:
             ddp.register_comm_hook(None, torch_bf16_hook)
         out = _train(rank, ddp, ddp.module, opt, lambda loss: loss.backward(), accum=accum, steps=steps, sched=sched)
+    elif ours == "compile_for_ddp":  # nanoGPT's order: the optimizer, compile, then DDP wraps the compiled model
+        model = _model()
+        opt = _optimizer(name, model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ddp = DDP(compile_for_ddp(model, backend="aot_eager", optimizer=opt, reduce_dtype=reduce_dtype),
+                  bucket_cap_mb=CAP_MB)
+        out = _train(rank, ddp, model, opt, lambda loss: loss.backward(), accum=accum, steps=steps, sched=sched)
+        compiled = compiled_ddp_of(ddp.module)
     else:
         compiled = compile_ddp(ddp, backend="aot_eager", optimizer=opt, reduce_dtype=reduce_dtype)
         out = _train(rank, compiled, ddp.module, opt, compiled.backward, accum=accum, steps=steps, sched=sched)
+    if ours:
         out["updates"] = compiled.in_backward.updates
         out["aligned"] = compiled.aligned_caps is not None
         out["buckets"] = len([b for b in compiled.buckets if b.size > 0])
@@ -82,6 +91,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     first = _run(rank, "adamw", 1, None, ours=True, steps=range(2))
     results["resumed"] = _run(rank, "adamw", 1, None, ours=True, steps=range(2, STEPS), state=first["state"])
     results["resumed"]["first_losses"] = first["losses"]
+    results["compile_for_ddp"] = _run(rank, "adamw", 2, None, ours="compile_for_ddp")
     return results
 
 
@@ -105,6 +115,16 @@ def test_update_in_backward_equals_eager_ddp_step_after_backward(results, case):
         assert ours["grads_left"] == [0] * STEPS
         assert eager["grads_left"] == [len(eager["params"])] * STEPS
         assert ours["updates"] >= STEPS + 1, "several buckets, each updated as its own reduction completed"
+
+
+def test_compile_for_ddp_takes_the_optimizer_too(results):
+    case = ("adamw", 2, None)
+    for rank in results:
+        ours, eager = rank["compile_for_ddp"], rank[case]["eager"]
+        torch.testing.assert_close(ours["losses"], eager["losses"], rtol=1e-6, atol=1e-7)
+        for got, want in zip(ours["params"], eager["params"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert ours["grads_left"] == [0] * STEPS and ours["aligned"] and ours["updates"] >= STEPS + 1
 
 
 def test_resume_from_the_optimizers_state_dict_is_loss_equal(results):
