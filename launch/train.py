@@ -52,13 +52,13 @@ from .runtime.dist import (DistEnv, configure_logging, exit_now, print0, process
                            world_size_from_env)
 from .runtime.guard import NonFinite, OnNonfinite, nonfinite_loss
 from .runtime.leave import leave
-from .runtime.parallel import Wrapped, apply_parallel, build_model
+from .runtime.parallel import Wrapped, build_model
 from .runtime.precision import grad_scaler
 from .runtime.preempt import Preempted, Preemption
 from .runtime.recompiles import CompileCounter
 from .runtime.watchdog import PeerWatchdog
 from .step.evaluate import Evaluator, build_evaluator
-from .step.optim import OptimizerStep, build_optimizer
+from .step.optim import OptimizerStep, wrap_with_optimizer
 from .step.schedule import Schedule
 from .step.train_step import StepRunner, input_names, micro_batches
 
@@ -187,8 +187,7 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
     compiled = cfg.compile.backend != "eager"
     diagnoser = Diagnoser() if cfg.diagnose or (compiled and cfg.parallel.name != ParallelMode.FSDP) else None
     names = input_names(model)
-    wrapped = apply_parallel(model, cfg, env, wrap_backend=diagnoser.wrap if diagnoser else None)
-    optimizer = build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
+    wrapped, optimizer = wrap_with_optimizer(model, cfg, env, diagnoser.wrap if diagnoser else None)
     data = build_data(cfg.data, seed=t.seed, vocab_size=cfg.model.vocab_size)
     schedule = Schedule.of(t)
     start = _resume(cfg, env, wrapped, optimizer, schedule)
@@ -199,7 +198,8 @@ def setup(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
                                       max_grad_norm=t.max_grad_norm, tensor_lr=schedule.varies),
                         precision=t.precision, device=env.device, input_names=names,
                         no_recompile_after_warmup=t.no_recompile_after_warmup,
-                        skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP, backward_context=wrapped.backward_context)
+                        skip_nonfinite=t.on_nonfinite == OnNonfinite.SKIP, backward_context=wrapped.backward_context,
+                        update_in_backward=cfg.ddp.optimizer_in_backward)
     counter = CompileCounter(diagnoser) if diagnoser is not None else None
     if counter is not None:
         counter.start()  # graphs and recompiles are counted from here on

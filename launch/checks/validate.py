@@ -13,6 +13,8 @@ itself next to the code that writes it (``launch.observe.tensorboard``, ``launch
 
 from __future__ import annotations
 
+import torch
+
 import fsdp_opt
 from compiler import FALLBACKS, SettingError
 from compiler.share_secret import ShareSecretError, cluster_secret
@@ -21,8 +23,9 @@ from ..config.schema import CompileConfig, ConfigError, FSDPOptions, JobConfig
 from ..data import tokens
 from ..observe.profile import check_profile
 from ..observe.tensorboard import check_log
-from ..runtime.parallel import ddp_compile_config
-from . import probe, rules, rules_resources, rules_train
+from ..runtime.parallel import ddp_compile_config, in_backward_refusal
+from ..step.optim import build_optimizer
+from . import probe, rules, rules_in_backward, rules_resources, rules_train
 
 __all__ = ["validate"]
 
@@ -40,6 +43,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     rules.check_model(cfg.model, cfg.train)
     rules.check_parallel(cfg.parallel)
     rules.check_compile_time(cfg.compile)
+    rules_in_backward.check_optimizer_in_backward(cfg)  # before check_ddp: its own words for parallel=fsdp|none
     _compile_settings(cfg)
     _share_secret(cfg, world_size)
     rules.check_ddp(cfg.ddp, cfg.parallel)
@@ -76,11 +80,16 @@ def _share_secret(cfg: JobConfig, world_size: int) -> None:
 def _compile_settings(cfg: JobConfig) -> None:
     """Build the ``DDPCompileConfig`` that ``compile_ddp`` will get. It holds every
     ``compile.*`` setting, so it is built whatever the parallel mode: a bad backend or
-    fallback is refused the same way everywhere."""
+    fallback is refused the same way everywhere. With ``ddp.optimizer_in_backward`` it holds an
+    optimizer of the class the job builds (over a stand-in parameter), so that what the config refuses of
+    it is refused here too."""
     rules.check_reduce_dtype(cfg.ddp)
     rules.check_compression(cfg.ddp)
+    optimizer = None
+    if cfg.ddp.optimizer_in_backward:  # check_optimizer_in_backward: parallel=ddp; train.lr is checked later
+        optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(1))], 1e-3, 0.0, torch.device("cpu"))
     try:
-        ddp_compile_config(cfg)
+        ddp_compile_config(cfg, optimizer=optimizer)
     except SettingError as e:
         raise _compile_error(e, cfg.compile, cfg.ddp.strategy) from None
 
@@ -110,6 +119,8 @@ def _compile_error(e: SettingError, c: CompileConfig, strategy: str) -> ConfigEr
         return rules.strategy_error(strategy)
     if e.setting == "bucket_cap_mb":  # the launcher passes only 'auto' to compile_ddp
         return rules.auto_caps_error(f"ddp.strategy={strategy}")
+    if e.setting == "optimizer":  # the job's AdamW, given as compile_ddp(optimizer=...)
+        return in_backward_refusal(e, strategy)
     return ConfigError(f"the compile.* settings cannot work together: {e}")
 
 

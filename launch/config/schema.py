@@ -172,6 +172,9 @@ class DDPConfig:
     reduce_dtype: str = "fp32"
     # none | powersgd:RANK[:START]: rank-RANK PowerSGD from step START, default 10 (Note [PowerSGD compression]).
     compression: str = "none"
+    # The job's AdamW updates each bucket inside backward, right after its all-reduce (compile_ddp's
+    # optimizer=, Note [Optimizer in backward]); the loop's step after backward finds no gradients.
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         # The one check a type cannot make: `Any` lets every word through.

@@ -40,7 +40,8 @@ def describe(cfg: JobConfig) -> str:
         ("model", model),
         ("parallel", f"{cfg.parallel.name} ({cfg.parallel.dist_backend})"),
         ("compile", comp),
-        *([("ddp", ddp + (" static_graph" if d.static_graph else "") + f" strategy={d.strategy}")]
+        *([("ddp", ddp + (" static_graph" if d.static_graph else "") + f" strategy={d.strategy}"
+                   + (" optimizer_in_backward" if d.optimizer_in_backward else ""))]
           if cfg.parallel.name == ParallelMode.DDP else []),
         *([("fsdp", _describe_fsdp(cfg.fsdp))] if cfg.parallel.name == ParallelMode.FSDP else []),
         ("data", data),
@@ -65,8 +66,14 @@ def _describe_fsdp(f: FSDPOptions) -> str:
 
 def ddp_lines(wrapped: Wrapped, alignment: Alignment | None) -> list[str]:
     """What DDP's gradients went through: the realigned buckets' alignment, or under
-    ``ddp.strategy=traced`` the fused all-reduces of the compiled backward."""
+    ``ddp.strategy=traced`` the fused all-reduces of the compiled backward; and with
+    ``ddp.optimizer_in_backward`` the bucket updates run inside backward."""
     lines = []
+    updates = wrapped.in_backward_updates()
+    if updates is not None:
+        lines.append(f"optimizer in backward: {updates} bucket update(s) on rank 0, each run inside backward right "
+                     "after its bucket's all-reduce (ddp.optimizer_in_backward=true; the step after backward found "
+                     "no gradients)")
     if alignment is not None:
         lines.append(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly "
                      f"one partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")

@@ -24,6 +24,12 @@ Notes
     The loss is checked, not the gradients: non-finite gradients make a non-finite loss
     one step later, with no checkpoint between. ``skip``'s all-reduce is one float per
     step (measured: docs/reliability.md, Non-finite loss).
+
+    With ``ddp.optimizer_in_backward=true`` each bucket is updated inside backward, before
+    any rank's loss is known. ``stop`` is unchanged: the loss is checked after the step's
+    update with or without the flag, and the run stops before a checkpoint of that model.
+    ``skip`` has no update left to skip and is refused before the run starts
+    (Note [Launcher features and the optimizer in backward] in ``launch.checks.rules_in_backward``).
 """
 
 from __future__ import annotations

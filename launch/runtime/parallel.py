@@ -20,13 +20,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_opt
+from compiler import SettingError
 from compiler.cache import open_cache
 from compiler.cputime import cpu_seconds
 from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
 from ddp_opt.advice import Spelling
 from ddp_opt.compression.hooks import own_hook, parse_reduce_dtype
 
-from ..config.schema import (CompileConfig, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig,
+from ..config.schema import (CompileConfig, ConfigError, DDPConfig, FSDPOptions, FSDPPrecision, JobConfig, ModelConfig,
                              ParallelMode)
 from .dist import DistEnv
 
@@ -44,7 +45,7 @@ OVERRIDE_SPELLING = Spelling(
 )
 
 __all__ = ["CausalLM", "OVERRIDE_SPELLING", "Wrapped", "build_model", "apply_parallel", "ddp_bucket_kwargs",
-           "ddp_compile_config", "fsdp_config"]
+           "ddp_compile_config", "fsdp_config", "in_backward_refusal"]
 
 DDP_DEFAULT_CAP_MB = 25.0
 
@@ -130,6 +131,12 @@ class Wrapped:
             return None
         return measure_alignment(self.compiled_ddp.ddp_model, self.compiled_ddp.buckets)
 
+    def in_backward_updates(self) -> int | None:
+        """With ``ddp.optimizer_in_backward``: the bucket updates run inside backward on this rank
+        so far (Note [Optimizer in backward]); None otherwise."""
+        stepper = getattr(self.compiled_ddp, "in_backward", None)
+        return stepper.updates if stepper is not None else None
+
     def prediction(self) -> Timeline | None:
         """The cost model's predicted timeline (``ddp.bucket_cap_mb=auto``), else None."""
         return self.compiled_ddp.prediction if self.compiled_ddp is not None else None
@@ -163,15 +170,16 @@ def ddp_bucket_kwargs(cfg: DDPConfig) -> dict[str, Any]:
     return {"bucket_cap_mb": cfg.bucket_cap_mb}
 
 
-def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callable] | None = None
-                       ) -> DDPCompileConfig:
+def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callable] | None = None,
+                       optimizer: torch.optim.Optimizer | None = None) -> DDPCompileConfig:
     """The ``ddp_opt.DDPCompileConfig`` for the job's ``compile`` and ``ddp`` sections: the one
     place where the launcher hands its settings to ``ddp_opt``, which parses them (``bucket_cap_mb``
     beyond ``auto`` goes to DDP's constructor, ``ddp_bucket_kwargs``).
 
     Building it validates every compile setting (``compiler.SettingError`` names the
     field); ``launch.checks.validate`` builds it before any process group starts, and
-    ``apply_parallel`` uses what it parsed, compiled or not."""
+    ``apply_parallel`` uses what it parsed, compiled or not. ``optimizer``: the job's optimizer,
+    updating each bucket inside backward (``ddp.optimizer_in_backward``); None: after backward."""
     c = cfg.compile
     return DDPCompileConfig(
         **vars(c.compile_options()), fallback=c.fallback, blocks=c.blocks,
@@ -180,7 +188,16 @@ def ddp_compile_config(cfg: JobConfig, wrap_backend: Callable[[Callable], Callab
         strategy=cfg.ddp.strategy if cfg.parallel.name == ParallelMode.DDP else "split", spelling=OVERRIDE_SPELLING,
         reduce_dtype=cfg.ddp.reduce_dtype if cfg.parallel.name == ParallelMode.DDP else None,
         compression=cfg.ddp.compression if cfg.parallel.name == ParallelMode.DDP else None,
+        optimizer=optimizer,
     )
+
+
+def in_backward_refusal(e: SettingError, strategy: str) -> ConfigError:
+    """``ddp_opt``'s refusal of the optimizer in backward (``ddp.optimizer_in_backward``), from its
+    config before any process group (``launch.checks.validate``) or from ``compile_ddp`` once it
+    sees the model, told as a setting of this job."""
+    return ConfigError(f"ddp.optimizer_in_backward=true with ddp.strategy={strategy} is refused by compile_ddp: {e} "
+                       "In this job: set ddp.optimizer_in_backward=false to step the optimizer after backward.")
 
 
 def fsdp_config(f: FSDPOptions, c: CompileConfig) -> fsdp_opt.FSDPConfig:
@@ -210,16 +227,19 @@ def _shard_with_fsdp(model: nn.Module, cfg: JobConfig) -> fsdp_opt.FSDPPlan:
 
 
 def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
-                   wrap_backend: Callable[[Callable], Callable] | None = None) -> Wrapped:
+                   wrap_backend: Callable[[Callable], Callable] | None = None,
+                   optimizer: torch.optim.Optimizer | None = None) -> Wrapped:
     """Wrap ``model`` (already on ``env.device``) as ``cfg.parallel`` says, then compile it.
 
     ``compile.backend=eager`` means no ``torch.compile`` at all. ``wrap_backend``
     wraps the backend dynamo calls (the diagnoser's hook; DDP and none only).
+    ``optimizer``: with ``ddp.optimizer_in_backward``, the job's optimizer over ``model``'s
+    parameters (DDP keeps them as they are), which ``compile_ddp`` runs inside backward.
     """
     c = cfg.compile
     compile_it = c.backend != "eager"
     if cfg.parallel.name == ParallelMode.DDP:
-        config = ddp_compile_config(cfg, wrap_backend)
+        config = ddp_compile_config(cfg, wrap_backend, optimizer)
         ddp = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -227,11 +247,17 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
             **ddp_bucket_kwargs(cfg.ddp),
         )
         if not compile_it:
+            assert optimizer is None, "the optimizer in backward is compile_ddp's (refused with compile.backend=eager)"
             own = own_hook(ddp.process_group, config.reduce_dtype, config.compression)
             if own is not None:  # the comm hook compile_ddp would register
                 ddp.register_comm_hook(own.state, own.bucket)
             return Wrapped(ddp, ddp)
-        compiled = compile_ddp(ddp, config=config)
+        try:
+            compiled = compile_ddp(ddp, config=config)
+        except SettingError as e:  # compile_ddp's own refusal of the optimizer, seeing the model
+            if e.setting != "optimizer":
+                raise
+            raise in_backward_refusal(e, cfg.ddp.strategy) from None
         compiled.auto_save_cache = False  # saved by the training loop after its first step
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == ParallelMode.FSDP:

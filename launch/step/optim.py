@@ -40,6 +40,16 @@ Note [Gradient clipping]
     shards and reduced (``full_tensor``), the same total on every rank, as
     torchtitan does. Parity with ``torch.nn.utils.clip_grad_norm_`` on one
     process's full batch: tests/test_launch_clip_multirank.py.
+
+Note [Optimizer before the wrapping]
+
+    ``ddp.optimizer_in_backward=true`` gives the job's AdamW to ``compile_ddp`` (Note
+    [Optimizer in backward] in ``ddp_opt.in_backward.stepper``), so it must exist before the
+    model is compiled: :func:`wrap_with_optimizer` builds it over the model's parameters, which
+    DDP keeps as they are, then wraps. Otherwise it is built after the wrapping, over the wrapped
+    module's parameters (FSDP2 replaces them with its shards). Either way it is the one
+    optimizer object of the run: the checkpoint saves it and a resume loads into it, so
+    the updates inside backward continue from the loaded state.
 """
 
 from __future__ import annotations
@@ -49,7 +59,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["build_optimizer", "OptimizerStep", "clip_grad_norm"]
+from ..config.schema import JobConfig, ParallelMode
+from ..runtime.dist import DistEnv
+from ..runtime.parallel import Wrapped, apply_parallel
+
+__all__ = ["build_optimizer", "wrap_with_optimizer", "OptimizerStep", "clip_grad_norm"]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float,
@@ -58,6 +72,19 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_deca
     if device.type == "cuda":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+
+
+def wrap_with_optimizer(model: torch.nn.Module, cfg: JobConfig, env: DistEnv,
+                        wrap_backend: Callable[[Callable], Callable] | None = None
+                        ) -> tuple[Wrapped, torch.optim.AdamW]:
+    """Wrap ``model`` (``launch.runtime.parallel.apply_parallel``) and build the job's AdamW, in the
+    order Note [Optimizer before the wrapping] gives."""
+    t = cfg.train
+    if cfg.parallel.name == ParallelMode.DDP and cfg.ddp.optimizer_in_backward:
+        optimizer = build_optimizer(model.parameters(), t.lr, t.weight_decay, env.device)
+        return apply_parallel(model, cfg, env, wrap_backend, optimizer), optimizer
+    wrapped = apply_parallel(model, cfg, env, wrap_backend)
+    return wrapped, build_optimizer(wrapped.module.parameters(), t.lr, t.weight_decay, env.device)
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -45,7 +45,10 @@ Note [Warm-up]
     model with buffers updated in forward (BatchNorm running stats) would see
     the warm-up batches; the models here have none. Under DDP the warm-up
     backward all-reduces like a real step (every rank warms up the same shapes
-    in the same order).
+    in the same order), except with ``ddp.optimizer_in_backward``: there a
+    synchronising backward updates the parameters inside it, so the warm-up
+    backwards run under ``no_sync`` (no reduction, no update; the compiled
+    graphs are the same, Note [Gradient accumulation under compile_ddp]).
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class StepRunner:
             every rank (one all-reduce per step; Note [Finite-loss guard] in ``launch.runtime.guard``).
         backward_context: what every backward runs in (``Wrapped.backward_context``: compiled
             autograd under ``ddp.strategy=traced``).
+        update_in_backward: the synchronising backward updates the parameters itself
+            (``ddp.optimizer_in_backward``); the optimizer step after it finds no gradients.
     """
 
     forward: Callable[..., Any]
@@ -131,6 +136,7 @@ class StepRunner:
     no_recompile_after_warmup: bool = False
     skip_nonfinite: bool = False
     backward_context: Callable[[], ContextManager] = contextlib.nullcontext
+    update_in_backward: bool = False
     warmup_shapes: list[tuple[int, ...]] = field(default_factory=list)
     _warm: bool = False
     skipped: bool = False  # the last step's update was skipped (non-finite loss, skip_nonfinite)
@@ -189,9 +195,10 @@ class StepRunner:
         for length in warmup_lengths(seq_len, padding, pad_multiple):
             full = torch.full((micro_batch,), length, dtype=torch.int64)
             b = pad_batch(x, y, full, padding, pad_multiple, self.device)
-            loss = self._forward(b, step=0)
-            with self.backward_context():
-                loss.backward()
+            with _grad_sync(self.module, enabled=not self.update_in_backward):  # Note [Warm-up]
+                loss = self._forward(b, step=0)
+                with self.backward_context():
+                    loss.backward()
             shapes.append(tuple(b.inputs.shape))
         self.optimizer_step.optimizer.zero_grad(set_to_none=not self.optimizer_step.compiled)
         torch.set_rng_state(cpu_rng)
