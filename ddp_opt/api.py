@@ -30,6 +30,7 @@ from .compression.powersgd import link_probe as powersgd_probe
 from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, caps_from_ddp, ddp_backend
 from .strategies.traced import fallback_reason
+from .in_backward.split import grads_in_buckets
 from .in_backward.stepper import BucketStep
 
 log = logging.getLogger(__name__)
@@ -311,6 +312,7 @@ def in_backward_for(entry: str, ddp_model: DistributedDataParallel, config: DDPC
             "zero gradient, and updating from it would move that parameter (momentum, weight decay) where "
             "optimizer.step() after backward leaves it alone. Pass find_unused_parameters=False (with static_graph="
             "True if some parameters are unused every step), or drop optimizer=.")
+    grads_in_buckets(ddp_model, rebuild_now=entry == "compile_ddp")
     return BucketStep(config.optimizer)
 
 

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .._torch_internals import rebuild_reducer
 from ._torch_internals import reducer_leaves_grads
 from .stepper import BucketStep
 
-__all__ = ["allreduce_hook", "leave_grads", "then_step"]
+__all__ = ["allreduce_hook", "grads_in_buckets", "leave_grads", "then_step"]
 
 
 def allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -43,6 +44,11 @@ def then_step(hook: Callable, stepper: BucketStep) -> Callable:
         - ``reducer_leaves_grads`` tells the reducer not to copy the buckets back into
           ``.grad`` at the end of backward (PyTorch's own optimizer-in-backward switch),
           so the freed gradients stay freed; realignment sets it again on the new reducer.
+        - The gradients are views of DDP's bucket buffers (:func:`grads_in_buckets`): the
+          reducer points each ``.grad`` at its slot of the bucket as the gradient arrives,
+          so a gradient takes no memory beside the buckets, which DDP keeps for the whole
+          run; the update then frees nothing more than the views. Otherwise every
+          gradient of a bucket would live twice until that bucket's update.
         - A ``no_sync`` backward calls no hook: gradients accumulate as before, and the
           synchronising backward reduces and updates them.
     """
@@ -66,3 +72,16 @@ def then_step(hook: Callable, stepper: BucketStep) -> Callable:
 def leave_grads(ddp_model: DistributedDataParallel) -> None:
     """After each backward, the reducer leaves ``.grad`` as the updates left it (None)."""
     reducer_leaves_grads(ddp_model)
+
+
+def grads_in_buckets(ddp_model: DistributedDataParallel, rebuild_now: bool) -> None:
+    """DDP's gradients as views of its bucket buffers (``gradient_as_bucket_view=True``), so that
+    under the optimizer in backward no gradient lives beside its bucket (Note [Update after the
+    reduction]). The reducer takes the setting when built: ``rebuild_now`` re-creates it (before
+    DDP's first iteration; ``compile_ddp``), else the next re-creation takes it (realignment;
+    ``compile_for_ddp`` attaches inside the first forward, where the reducer is in use)."""
+    if ddp_model.gradient_as_bucket_view:
+        return
+    ddp_model.gradient_as_bucket_view = True
+    if rebuild_now:
+        rebuild_reducer(ddp_model, None)
