@@ -1,0 +1,184 @@
+"""Peak live heap bytes of a CPU process, every thread included: a malloc shim built with
+the C compiler at run time and preloaded into the ranks (see Note [Live heap bytes]).
+
+    lib = build_shim(folder)            # None, with the reason logged, where there is no compiler
+    env = preload_env(lib)              # LD_PRELOAD and HEAP_SHIM_ENV for the ranks' environment
+    ...                                 # inside a rank:
+    heap = HeapPeak.from_env()          # None where the shim was not preloaded
+    heap.reset(); step(); heap.peak()   # bytes
+
+Note [Live heap bytes]
+
+Background
+    On a GPU ``torch.cuda.max_memory_allocated`` counts every tensor byte. The CPU has no
+    such counter: a dispatch-mode or profiler count sees the tensors the dispatcher
+    allocates, but Inductor's CPU kernels fill buffers the dispatcher never sees, and the
+    optimizer in backward runs on gloo's threads. Resident memory (RSS) is no better: the C
+    allocator keeps freed pages, so it shows the most ever held, not what is live.
+
+Algorithm
+    - A small shared library defines ``malloc``, ``calloc``, ``realloc``, ``reallocarray``,
+      ``free``, ``posix_memalign``, ``aligned_alloc``, ``memalign``, ``valloc`` and
+      ``pvalloc`` (glibc's documented set for replacing the allocator) on top of glibc's own
+      ``__libc_*`` entry points, and keeps two atomic counters: the live bytes (each block
+      counted at its ``malloc_usable_size``, added when made and taken off when freed, so
+      both sides agree) and their peak (raised by compare-and-swap).
+    - ``LD_PRELOAD`` puts it before libc in every process of the job, so every thread's
+      allocations, tensors of any origin included (PyTorch's CPU allocator calls
+      ``posix_memalign``), pass through it. ``heap_shim_reset`` sets the peak to the live
+      bytes now; ``heap_shim_peak`` and ``heap_shim_live`` read them (``ctypes``).
+    - Built with ``cc -O2 -shared -fPIC`` into a folder of the caller's (a fresh private
+      one), once per run; without a C compiler :func:`build_shim` returns None and the
+      caller records no CPU peak.
+
+Notes
+    - It counts every live heap byte of the process: the weights, optimizer state and
+      caches too, not only what a step makes. Differences between steps of one process
+      are what it measures well; memory mapped directly (``mmap`` outside malloc, Python's
+      small-object arenas) is not counted.
+    - Usable size rounds each block up to the allocator's granule (16 bytes), a few bytes
+      per block over the requested size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SHIM_SOURCE", "HEAP_SHIM_ENV", "build_shim", "preload_env", "HeapPeak"]
+
+HEAP_SHIM_ENV = "BENCH_HEAP_SHIM"  # the shim's path, for the ranks to find what LD_PRELOAD loaded
+
+SHIM_SOURCE = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <malloc.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <unistd.h>
+
+extern void *__libc_malloc(size_t);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
+extern void __libc_free(void *);
+
+static long long live_bytes = 0, peak_bytes = 0;
+
+static void *counted(void *p) {
+    if (p) {
+        long long now = __atomic_add_fetch(&live_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
+        long long seen = __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED);
+        while (now > seen && !__atomic_compare_exchange_n(&peak_bytes, &seen, now, 1, __ATOMIC_RELAXED,
+                                                          __ATOMIC_RELAXED)) {}
+    }
+    return p;
+}
+
+static void uncount(void *p) {
+    if (p) __atomic_sub_fetch(&live_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
+}
+
+void *malloc(size_t n) { return counted(__libc_malloc(n)); }
+void *calloc(size_t k, size_t n) { return counted(__libc_calloc(k, n)); }
+void free(void *p) { uncount(p); __libc_free(p); }
+void *memalign(size_t a, size_t n) { return counted(__libc_memalign(a, n)); }
+void *aligned_alloc(size_t a, size_t n) { return counted(__libc_memalign(a, n)); }
+void *valloc(size_t n) { return counted(__libc_memalign((size_t)sysconf(_SC_PAGESIZE), n)); }
+void *pvalloc(size_t n) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return counted(__libc_memalign(page, (n + page - 1) / page * page));
+}
+
+int posix_memalign(void **out, size_t a, size_t n) {
+    if (a % sizeof(void *) || (a & (a - 1))) return EINVAL;
+    void *p = __libc_memalign(a, n);
+    if (!p && n) return ENOMEM;
+    *out = counted(p);
+    return 0;
+}
+
+void *realloc(void *p, size_t n) {
+    if (p && n == 0) { free(p); return 0; }  /* glibc's realloc(p, 0) frees p */
+    size_t before = p ? malloc_usable_size(p) : 0;
+    void *q = __libc_realloc(p, n);
+    if (!q) return 0;  /* failed: p untouched and still counted */
+    __atomic_sub_fetch(&live_bytes, (long long)before, __ATOMIC_RELAXED);
+    return counted(q);
+}
+
+void *reallocarray(void *p, size_t k, size_t n) {
+    size_t total;
+    if (__builtin_mul_overflow(k, n, &total)) { errno = ENOMEM; return 0; }
+    return realloc(p, total);
+}
+
+long long heap_shim_live(void) { return __atomic_load_n(&live_bytes, __ATOMIC_RELAXED); }
+long long heap_shim_peak(void) { return __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED); }
+void heap_shim_reset(void) {
+    __atomic_store_n(&peak_bytes, __atomic_load_n(&live_bytes, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+}
+"""
+
+
+def build_shim(folder: str | Path) -> Path | None:
+    """Compile the shim into ``folder`` (which must be the caller's own, e.g. a fresh
+    ``tempfile.mkdtemp``); its path, or None (and a warning) where it cannot be built."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.warning("no CPU peak memory: no C compiler (cc or gcc) on PATH to build the malloc shim "
+                    "(benchmarks/harness/heap_peak.py), so peak_mib is recorded as null; install gcc to measure it")
+        return None
+    src, lib = Path(folder) / "heap_shim.c", Path(folder) / "heap_shim.so"
+    src.write_text(SHIM_SOURCE)
+    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.warning("no CPU peak memory: %s could not build the malloc shim (%s), so peak_mib is recorded as null",
+                    cc, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+        return None
+    return lib
+
+
+def preload_env(lib: Path | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the shim preloaded, or unchanged for None."""
+    out = dict(os.environ if env is None else env)
+    if lib is not None:
+        out["LD_PRELOAD"] = " ".join(p for p in (str(lib), out.get("LD_PRELOAD", "")) if p)
+        out[HEAP_SHIM_ENV] = str(lib)
+    return out
+
+
+class HeapPeak:
+    """The preloaded shim's counters, read through ``ctypes`` (Note [Live heap bytes])."""
+
+    def __init__(self, lib: str | Path) -> None:
+        self._lib = ctypes.CDLL(str(lib))  # the preloaded copy: dlopen returns the loaded library
+        for name in ("heap_shim_live", "heap_shim_peak"):
+            getattr(self._lib, name).restype = ctypes.c_longlong
+        self._lib.heap_shim_reset.restype = None
+
+    @classmethod
+    def from_env(cls) -> HeapPeak | None:
+        """The shim this process was started with (``HEAP_SHIM_ENV`` and ``LD_PRELOAD``), or None."""
+        lib = os.environ.get(HEAP_SHIM_ENV)
+        if not lib or lib not in os.environ.get("LD_PRELOAD", "").split():
+            return None
+        return cls(lib)
+
+    def live(self) -> int:
+        """Heap bytes live now."""
+        return int(self._lib.heap_shim_live())
+
+    def peak(self) -> int:
+        """The most heap bytes live at once since the last :meth:`reset`."""
+        return int(self._lib.heap_shim_peak())
+
+    def reset(self) -> None:
+        """Start a new peak window at the live bytes now."""
+        self._lib.heap_shim_reset()
