@@ -32,6 +32,7 @@ from .strategies.table import Setup, caps_from_ddp, ddp_backend
 from .strategies.traced import fallback_reason
 from .in_backward.split import grads_in_buckets
 from .in_backward.stepper import BucketStep
+from .in_backward.traced import traced_refusal
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +264,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
         )
     if in_backward is not None and traced:
-        raise SettingError(
-            "optimizer", "compile_ddp(strategy='traced', optimizer=...): the traced backward does not run the "
-            "update yet. Pass strategy='split' to update each bucket inside backward, or drop optimizer=.")
+        _check_traced_update(ddp_model, config)
+    elif in_backward is not None:
+        grads_in_buckets(ddp_model, rebuild_now=True)  # before DDP's first iteration
     cost_model = resolve_cost_model(ddp_model, config)
     caps = caps_from_ddp(ddp_model)
     cache = None
@@ -312,8 +313,19 @@ def in_backward_for(entry: str, ddp_model: DistributedDataParallel, config: DDPC
             "zero gradient, and updating from it would move that parameter (momentum, weight decay) where "
             "optimizer.step() after backward leaves it alone. Pass find_unused_parameters=False (with static_graph="
             "True if some parameters are unused every step), or drop optimizer=.")
-    grads_in_buckets(ddp_model, rebuild_now=entry == "compile_ddp")
     return BucketStep(config.optimizer)
+
+
+def _check_traced_update(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> None:
+    """Refuse, before DDP is converted to its python reducer, what the traced update cannot run."""
+    why = traced_refusal(config.optimizer, list(ddp_model.parameters()))
+    if why is None and config.compression is not None:
+        why = (f"compression={str(config.compression)!r} writes each gradient after its hook returned, so an "
+               "update right after it would read it unreduced")
+    if why is not None:
+        raise SettingError("optimizer", f"compile_ddp(strategy='traced', optimizer=...): {why}. Compile with "
+                                        "strategy='split', which steps any optimizer inside backward, or drop "
+                                        "optimizer= and call optimizer.step() after backward.")
 
 
 def own_hook_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> OwnHook | None:

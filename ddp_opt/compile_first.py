@@ -49,6 +49,7 @@ from compiler.step_gate import gate_for_group
 from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, no_builtin_ddp_splitter,
                                python_comm_hooks, registered_hook_name)
 from .api import in_backward_for, keep_builtin_splitter_out, own_hook_for
+from .in_backward.split import grads_in_buckets
 from .compiled import CompiledDDP
 from .compression.hooks import hook_conflict
 from .config import DDPCompileConfig
@@ -188,6 +189,8 @@ class _DeferredBackend:
         if hook is not None and own is not None:  # before anything is attached
             raise hook_conflict("compile_for_ddp", own, hook)
         in_backward = in_backward_for("compile_for_ddp", ddp_model, config, hook)
+        if in_backward is not None:  # DDP's reducer is in use: realignment's new reducer takes it
+            grads_in_buckets(ddp_model, rebuild_now=False)
         self.ddp_model = ddp_model
         align = config.align_buckets and config.strategy == "split"
         if align and not REALIGN_SUPPORTED:

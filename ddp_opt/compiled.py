@@ -122,7 +122,8 @@ class CompiledDDP:
         # Under the reducer, the ranks meet after each forward that a synchronised backward follows;
         # under the traced strategy inside the backward, once it compiled (Note [Step gate]).
         self._gate_hook = GateHook(gate, ddp_model) if gate is not None and traced is None else None
-        self._traced_backward = TracedBackward(traced, ddp_model, own_hook) if traced is not None else None
+        self._traced_backward = (TracedBackward(traced, ddp_model, own_hook, in_backward) if traced is not None
+                                 else None)
         # Either handle works: DDP's own forward runs these, so ddp_model(x) and compiled(x) are the same call.
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))

@@ -30,6 +30,7 @@ from .alignment.realign import check_realignment, realign_reducer
 from .strategies.traced import TracedPlan
 from .in_backward.split import allreduce_hook, leave_grads, then_step
 from .in_backward.stepper import BucketStep
+from .in_backward.traced import attach_traced
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +223,15 @@ class TracedBackward:
     forward's backward ran without it (Note [Traced strategy]).
 
     With ``reduce_dtype`` or ``compression``, ``own_hook`` is put on the python reducer here;
-    ``hook`` is its state when it has one (``TracedPowerSGD``)."""
+    ``hook`` is its state when it has one (``TracedPowerSGD``). With ``stepper`` (``optimizer=``),
+    the update is traced into the backward (``update``: ``ddp_opt.in_backward.traced.TracedUpdate``)."""
 
-    def __init__(self, plan: TracedPlan, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None) -> None:
+    def __init__(self, plan: TracedPlan, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None,
+                 stepper: BucketStep | None = None) -> None:
         self.plan, self.ddp_model = plan, ddp_model
         self.hook = own_hook.traced(ddp_model, plan) if own_hook is not None else None
+        # With optimizer=, the update traced after the reducer's hooks (Note [Traced update]).
+        self.update = attach_traced(ddp_model, plan, stepper) if stepper is not None else None
         self._pending = False  # a forward ran; its backward has not entered context()
         self._warned = False
 

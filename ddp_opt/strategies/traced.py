@@ -63,6 +63,7 @@ from compiler.step_gate import StepGate
 
 from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
+from ..in_backward._torch_internals import fuse_read_allreduces
 from ..planning.solver import Timeline
 from ..planning.cost import CostModel
 from ..planning.auto import describe, plan_auto
@@ -100,10 +101,12 @@ class FuseByPlan(custom_graph_pass_base()):
         self.plan = plan
 
     def __call__(self, graph: fx.Graph) -> None:
-        fuse_ddp_allreduces(graph, self.plan.group)
+        # With the optimizer in backward, the update reads each reduced gradient (Note [Traced update]).
+        fuse = fuse_read_allreduces if self.plan.updates_in_backward else fuse_ddp_allreduces
+        fuse(graph, self.plan.group)
 
     def uuid(self) -> Any:
-        return f"distcompile.FuseByPlan:{self.plan.caps!r}"
+        return f"distcompile.FuseByPlan:{self.plan.caps!r}:{self.plan.updates_in_backward}"
 
 
 class TracedPlan:
@@ -137,6 +140,7 @@ class TracedPlan:
         self._graph_caps: dict[frozenset, tuple[int, ...]] = {}  # params of a forward graph -> its planned caps
         self.gate = gate
         self.wire_scale = wire_scale
+        self.updates_in_backward = False  # set by in_backward.traced.attach_traced
 
     def forward_backend(self, backend_fn: Callable) -> Callable:
         """The forward's backend: with ``auto``, plan from the graph first, then compile it whole."""
