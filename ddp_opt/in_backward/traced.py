@@ -39,8 +39,10 @@ Algorithm
       compiled autograd keeps one graph of each), so gradients accumulate.
     - Inductor's fusion pass (``FuseByPlan``) concatenates a bucket's all-reduces into
       one; the updates of its parameters read that bucket's result, so each runs after
-      its bucket's reduction, and the wait is scheduled at the first update that needs
-      it. Inductor forwards a same-dtype write-back copy's readers to the wait, which the
+      its bucket's reduction. ``sink_updates`` then moves the waits and the updates to
+      the end of the graph, in order: a wait left at its first update stops backward
+      until that bucket has crossed the link (Note [Traced strategy]), and on a rank's
+      one stream the update cannot overlap backward's compute anyway. Inductor forwards a same-dtype write-back copy's readers to the wait, which the
       fusion's filter refused (a wait with one user, a copy): with the update in backward
       the plan fuses by ``fuse_read_allreduces`` (``TracedPlan.updates_in_backward``).
 

@@ -27,6 +27,14 @@ Algorithm
       gradient-ready order, are grouped by ``group_by_caps`` (bucket k closes when its
       bytes reach cap k) into one concatenated all-reduce each; Inductor's
       ``schedule_comm_wait`` delays each wait to its first use.
+    - Write-back last (:func:`delay_write_back`): what reads an all-reduce's result and
+      feeds no collective (the split of a fused bucket, the cast back from a narrower
+      dtype, the copy into the gradient) moves down to just before its first user, never
+      past an op that may mutate. Rule and reason: Inductor's fusion pass can leave a
+      bucket's write-back right after its all-reduce (where a gradient of the bucket had
+      its own), so the wait, delayed only to its first use, stayed there and backward
+      stopped until the bucket had crossed the link; which buckets did so depended on
+      their exact boundaries, so a plan could lose its overlap by one small tensor.
     - Inductor's peak-memory reordering (``reorder_for_peak_memory``) is off for a
       backward that all-reduces: its topological sorts know nothing of overlap, and can
       pull each wait up to its all-reduce (where backward adds into existing ``.grad``)
@@ -64,6 +72,7 @@ from compiler.step_gate import StepGate
 from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
 from ..in_backward._torch_internals import fuse_read_allreduces
+from ._torch_internals import comm_role, mutates
 from ..planning.solver import Timeline
 from ..planning.cost import CostModel
 from ..planning.auto import describe, plan_auto
@@ -71,7 +80,7 @@ from ..planning.buckets import BucketCaps, group_by_caps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FIRST_BUCKET_CAP", "TracedPlan", "FuseByPlan", "fallback_reason"]
+__all__ = ["FIRST_BUCKET_CAP", "TracedPlan", "FuseByPlan", "delay_write_back", "fallback_reason", "sink_updates"]
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the largest first bucket under fixed caps (Note [Traced strategy])
 
@@ -104,9 +113,68 @@ class FuseByPlan(custom_graph_pass_base()):
         # With the optimizer in backward, the update reads each reduced gradient (Note [Traced update]).
         fuse = fuse_read_allreduces if self.plan.updates_in_backward else fuse_ddp_allreduces
         fuse(graph, self.plan.group)
+        if self.plan.updates_in_backward:
+            moved = sink_updates(graph)
+        else:
+            moved = delay_write_back(graph)
+            log.debug("ddp_opt traced backward: %d node(s) reading all-reduced gradients moved to their first use",
+                      moved)
 
     def uuid(self) -> Any:
-        return f"distcompile.FuseByPlan:{self.plan.caps!r}:{self.plan.updates_in_backward}"
+        # "2": the pass's version (delay_write_back); bump it when the pass changes, Inductor's cache keys on it.
+        return f"distcompile.FuseByPlan:3:{self.plan.caps!r}:{self.plan.updates_in_backward}"
+
+
+def _readers_of_reductions(nodes: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The nodes that feed a collective, and those that read an all-reduce's result (through its wait)."""
+    feeds_comm: set[fx.Node] = set()
+    for node in reversed(nodes):
+        if comm_role(node) == "collective" or any(user in feeds_comm for user in node.users):
+            feeds_comm.add(node)
+    after_wait: set[fx.Node] = set()
+    for node in nodes:
+        if comm_role(node) == "wait" or any(arg in after_wait for arg in node.all_input_nodes):
+            after_wait.add(node)
+    return feeds_comm, after_wait
+
+
+def sink_updates(graph: fx.Graph) -> int:
+    """With the optimizer in backward (Note [Traced update]): every wait and every node that reads an
+    all-reduce's result and feeds no collective (the bucket's split, the write-back, the update)
+    moved, in graph order, to the end of the graph, so backward and the later all-reduces run while
+    the buckets cross the link. The updates mutate parameters and optimizer state, which backward
+    no longer reads once a gradient is final. Nothing moves when a node left in place reads a moved
+    one. Returns how many nodes moved."""
+    nodes = list(graph.nodes)
+    feeds_comm, after_wait = _readers_of_reductions(nodes)
+    movable = [node for node in nodes if node in after_wait and node not in feeds_comm
+               and node.op == "call_function"]
+    moving = set(movable)
+    if any(user not in moving and user.op != "output" for node in movable for user in node.users):
+        return 0
+    output = next(node for node in reversed(nodes) if node.op == "output")
+    for node in movable:
+        output.prepend(node)
+    return len(movable)
+
+
+def delay_write_back(graph: fx.Graph) -> int:
+    """Move every node that reads an all-reduce's result (through its wait) and feeds no
+    collective down to just before its first user, never past an op that may mutate
+    (Note [Traced strategy]). The graph stays in topological order. Returns how many nodes moved."""
+    nodes = list(graph.nodes)
+    feeds_comm, after_wait = _readers_of_reductions(nodes)
+    movable = [node for node in nodes if node in after_wait and node not in feeds_comm
+               and node.op == "call_function" and not mutates(node)]
+    moved = 0
+    for node in reversed(movable):  # users first: each goes below where its first user now is
+        spot = node.next
+        while spot.op != "output" and spot not in node.users and not mutates(spot):
+            spot = spot.next
+        if spot is not node.next:
+            spot.prepend(node)
+            moved += 1
+    return moved
 
 
 class TracedPlan:
