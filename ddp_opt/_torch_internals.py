@@ -359,9 +359,9 @@ def memory_reorder_off() -> contextlib.AbstractContextManager:
     return torch._inductor.config.patch(reorder_for_peak_memory=False)
 
 
-def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any) -> None:
-    """Fuse the python reducer's per-gradient all-reduces in ``graph`` into the buckets
-    ``group_fn(sizes) -> list of bucket lengths`` chooses (sizes in bytes on the wire, graph order)."""
+def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any, any_readers: bool = False) -> None:
+    """Fuse the python reducer's all-reduces into the buckets ``group_fn(sizes in wire bytes) -> lengths`` chooses;
+    ``any_readers``: a reduced gradient may be read after its write-back (the traced update, Note [Traced update])."""
     from torch._inductor.fx_passes import ddp_fusion
     output = next(node for node in reversed(graph.nodes) if node.op == "output")
 
@@ -369,12 +369,12 @@ def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any) -> None:
         # ddp_fusion._fuse_ddp_communication's filter (div -> all_reduce -> wait -> copy_ or the output), which
         # also takes a functional aten.copy: a gradient written back from a narrower dtype is not a no-op copy.
         arg, users = block.comm_node.args[0], block.wait_nodes[0].users
-        return (isinstance(arg, fx.Node) and arg.target == torch.ops.aten.div.Tensor and len(users) == 1
-                and (output in users or next(iter(users)).target in (torch.ops.aten.copy_.default,
-                                                                      torch.ops.aten.copy.default)))
+        divided = isinstance(arg, fx.Node) and arg.target == torch.ops.aten.div.Tensor
+        written_back = len(users) == 1 and (output in users or next(iter(users)).target in (
+            torch.ops.aten.copy_.default, torch.ops.aten.copy.default))
+        return divided and (any_readers or written_back)  # any_readers: _scatter_fused_allreduce_waits moves them
 
-    # ddp_fusion.get_all_comm_blocks(graph, ops, comm_filter): CommBlocks in graph order; CommBlock.comm_node
-    # .meta["tensor_meta"]: the all-reduced tensor's metadata.
+    # ddp_fusion.get_all_comm_blocks(graph, ops, comm_filter): CommBlocks in graph order (comm_node.meta: tensor_meta).
     ops = (torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.all_reduce.default)
     blocks = ddp_fusion.get_all_comm_blocks(graph, ops, comm_filter=reducer_block)
     sizes = [block.shape.numel() * block.comm_node.meta["tensor_meta"].dtype.itemsize for block in blocks]

@@ -44,7 +44,7 @@ Algorithm
       until that bucket has crossed the link (Note [Traced strategy]), and on a rank's
       one stream the update cannot overlap backward's compute anyway. Inductor forwards a same-dtype write-back copy's readers to the wait, which the
       fusion's filter refused (a wait with one user, a copy): with the update in backward
-      the plan fuses by ``fuse_read_allreduces`` (``TracedPlan.updates_in_backward``).
+      the plan fuses with ``any_readers`` (``TracedPlan.updates_in_backward``).
 
 Notes
     - An element's update reads only its own gradient and state, so updating parameter

@@ -71,7 +71,6 @@ from compiler.step_gate import StepGate
 
 from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
-from ..in_backward._torch_internals import fuse_read_allreduces
 from ._torch_internals import comm_role, mutates
 from ..planning.solver import Timeline
 from ..planning.cost import CostModel
@@ -111,8 +110,7 @@ class FuseByPlan(custom_graph_pass_base()):
 
     def __call__(self, graph: fx.Graph) -> None:
         # With the optimizer in backward, the update reads each reduced gradient (Note [Traced update]).
-        fuse = fuse_read_allreduces if self.plan.updates_in_backward else fuse_ddp_allreduces
-        fuse(graph, self.plan.group)
+        fuse_ddp_allreduces(graph, self.plan.group, any_readers=self.plan.updates_in_backward)
         if self.plan.updates_in_backward:
             moved = sink_updates(graph)
         else:
