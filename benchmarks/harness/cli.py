@@ -18,7 +18,7 @@ from .report import print0, write_json
 if TYPE_CHECKING:
     from .device import Placement
 
-__all__ = ["new_parser", "add_common_args", "fill_defaults", "check_device", "check_net", "job_kwargs",
+__all__ = ["new_parser", "rendered_parser", "add_common_args", "fill_defaults", "check_device", "check_net", "job_kwargs",
            "process_group", "publish"]
 
 
@@ -27,6 +27,16 @@ def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.Argume
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"{quick_help} (flags given explicitly still win)")
+    return p
+
+
+def rendered_parser(module: str, doc: str | None, page: Path, start: str) -> argparse.ArgumentParser:
+    """The parser of a study whose JSON renders a docs block: ``--out``, ``--render`` and ``--page``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the JSON rows: written by a run, read by --render")
+    p.add_argument("--render", action="store_true", help="write the docs block from --out; run nothing")
+    p.add_argument("--page", default=str(page), help=f"with --render: the page whose {start} block is rewritten")
     return p
 
 

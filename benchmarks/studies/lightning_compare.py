@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ..harness.cli import rendered_parser
 from ..harness.report import fmt, markdown_table, update_section, with_iqr
 from ..harness.stats import median, ratio_summary
 
@@ -118,11 +119,7 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.lightning_compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the JSON rows: written by a run, read by --render")
-    p.add_argument("--render", action="store_true", help="write the docs block from --out; run nothing")
-    p.add_argument("--page", default=str(PAGE), help=f"with --render: the page whose {START} block is rewritten")
+    p = rendered_parser("benchmarks.studies.lightning_compare", __doc__, PAGE, START)
     p.add_argument("--link-mbit", type=float, default=200.0,
                    help="the shaped link between the two nodes, Mbit/s (default 200); 0 = this machine's loopback, "
                         "one node of two ranks (a quick check of the harness, not a result)")

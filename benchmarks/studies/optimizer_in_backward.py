@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ..harness.cli import rendered_parser
 from ..harness.report import fmt, markdown_table, print0, update_section, with_iqr, write_json
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,7 @@ def _strategies(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.optimizer_in_backward", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the JSON rows: written by a run, read by --render")
-    p.add_argument("--render", action="store_true", help="write the docs block from --out; run nothing")
-    p.add_argument("--page", default=str(PAGE), help=f"with --render: the page whose {START} block is rewritten")
+    p = rendered_parser("benchmarks.studies.optimizer_in_backward", __doc__, PAGE, START)
     p.add_argument("--quick", action="store_true",
                    help="aot_eager, no link, 1 warmup + 3 rounds, 2x128 GPT (flags given explicitly still win)")
     p.add_argument("--links", type=_links, default=None,
