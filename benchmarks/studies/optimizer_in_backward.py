@@ -47,8 +47,8 @@ Algorithm
 Notes
     - AdamW (fp32 state), the update whose memory argument the feature is made for; the
       other DDP studies step SGD.
-    - This module imports no torch, so ``--render`` and ``benchmarks.render.pages`` read the
-      JSON only; the ranks run ``benchmarks.studies.optimizer_in_backward_ranks``.
+    - ``--render`` and ``benchmarks.render.pages`` read the JSON only; the ranks run
+      ``benchmarks.studies.optimizer_in_backward_ranks``.
 """
 
 from __future__ import annotations
