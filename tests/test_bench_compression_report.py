@@ -1,6 +1,8 @@
 """benchmarks.render.compression_report on hand-made rows: the table of a bf16 sweep and the compression
 goal rows, each with the measured value beside its bound."""
 
+import pytest
+
 from benchmarks.render.compression_report import goals, results_markdown
 from benchmarks.harness.limit import add_limit_columns, limit_parts
 
@@ -49,12 +51,17 @@ def test_powersgd_rows_are_held_to_their_own_peer_and_to_045_of_the_best_fp32_pe
             dict(_row("eager_powersgd", 25, [40, 40, 40], "fp32"), compression=kind, wire_mib=0.3),
             dict(_row("eager_powersgd", 1, [50, 50, 50], "fp32"), compression=kind, wire_mib=0.3),
             dict(_row("ours_powersgd", "auto", [42, 42, 42], "fp32"), compression=kind, wire_mib=0.3)]
-    add_limit_columns(rows, {"fp32": limit_parts(rows, 0.080), kind: limit_parts(rows, 0.002)})
+    add_limit_columns(rows, {"fp32": limit_parts(rows, 0.080), kind: limit_parts(rows, 0.002, 0.004)})
     found = {goal: (bound, measured, met) for goal, bound, measured, met in goals(rows)}
+    assert rows[-1]["limit_ms"] == pytest.approx(10 + (20 + 4) + 2)  # fwd + (bwd + the power iteration) + opt: compute-bound
     assert found == {
         f"ours_powersgd@auto vs the best {kind} peer (eager_powersgd@25)": ("<= 1.00", "1.050", "**no**"),
-        "ours_powersgd@auto vs the best fp32 peer (compiled_autograd@1)": ("<= 0.45", "0.420", "yes")}
-    assert f"| auto | ours_powersgd | {kind} | 0.3 | 42.0" in results_markdown(rows)
+        "ours_powersgd@auto vs the best fp32 peer (compiled_autograd@1)": ("<= 0.45", "0.420", "yes"),
+        "ours_powersgd@auto step / limit (its bytes, and its power iteration on backward's core)":
+            ("<= 1.15", "1.167", "**no**")}
+    text = results_markdown(rows)
+    assert f"| auto | ours_powersgd | {kind} | 0.3 | 42.0" in text
+    assert f"The {kind} rows' limit adds the power iteration's own compute to backward: 4.0 ms" in text
 
 
 def test_powersgd_sends_p_and_q_of_the_matrices_worth_compressing_and_the_rest_whole():

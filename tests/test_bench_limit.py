@@ -1,8 +1,10 @@
 """The physical limit's arithmetic and the best-peer ratio (benchmarks.harness.limit), on hand-made rows."""
 
 import pytest
+import torch
 
-from benchmarks.harness.limit import FSDPLimitParts, LimitParts, add_limit_columns, against_peers, limit_parts
+from benchmarks.harness.limit import (FSDPLimitParts, LimitParts, add_limit_columns, against_peers, limit_parts,
+                                      measure_powersgd_compute, powersgd_shapes)
 
 
 def _row(mode, runner, steps, fwd, bwd, opt):
@@ -102,3 +104,27 @@ def test_a_bf16_row_is_held_to_the_limit_of_its_bytes_and_to_peers_that_send_bf1
     paired = {(p["ours"], p["peer"]) for p in against_peers(rows)}
     assert ("ours_bf16@auto", "builtin_bf16@1") in paired and ("ours_bf16@auto", "compiled_autograd@1") not in paired
     assert ("ours@auto", "compiled_autograd@1") in paired and ("ours@auto", "builtin_bf16@1") not in paired
+
+
+def test_the_power_iteration_adds_to_backward_not_to_the_link():
+    # PowerSGD's matmuls run on backward's device: with them the compressed step is compute-bound here.
+    parts = LimitParts(fwd_s=0.03, bwd_s=0.057, opt_s=0.002, comm_s=0.014, compress_s=0.015)
+    assert parts.limit_s == pytest.approx(0.03 + 0.057 + 0.015 + 0.002)
+    cols = parts.columns()
+    assert cols["limit_compress_ms"] == pytest.approx(15.0) and cols["link_bound"] is False
+    rows = [_row("eager_powersgd", "eager_powersgd@25", [120, 121, 122], 30, 57, 2),
+            _row("ours_traced_powersgd", "ours_traced_powersgd@auto", [110, 110, 110], 31, 58, 2)]
+    for r in rows:
+        r["compression"] = "powersgd:4:2"
+    add_limit_columns(rows, {"fp32": limit_parts(rows, 0.550), "powersgd:4:2": limit_parts(rows, 0.014, 0.015)})
+    assert rows[1]["limit_ms"] == pytest.approx(30 + 57 + 15 + 2)
+    assert rows[1]["step_over_limit"] == pytest.approx(110 / 104)
+    # Without compression nothing changes: the link still overlaps backward alone.
+    assert limit_parts(rows, 0.014).limit_s == pytest.approx(0.030 + 0.057 + 0.002)
+
+
+def test_powersgd_shapes_are_the_matrices_pytorchs_rule_compresses():
+    params = [torch.empty(512, 256), torch.empty(256), torch.empty(8, 8), torch.empty(1024, 256)]
+    assert powersgd_shapes(params, "powersgd:4:2") == [(512, 256, 4), (1024, 256, 4)]
+    assert powersgd_shapes(params, None) == []
+    assert measure_powersgd_compute([(16, 8, 2)], torch.device("cpu"), repeats=2) > 0

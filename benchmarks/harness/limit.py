@@ -20,6 +20,16 @@ holds for every mode); comm one all-reduce of one flat float32 tensor of all gra
 bytes over the job's link (the real shaped link, the simulated link's charge, or
 loopback): one message pays one latency, no bucketing carries the bytes faster.
 
+Compressed gradients (PowerSGD): ``comm`` is the link time of what crosses (the P and Q
+factors and the tensors left uncompressed, one flat message), and the power iteration
+is work no schedule avoids: per compressed matrix ``M = grad + E``, ``P = M Q``,
+``orth(P)``, ``Q = M^T P``, ``approx = P Q^T``, ``E = M - approx``. It runs on the device
+that runs backward (one core per rank on the CPU runs, one stream on a GPU), so it adds
+to backward there, never to the link: ``step >= fwd + max(bwd + compress, comm) + opt``.
+``compress`` is that arithmetic timed alone on gradients of the model's shapes, with no
+collective at all (``measure_powersgd_compute``: the median of a few runs, rank 0's
+clock); uncompressed rows have ``compress = 0``, and the bound is as before.
+
 Not tighter on purpose: the first and last gradients' ready times would need
 per-parameter timings not measured, so the bound stays valid, only less tight. It
 does not charge CPU contention between gloo and compute, and an optimizer applied per
@@ -46,7 +56,8 @@ from typing import Sequence
 from .stats import median, ratio_summary
 
 __all__ = ["LimitParts", "FSDPLimitParts", "limit_parts", "add_limit_columns", "measure_comm", "measure_fsdp_comm",
-           "PEER_MODES", "FSDP_PEER_MODES", "against_peers", "wire_kind", "wire_numel"]
+           "measure_powersgd_compute", "powersgd_shapes", "PEER_MODES", "FSDP_PEER_MODES", "against_peers", "wire_kind",
+           "wire_numel"]
 
 PEER_MODES = ("eager", "builtin", "compiled_autograd",  # what users run today (the modes we must beat)
               "eager_bf16", "builtin_bf16", "compiled_autograd_bf16",  # the same with the bf16 hook a user registers
@@ -86,15 +97,17 @@ class LimitParts:
     bwd_s: float
     opt_s: float
     comm_s: float
+    compress_s: float = 0.0  # the power iteration's own compute, on backward's device (0: not compressed)
 
     @property
     def limit_s(self) -> float:
-        return self.fwd_s + max(self.bwd_s, self.comm_s) + self.opt_s
+        return self.fwd_s + max(self.bwd_s + self.compress_s, self.comm_s) + self.opt_s
 
     def columns(self) -> dict:
         return {"limit_ms": self.limit_s * 1e3, "limit_fwd_ms": self.fwd_s * 1e3, "limit_bwd_ms": self.bwd_s * 1e3,
                 "limit_opt_ms": self.opt_s * 1e3, "limit_comm_ms": self.comm_s * 1e3,
-                "link_bound": self.comm_s > self.bwd_s}
+                "limit_compress_ms": self.compress_s * 1e3,
+                "link_bound": self.comm_s > self.bwd_s + self.compress_s}
 
 
 @dataclass(frozen=True)
@@ -118,13 +131,14 @@ class FSDPLimitParts:
                 "link_bound": 2 * self.ag_s + self.rs_s > self.fwd_s + self.bwd_s}
 
 
-def limit_parts(rows: Sequence[dict], comm_s: float) -> LimitParts:
+def limit_parts(rows: Sequence[dict], comm_s: float, compress_s: float = 0.0) -> LimitParts:
     """The limit of the rows' job: the fastest forward, backward and optimizer step of any
-    row (their ``fwd_ms``, ``bwd_ms``, ``opt_ms`` medians) and the measured ``comm_s``."""
+    row (their ``fwd_ms``, ``bwd_ms``, ``opt_ms`` medians), the measured ``comm_s`` and, for
+    compressed gradients, the measured ``compress_s`` (``measure_powersgd_compute``)."""
     if not rows:
         raise ValueError("limit_parts needs the rows of at least one mode: the limit takes their fastest compute.")
     return LimitParts(fwd_s=min(r["fwd_ms"] for r in rows) / 1e3, bwd_s=min(r["bwd_ms"] for r in rows) / 1e3,
-                      opt_s=min(r["opt_ms"] for r in rows) / 1e3, comm_s=comm_s)
+                      opt_s=min(r["opt_ms"] for r in rows) / 1e3, comm_s=comm_s, compress_s=compress_s)
 
 
 def _best_peer(rows: Sequence[dict], peers: Sequence[str], dtype: str = "fp32") -> dict | None:
@@ -184,6 +198,53 @@ def measure_comm(nbytes: int, device, transfer_s, repeats: int, dtype: str = "fp
 
     flat = torch.zeros(max(nbytes // WIRE_BYTES[dtype], 1), dtype=_torch_dtype(dtype), device=device)
     return _timed(lambda: dist.all_reduce(flat), flat.device, repeats, transfer_s(nbytes))
+
+
+def powersgd_shapes(params, compression: str | None) -> list[tuple[int, int, int]]:
+    """``(n, m, r)`` of each gradient matrix PowerSGD compresses (PyTorch's rule, as ``wire_numel``)."""
+    from ddp_opt.compression.powersgd import parse_compression
+
+    spec = parse_compression(compression)
+    if spec is None:
+        return []
+    out = []
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, spec.rank)
+        if (n + m) * r * 2 < n * m:
+            out.append((n, m, r))
+    return out
+
+
+def measure_powersgd_compute(shapes: Sequence[tuple[int, int, int]], device, repeats: int) -> float:
+    """Median seconds (rank 0's clock; no collective) of one step's power iteration over matrices of
+    ``shapes`` (``powersgd_shapes``): per matrix ``M = grad + E``, ``P = M Q``, ``orth(P)``,
+    ``Q = M^T P``, ``approx = P Q^T``, ``E = M - approx`` (Note [Physical limit of a step])."""
+    import torch
+
+    from ddp_opt.compression.traced_powersgd import orthogonalize
+
+    from .device import clock
+
+    generator = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(n, m, generator=generator).to(device), torch.zeros(n, m, device=device),
+             torch.randn(m, r, generator=generator).to(device)) for n, m, r in shapes]
+
+    def once() -> None:
+        for grad, error, q in mats:
+            matrix = grad + error
+            p = orthogonalize(matrix @ q)
+            q.copy_(matrix.t() @ p)
+            error.copy_(matrix - p @ q.t())
+
+    once()  # warm: allocator, QR workspaces
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = clock(device)
+        once()
+        times.append(clock(device) - t0)
+    return median(times)
 
 
 def measure_fsdp_comm(nbytes: int, device, repeats: int, rs_dtypes: Sequence[str] = ("fp32",)

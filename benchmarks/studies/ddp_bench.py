@@ -53,13 +53,15 @@ from .._torch_internals import graphs_compiled
 from ..harness.core import FRESH, SAME, GPTJob, compile_seconds, first_steps, gather_rank0, job_columns, loss_reference, \
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from ..harness.device import clock, peak_bytes, reset_peak
-from ..harness.limit import WIRE_BYTES, add_limit_columns, limit_parts, measure_comm, wire_kind, wire_numel
+from ..harness.limit import (WIRE_BYTES, add_limit_columns, limit_parts, measure_comm, measure_powersgd_compute,
+                             powersgd_shapes, wire_kind, wire_numel)
 from ..link.shaping import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
 from ..harness.report import cap_label, nan_to_none, print0
 from ..harness.stats import median, overlap_efficiency
 
-__all__ = ["BenchConfig", "Timed", "run_cap", "run_step", "run_round", "row_for", "link_comm_s", "finish_rows"]
+__all__ = ["BenchConfig", "Timed", "run_cap", "run_step", "run_round", "row_for", "link_comm_s", "compress_s",
+           "finish_rows"]
 
 
 @dataclass(frozen=True)
@@ -312,17 +314,34 @@ def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink,
     return comm
 
 
+def compress_s(cfg: BenchConfig, runners: list[DDPRunner], prefix: str = "") -> dict[str, float]:
+    """The power iteration's own compute per compression the runners use (the ``compress`` of Note
+    [Physical limit of a step]), timed on this rank with no collective; rank 0 says what it measured."""
+    out = {}
+    for r in runners:
+        kind = r.mode.compression
+        if kind is None or kind in out:
+            continue
+        shapes = powersgd_shapes(list(r.ddp.module.parameters()), kind)
+        out[kind] = measure_powersgd_compute(shapes, cfg.torch_device, repeats=max(3, min(cfg.rounds, 5)))
+        print0(f"{prefix}compute: {kind}'s power iteration over {len(shapes)} matrices took {out[kind] * 1e3:.1f} ms "
+               "alone (median; added to backward in the physical limit)")
+    return out
+
+
 def _wire_bytes(r: DDPRunner) -> int:
     """Bytes of gradients one rank sends per step in ``r``'s mode."""
     return wire_numel(r.ddp.module.parameters(), r.mode.compression) * WIRE_BYTES[r.mode.reduce_dtype]
 
 
-def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "") -> list[dict]:
-    """The rows with the physical limit (each row's from the bytes it sends), ``step_over_limit`` and
-    the ratio to the best peer; over a real link (no simulated one) also ``comm_ms`` and ``overlap``
-    from the measured link time."""
+def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "",
+                compress: dict[str, float] | None = None) -> list[dict]:
+    """The rows with the physical limit (each row's from the bytes it sends, and for compressed rows
+    the power iteration's compute in ``compress``, by kind), ``step_over_limit`` and the ratio to the best
+    peer; over a real link (no simulated one) also ``comm_ms`` and ``overlap`` from the measured link time."""
     if rows:
-        parts = {dtype: limit_parts(rows, seconds) for dtype, seconds in comm_s.items()}
+        parts = {dtype: limit_parts(rows, seconds, (compress or {}).get(dtype, 0.0))
+                 for dtype, seconds in comm_s.items()}
         add_limit_columns(rows, parts)
         for r in rows:
             if r["comm_ms"] is None and r["net"] != "local":
@@ -330,9 +349,10 @@ def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "") ->
                 r["overlap"] = nan_to_none(overlap_efficiency(r["compute_ms"], r["comm_ms"],
                                                               r["compute_ms"] + r["exposed_comm_ms"]))
         for dtype, part in parts.items():
+            compute = f" + compress {part.compress_s * 1e3:.1f}" if part.compress_s else ""
             print0(f"{prefix}physical limit ({dtype} gradients) {part.limit_s * 1e3:.1f} ms = fwd "
-                   f"{part.fwd_s * 1e3:.1f} + max(bwd {part.bwd_s * 1e3:.1f}, comm {part.comm_s * 1e3:.1f}) + opt "
-                   f"{part.opt_s * 1e3:.1f}")
+                   f"{part.fwd_s * 1e3:.1f} + max(bwd {part.bwd_s * 1e3:.1f}{compute}, comm {part.comm_s * 1e3:.1f}) "
+                   f"+ opt {part.opt_s * 1e3:.1f}")
     return rows
 
 
@@ -346,11 +366,11 @@ def run_cap(cfg: BenchConfig, cap_mb: float, link: SimulatedLink) -> list[dict]:
             first_steps(runners, lambda r: run_step(r, cfg, link)[0], phase=phase, prefix=prefix, cache=cache,
                         tag=f"ddpbench-cap{cap_label(cap_mb)}", cache_root=cfg.cache_root)
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured), prefix)
-    comm_s = link_comm_s(cfg, runners, link, prefix)
+    comm_s, compress = link_comm_s(cfg, runners, link, prefix), compress_s(cfg, runners, prefix)
     gathered = gather_rank0(runner_measures(runners))
     if gathered is None:
         return []
     by_label = {r.label: r for r in runners}
     base, reference = by_label.get(cfg.baseline or "builtin"), loss_reference(runners)
     return finish_rows([row_for(r, cfg, cap_mb, order, base, gathered, reference)
-                        for order, r in enumerate(runners)], comm_s, prefix)
+                        for order, r in enumerate(runners)], comm_s, prefix, compress)

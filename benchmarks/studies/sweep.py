@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 
 from ..harness.core import first_steps, gather_rank0, loss_reference, measure_rounds, measuring, runner_measures
-from .ddp_bench import BenchConfig, finish_rows, fitted_contention, link_comm_s, row_for, run_round, run_step
+from .ddp_bench import (BenchConfig, compress_s, finish_rows, fitted_contention, link_comm_s, row_for, run_round,
+                        run_step)
 from ..link.shaping import SimulatedLink
 from .modes_ddp import DDP_MODES, DEFAULT_CAP, DDPRunner, build_runner
 from ..harness.report import cap_label, fmt, markdown_table, print0
@@ -81,7 +82,7 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
         _print_auto_plans(runners)
         measure_rounds(runners, cfg.warmup, cfg.rounds, lambda r, measured: run_round(r, cfg, link, measured),
                        "[sweep] ")
-    comm_s = link_comm_s(cfg, runners, link, "[sweep] ")
+    comm_s, compress = link_comm_s(cfg, runners, link, "[sweep] "), compress_s(cfg, runners, "[sweep] ")
     gathered = gather_rank0(runner_measures(runners))
     if gathered is None:
         return []
@@ -93,7 +94,7 @@ def run_sweep(cfg: BenchConfig, link: SimulatedLink) -> list[dict]:
         # builtin at the runner's cap; builtin's default cap for auto (and when builtin@C did not run)
         base = by_label.get(f"builtin@{cap_label(r.cap)}") or by_label.get(f"builtin@{cap_label(DEFAULT_CAP)}")
         rows.append(row_for(r, cfg, r.cap, order, base, gathered, reference, fitted))
-    return finish_rows(rows, comm_s, "[sweep] ")
+    return finish_rows(rows, comm_s, "[sweep] ", compress)
 
 
 def _paired(a: dict, b: dict) -> tuple[float, float, float]:
