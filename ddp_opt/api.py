@@ -31,7 +31,7 @@ from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, caps_from_ddp, ddp_backend
 from .strategies.traced import fallback_reason
 from .in_backward.split import grads_in_buckets
-from .in_backward.stepper import BucketStep
+from .in_backward.stepper import BucketStep, unwrapped
 from .in_backward.traced import traced_refusal
 
 log = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ def in_backward_for(entry: str, ddp_model: DistributedDataParallel, config: DDPC
 
 def _check_traced_update(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> None:
     """Refuse, before DDP is converted to its python reducer, what the traced update cannot run."""
-    why = traced_refusal(config.optimizer, list(ddp_model.parameters()))
+    why = traced_refusal(unwrapped(config.optimizer), list(ddp_model.parameters()))
     if why is None and config.compression is not None:
         why = (f"compression={str(config.compression)!r} writes each gradient after its hook returned, so an "
                "update right after it would read it unreduced")

@@ -61,6 +61,32 @@ def test_a_parameter_the_optimizer_does_not_hold_is_left_alone():
     assert torch.equal(last, before) and last.grad is None
 
 
+class _Wrapper(torch.optim.Optimizer):
+    """As Accelerate's AcceleratedOptimizer: an Optimizer whose step steps the real one, kept as .optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_a_wrapped_optimizer_updates_only_the_bucket_it_is_given():
+    model = _model()
+    params = list(model.parameters())
+    stepper = BucketStep(_Wrapper(torch.optim.SGD(params, lr=1.0)))
+    for p in params:  # a later bucket's gradients, not reduced yet, are on .grad
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    stepper.step(params[2:], [torch.ones_like(p) for p in params[2:]])
+    assert all(torch.equal(p, b) for p, b in zip(params[:2], before)), "the other bucket was not stepped"
+    assert not any(torch.equal(p, b) for p, b in zip(params[2:], before))
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused_with_the_fix():
     opt = torch.optim.LBFGS(_model().parameters())
     with pytest.raises(SettingError, match=r"optimizer=.*LBFGS\.step needs a closure.*drop optimizer= and call "

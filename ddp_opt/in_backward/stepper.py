@@ -20,7 +20,9 @@ Algorithm
     - Before the update each parameter's ``.grad`` is set to its reduced gradient; after
       it, to None. The user's ``optimizer.step()`` and ``zero_grad()`` after backward
       then find no gradient of these parameters and change nothing; a parameter outside
-      the DDP model keeps its gradient and is stepped there, as before.
+      the DDP model keeps its gradient and is stepped there, as before. A wrapper that keeps
+      the real optimizer as ``.optimizer`` (Accelerate's) is unwrapped: its ``step`` would
+      step the real one over every parameter.
     - Updates run one at a time (a lock): collectives complete on the process group's
       own threads.
 
@@ -46,11 +48,22 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BucketStep", "refusal"]
+__all__ = ["BucketStep", "refusal", "unwrapped"]
+
+
+def unwrapped(optimizer: object) -> object:
+    """The optimizer that really steps: a wrapper that is itself an Optimizer and keeps the real one as
+    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``) steps that one over all of its parameters,
+    which a bucket's update must not do."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
 
 
 def refusal(optimizer: object) -> str | None:
     """Why ``optimizer`` cannot run inside backward, bucket by bucket, or None."""
+    optimizer = unwrapped(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         return (f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer; pass the optimizer "
                 "object that steps this model's parameters")
@@ -83,7 +96,7 @@ class BucketStep:
         why = refusal(optimizer)
         if why is not None:
             raise ValueError(f"compile_ddp(optimizer=...): {why}.")
-        self.optimizer = optimizer
+        self.optimizer = unwrapped(optimizer)  # a wrapper's own step after backward then finds no gradients
         self.updates = 0
         self._lock = threading.Lock()
 
