@@ -100,10 +100,6 @@ class BucketStep:
         self.updates = 0
         self._lock = threading.Lock()
 
-    def owns(self, param: torch.nn.Parameter) -> bool:
-        """Whether ``param`` is one of the optimizer's parameters."""
-        return any(param is p for group in self.optimizer.param_groups for p in group["params"])
-
     def step(self, params: Iterable[torch.nn.Parameter], grads: Iterable[torch.Tensor]) -> None:
         """Update ``params`` from their reduced ``grads`` with the user's optimizer, then free the
         gradients (``.grad = None``). Parameters the optimizer does not hold are left alone."""

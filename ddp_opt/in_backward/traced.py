@@ -70,10 +70,7 @@ from typing import Callable, Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import SettingError
 
-from .._torch_internals import python_comm_hooks
-from ..compression.hooks import gradient_hook
 from ._torch_internals import ddp_reduced_parameters
 from .stepper import BucketStep
 
@@ -277,22 +274,10 @@ def attach_traced(ddp_model: DistributedDataParallel, plan: TracedPlanLike, step
     Returns:
         The hooks' state (:class:`TracedUpdate`).
 
-    Raises:
-        SettingError: (``optimizer``) an optimizer the traced update does not model.
+    ``compile_ddp`` refuses, before converting DDP, what this cannot run (``traced_refusal`` and
+    compression: ``ddp_opt.api``).
     """
     optimizer = stepper.optimizer
-    why = traced_refusal(optimizer, list(ddp_model.parameters()))
-    if why is not None:
-        raise SettingError("optimizer", f"compile_ddp(strategy='traced', optimizer=...): {why}. Compile with "
-                                        "strategy='split', which steps any optimizer inside backward, or drop "
-                                        "optimizer= and call optimizer.step() after backward.")
-    hooks = [hook for _, hook in python_comm_hooks(ddp_model) or [] if hook is not gradient_hook]
-    if hooks:
-        raise SettingError("optimizer", "compile_ddp(strategy='traced', optimizer=...): the python reducer calls "
-                                        f"{getattr(hooks[0], '__qualname__', hooks[0])!r}, which may write a "
-                                        "gradient after its own hook returned, so an update right after it could "
-                                        "read it unreduced. Compile with strategy='split' to step inside backward "
-                                        "with compression, or drop optimizer=.")
     plan.updates_in_backward = True  # the fusion pass lets the updates read the reduced gradients
     update = TracedUpdate(ddp_model, optimizer)
     log.info("ddp_opt traced update: %s on %d parameter(s) inside the compiled backward", type(optimizer).__name__,
