@@ -89,7 +89,9 @@ class BucketStep:
 
     Attributes:
         optimizer: the user's optimizer (its state and groups are the ones used).
-        updates: bucket updates run so far.
+        updates: bucket updates run so far; under ``strategy="traced"`` the parameter updates its
+            backward graph ran (``traced_count``, Note [Traced update]).
+        traced_count: under ``strategy="traced"``, the traced update's counter tensor; else None.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -97,8 +99,13 @@ class BucketStep:
         if why is not None:
             raise ValueError(f"compile_ddp(optimizer=...): {why}.")
         self.optimizer = unwrapped(optimizer)  # a wrapper's own step after backward then finds no gradients
-        self.updates = 0
+        self._updates = 0
+        self.traced_count: torch.Tensor | None = None
         self._lock = threading.Lock()
+
+    @property
+    def updates(self) -> int:
+        return int(self.traced_count) if self.traced_count is not None else self._updates
 
     def step(self, params: Iterable[torch.nn.Parameter], grads: Iterable[torch.Tensor]) -> None:
         """Update ``params`` from their reduced ``grads`` with the user's optimizer, then free the
@@ -119,4 +126,4 @@ class BucketStep:
             finally:
                 for p in params:
                     p.grad = None
-            self.updates += 1
+            self._updates += 1

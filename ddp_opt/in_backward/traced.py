@@ -34,8 +34,9 @@ Algorithm
       itself, which zeros give exactly when dampening is 0).
     - One post-accumulate-grad hook per parameter of the DDP module that the optimizer
       holds, registered after DDP's: in a synchronised backward it runs on the reduced
-      gradient (in place of ``.grad``), updates the parameter and sets ``.grad`` to
-      None. In a ``no_sync`` backward it returns at once (dynamo guards the flag:
+      gradient (in place of ``.grad``), updates the parameter, adds one to a counter
+      tensor (``BucketStep.updates`` reads it: a Python counter would be a guarded
+      constant of the graph) and sets ``.grad`` to None. In a ``no_sync`` backward it returns at once (dynamo guards the flag:
       compiled autograd keeps one graph of each), so gradients accumulate.
     - Inductor's fusion pass (``FuseByPlan``) concatenates a bucket's all-reduces into
       one; the updates of its parameters read that bucket's result, so each runs after
@@ -205,6 +206,9 @@ class TracedUpdate:
         lrs: per optimizer group, the 0-dim learning-rate tensor the traced graph reads.
         hyper: per optimizer group, its other hyper-parameters (numbers the graph is specialised on).
         states: per parameter of ``params``, its ``optimizer.state`` entry.
+        count: the parameter updates run so far, a 0-dim int64 tensor the traced graph adds to
+            (a Python counter there would be a constant of the graph, guarded: a recompile at
+            every step).
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
@@ -216,13 +220,15 @@ class TracedUpdate:
         self.lrs = [torch.zeros((), dtype=torch.float64) for _ in optimizer.param_groups]
         self.hyper: list[dict] = [{} for _ in optimizer.param_groups]
         self.states: list[dict] = [{} for _ in self.params]
+        self.count = torch.zeros((), dtype=torch.int64,
+                                 device=self.params[0].device if self.params else torch.device("cpu"))
         self._handles = [ddp_model.register_forward_pre_hook(lambda module, args: self.refresh())]
         self._handles += [p.register_post_accumulate_grad_hook(self._hook(k)) for k, p in enumerate(self.params)]
         self.refresh()
 
     def _hook(self, k: int) -> Callable[[torch.nn.Parameter], None]:
         ddp_model, update, group = self.ddp_model, self.rule.update, self._groups[k]
-        lr, hyper, states = self.lrs[group], self.hyper[group], self.states
+        lr, hyper, states, count = self.lrs[group], self.hyper[group], self.states, self.count
 
         def update_after_reduce(param: torch.nn.Parameter) -> None:
             # Traced by compiled autograd (Note [Traced update]); DDP's own hook ran first.
@@ -230,6 +236,7 @@ class TracedUpdate:
                 return
             with torch.no_grad():
                 update(param, param.grad, states[k], hyper, lr)
+                count.add_(1)
             param.grad = None
 
         return update_after_reduce
@@ -280,6 +287,7 @@ def attach_traced(ddp_model: DistributedDataParallel, plan: TracedPlanLike, step
     optimizer = stepper.optimizer
     plan.updates_in_backward = True  # the fusion pass lets the updates read the reduced gradients
     update = TracedUpdate(ddp_model, optimizer)
+    stepper.traced_count = update.count  # ``stepper.updates`` reads it
     log.info("ddp_opt traced update: %s on %d parameter(s) inside the compiled backward", type(optimizer).__name__,
              len(update.params))
     return update
