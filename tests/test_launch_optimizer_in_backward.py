@@ -45,6 +45,10 @@ OFF = r"or set ddp\.optimizer_in_backward=false to step the optimizer after back
     (["train.on_nonfinite=skip"], r"^train\.on_nonfinite=skip with ddp\.optimizer_in_backward=true: skipping decides "
                                   r"after backward.* no update is left to skip\. Use train\.on_nonfinite=stop "
                                   r"\(the default: .*\), " + OFF),
+    (["ddp.strategy=traced", "ddp.compression=powersgd:2"],
+     r"^ddp\.compression=powersgd:2 with ddp\.optimizer_in_backward=true and ddp\.strategy=traced: the traced "
+     r"PowerSGD hook writes each gradient after it returned, so an update traced right after it would read the "
+     r"gradient unreduced\. Use ddp\.strategy=split \(.*\) or ddp\.compression=none, " + OFF),
     (["diagnose=true"], r"^diagnose=true with ddp\.optimizer_in_backward=true: the diagnosis times forward and "
                         r"backward with gradient sync after training, and every synchronised backward would update "
                         r"the model\. Diagnose the same job with ddp\.optimizer_in_backward=false\.$"),
@@ -132,6 +136,38 @@ def test_the_warm_up_updates_nothing_and_the_step_updates_inside_backward(gloo, 
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a parameter was not updated"
 
 
+def test_under_the_traced_strategy_the_warm_up_updates_nothing_and_the_step_updates_inside_backward(
+        gloo, clean_dynamo):
+    """As above with ddp.strategy=traced (Note [Traced update]): the update is traced into the compiled
+    backward, the warm-up's no_sync backward returns before it, and the updates are counted."""
+    from launch.data.source import SyntheticTokens
+    from launch.runtime.parallel import build_model
+    from launch.step.optim import OptimizerStep, wrap_with_optimizer
+    from launch.step.train_step import StepRunner, micro_batches
+
+    cfg = composed("compile=aot_eager", FLAG, "ddp.strategy=traced", *SMALL, "ddp.bucket_cap_mb=0.01")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    wrapped, optimizer = wrap_with_optimizer(model, cfg, ENV)
+    assert wrapped.compiled_ddp.strategy == "traced"
+    runner = StepRunner(wrapped.forward, wrapped.module, OptimizerStep(optimizer), update_in_backward=True,
+                        backward_context=wrapped.backward_context)
+    data = SyntheticTokens(vocab_size=64, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    runner.warm_up(data, rank=0, world_size=1, micro_batch=2, seq_len=16, padding="max", pad_multiple=8)
+    assert wrapped.in_backward_updates() == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the warm-up updated the model"
+
+    batches = micro_batches(data, step=1, rank=0, world_size=1, local_batch=4, seq_len=16, grad_accum=2,
+                            lengths="fixed", padding="max", pad_multiple=8, seed=0, device=ENV.device)
+    runner.step(batches, 1)
+    # each parameter once, by the synchronising backward only (the no_sync micro-step's returns at once)
+    assert wrapped.in_backward_updates() == len(before)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a parameter was not updated"
+
+
 # --- 2 ranks under torchrun ---------------------------------------------------------------------
 
 # The reference run's model and checkpoints, with accumulation, an lr schedule and the warm-up.
@@ -186,3 +222,27 @@ def test_a_resume_with_the_flag_continues_as_the_uninterrupted_run(in_backward_r
     got = _metrics(tmp_path / "second")
     assert got["start_step"] == 4 and [s for s, _ in got["losses"]] == [5, 6, 7, 8]
     _same_losses(got["losses"], dict(_metrics(cwd / "run")["losses"]))
+
+
+@pytest.mark.slow
+def test_two_ranks_under_the_traced_strategy_train_as_without_the_flag(tmp_path, torchrun):
+    """ddp.strategy=traced (Note [Traced update]): the update traced into the compiled backward gives
+    the losses of the same strategy with the optimizer step after backward, over RUN's accumulation,
+    cosine schedule and warm-up; the banner counts one update per parameter per step."""
+    from launch.runtime.parallel import build_model
+
+    runs = {}
+    for name, flag in (("with", [FLAG]), ("without", [])):
+        (tmp_path / name).mkdir()
+        proc = torchrun(tmp_path / name, *RUN, "ddp.strategy=traced", *flag, "hydra.run.dir=run", timeout=300)
+        _ok(proc)
+        runs[name] = (_metrics(tmp_path / name / "run"), proc.stdout)
+    (got, stdout), (base, _) = runs["with"], runs["without"]
+    assert got["config"]["ddp"]["strategy"] == "traced" and got["config"]["ddp"]["optimizer_in_backward"] is True
+    assert [s for s, _ in got["losses"]] == list(range(1, 9))
+    _same_losses(got["losses"], dict(base["losses"]))
+    assert re.search(r"^ddp\.strategy=traced: the all-reduces run inside the compiled backward graph", stdout,
+                     re.M), stdout[-3000:]  # no fallback to the split strategy
+    said = re.search(r"^optimizer in backward: (\d+) bucket update\(s\) on rank 0", stdout, re.M)
+    params = len(list(build_model(composed(*RUN).model).parameters()))
+    assert said and int(said[1]) == 8 * params, stdout[-3000:]

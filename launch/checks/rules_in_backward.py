@@ -21,7 +21,10 @@ Algorithm
       before any update), ``compile.optimizer=true`` (no step is left after backward to
       compile), ``train.on_nonfinite=skip`` (the decision comes after backward, when the
       update has been applied), ``diagnose=true`` (its probe runs synchronised backwards
-      after training, each of which would update the model);
+      after training, each of which would update the model), and under ``ddp.strategy=traced``
+      ``ddp.compression`` (the traced PowerSGD hook writes each gradient after it returned, so
+      an update traced right after it would read the gradient unreduced; ``compile_ddp``
+      refuses it too, but only once the process group runs);
     - correct as it is: ``train.grad_accum`` (the ``no_sync`` micro-steps update nothing;
       the synchronising one updates from the sum), the lr schedule (set on the optimizer's
       groups before backward, read at each update), evaluation (``no_grad``), checkpoints
@@ -41,6 +44,8 @@ Notes
 """
 
 from __future__ import annotations
+
+from ddp_opt.compression.powersgd import parse_compression
 
 from ..config.schema import ConfigError, JobConfig, ParallelMode, Precision
 from ..runtime.guard import OnNonfinite
@@ -85,8 +90,22 @@ def check_optimizer_in_backward(cfg: JobConfig) -> None:
             "known, and by then every bucket was already updated inside backward, so no update is left to skip. "
             "Use train.on_nonfinite=stop (the default: the run stops at a non-finite loss before it saves a "
             f"checkpoint), {_OFF}.")
+    if cfg.ddp.strategy == "traced" and _compresses(cfg.ddp.compression):
+        raise ConfigError(
+            f"ddp.compression={cfg.ddp.compression} with {_FLAG} and ddp.strategy=traced: the traced PowerSGD hook "
+            "writes each gradient after it returned, so an update traced right after it would read the gradient "
+            "unreduced. Use ddp.strategy=split (which updates each bucket after its compressed all-reduce) or "
+            f"ddp.compression=none, {_OFF}.")
     if cfg.diagnose:
         raise ConfigError(
             f"diagnose=true with {_FLAG}: the diagnosis times forward and backward with gradient sync after "
             "training, and every synchronised backward would update the model. Diagnose the same job with "
             "ddp.optimizer_in_backward=false.")
+
+
+def _compresses(compression: str) -> bool:
+    """``ddp.compression`` names a compression (an invalid one is ``rules.check_compression``'s to refuse)."""
+    try:
+        return parse_compression(compression) is not None
+    except ValueError:
+        return False
