@@ -26,7 +26,7 @@ from .config import DDPCompileConfig
 from .planning.buckets import Bucket, BucketCaps, format_buckets, plan_buckets
 from .planning.calibrate import Calibration
 from .planning.cost import CostModel, DeviceRates
-from .planning.solver import LinkEstimate, Timeline
+from .planning.solver import HookCompute, LinkEstimate, Timeline
 from .strategies.split import DDPOptimizer
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     # cost-model plan (bucket_cap_mb="auto")
     "CostModel",
     "DeviceRates",
+    "HookCompute",
     "LinkEstimate",
     "Timeline",
     "Calibration",

@@ -26,7 +26,7 @@ from .compiled import CompiledDDP
 from .compression.hooks import OwnHook, hook_conflict, link_probe, own_hook
 from .config import DDPCompileConfig, keyword_signature
 from .planning.cost import CostModel, DeviceRates, measure_link, measure_rates
-from .compression.powersgd import link_probe as powersgd_probe
+from .compression.powersgd import link_probe as powersgd_probe, measure_hook_compute
 from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, caps_from_ddp, ddp_backend
 from .strategies.traced import fallback_reason
@@ -92,6 +92,9 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
         link = powersgd_probe(config.compression, group)
     est = link if isinstance(link, LinkEstimate) else measure_link(link, group=group, device=device)
     rates: DeviceRates = measure_rates(device, group=group)
+    if config.compression is not None and config.strategy != "traced":
+        # the reducer's hook compresses each bucket on the cores backward runs on (Note [PowerSGD compression])
+        return CostModel(est, rates, hook=measure_hook_compute(config.compression, device, group=group))
     return CostModel(est, rates)
 
 

@@ -64,7 +64,8 @@ class DDPCompileConfig(CompileOptions):
     blocks: str | Sequence[str] = "auto"
     reduce_dtype: torch.dtype | str | None = None
     compression: PowerSGD | str | None = not_compiled(
-        None, why="a comm hook on DDP's reducer, outside the compiled graphs (refused under 'traced')")
+        None, why="a comm hook on DDP's reducer, outside the compiled graphs; under 'traced', part of the "
+                  "compiled backward graph, which the artifacts' own keys hash")
     step_gate: bool = not_compiled(True, why="a wait in the store before each step's first collective; no graph "
                                              "changes")
     optimizer: torch.optim.Optimizer | None = not_compiled(

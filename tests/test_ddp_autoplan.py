@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _capture import capture
 from ddp_opt import BucketCaps, CostModel, DeviceRates, LinkEstimate, compile_ddp, measure_alignment, plan_buckets
-from ddp_opt.planning.solver import UnitCost, simulate, solve
+from ddp_opt.planning.solver import NO_HOOK_COMPUTE, HookCompute, UnitCost, simulate, solve
 from ddp_opt.planning.cost import measure_link
 from ddp_opt.planning.cost import fit_link, node_backward_costs
 from ddp_opt.planning.auto import _unit_counts, unit_costs
@@ -22,7 +22,7 @@ from launch.models import GPT, GPTConfig
 # --- the DP on hand-built tables ---------------------------------------------------
 
 
-def _brute_force(units, link, gamma, contention=0.0):
+def _brute_force(units, link, gamma, contention=0.0, hook=NO_HOOK_COMPUTE):
     n = len(units)
     best = None
     for cuts in itertools.product((0, 1), repeat=n - 1):
@@ -33,7 +33,7 @@ def _brute_force(units, link, gamma, contention=0.0):
                 run = 0
             run += 1
         counts.append(run)
-        t = simulate(units, counts, link, gamma, contention)
+        t = simulate(units, counts, link, gamma, contention, hook)
         if best is None or t.finish_s < best.finish_s:
             best = t
     return best
@@ -60,6 +60,39 @@ def test_the_dp_with_contention_finds_the_brute_force_optimum(seed):
     link, kappa = LinkEstimate(rng.uniform(0, 2) * 1e-3, 1e7), rng.uniform(0, 5) * 1e-7
     assert solve(units, link, 1e-4, contention=kappa).finish_s == pytest.approx(
         _brute_force(units, link, 1e-4, kappa).finish_s)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_dp_with_a_hooks_compute_finds_the_brute_force_optimum(seed):
+    # Every bucket a compressing hook sends takes fixed + bytes * per_byte from backward (Note [Cost-model
+    # bucket plan]), on top of the graph break and the contention.
+    rng = random.Random(seed)
+    units = [UnitCost(rng.uniform(0.1, 5) * 1e-3, rng.randint(1, 20) * 1000) for _ in range(rng.randint(2, 8))]
+    link, kappa = LinkEstimate(rng.uniform(0, 2) * 1e-3, 1e7), rng.uniform(0, 2) * 1e-7
+    hook = HookCompute(rng.uniform(0, 3) * 1e-3, rng.uniform(0, 5) * 1e-7)
+    dp = solve(units, link, 1e-4, contention=kappa, hook=hook)
+    assert dp.finish_s == pytest.approx(_brute_force(units, link, 1e-4, kappa, hook).finish_s)
+    assert dp.hook == hook and dp.as_dict()["hook_fixed_ms"] == pytest.approx(hook.fixed_s * 1e3)
+
+
+def test_a_hook_that_computes_delays_every_later_bucket_and_the_plan_makes_fewer():
+    # Two units of 1 s backward and 1 MB; the link: 0.1 s + 1 MB/s. Without the hook's compute the
+    # first bucket's transfer overlaps the second unit's backward; a hook computing 2 s per bucket
+    # on backward's cores delays the second unit by 2 s, so one bucket is sooner.
+    units = [UnitCost(1.0, 10**6), UnitCost(1.0, 10**6)]
+    link = LinkEstimate(0.1, 1e6)
+    two = simulate(units, [1, 1], link, hook=HookCompute(2.0, 0.0))
+    assert two.buckets[1].ready_s == pytest.approx(2.0 + 2.0)
+    assert [b.units for b in solve(units, link).buckets] == [1, 1]
+    assert [b.units for b in solve(units, link, hook=HookCompute(2.0, 0.0)).buckets] == [2]
+    assert [b.units for b in solve(units, link, hook=HookCompute(0.0, 2e-6)).buckets] == [2]  # per byte alike
+
+
+@pytest.mark.parametrize("fixed, per_byte", [(-1e-3, 0.0), (0.0, -1e-9), (float("nan"), 0.0)])
+def test_a_hook_compute_below_zero_is_refused(fixed, per_byte):
+    with pytest.raises(ValueError, match=r"^HookCompute\(fixed_s=.*\): both must be >= 0 \(seconds per bucket and "
+                                         r"per gradient byte\); HookCompute\(\) is a hook that computes nothing\.$"):
+        HookCompute(fixed, per_byte)
 
 
 def test_dp_hand_cases():

@@ -241,3 +241,20 @@ def test_the_auto_plan_measures_the_link_as_powersgd_sends_a_bucket(gloo, monkey
     model = api.resolve_cost_model(DDP(torch.nn.Linear(4, 2)), DDPCompileConfig(bucket_cap_mb="auto",
                                                                                compression="powersgd:4"))
     assert model is not None and len(set(sent)) >= 2  # the probe's sizes, each sent the PowerSGD way
+
+
+@pytest.mark.parametrize("strategy, counted", [("split", True), ("traced", False)])
+def test_the_auto_plan_counts_the_hooks_power_iteration_against_backward(gloo, strategy, counted):
+    # Under a reducer strategy the hook compresses each bucket on the cores backward runs on; the traced
+    # strategy compresses each gradient inside backward however the buckets fall (Note [PowerSGD compression]).
+    from ddp_opt.api import resolve_cost_model
+    from ddp_opt.planning.solver import NO_HOOK_COMPUTE
+
+    model = resolve_cost_model(DDP(torch.nn.Linear(4, 2)), DDPCompileConfig(
+        bucket_cap_mb="auto", compression="powersgd:4", strategy=strategy))
+    if counted:
+        assert model.hook.s_per_byte > 0  # a bigger bucket's power iteration takes longer
+    else:
+        assert model.hook == NO_HOOK_COMPUTE
+    plain = resolve_cost_model(DDP(torch.nn.Linear(4, 2)), DDPCompileConfig(bucket_cap_mb="auto", strategy=strategy))
+    assert plain.hook == NO_HOOK_COMPUTE

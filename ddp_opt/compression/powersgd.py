@@ -27,6 +27,12 @@ Algorithm
     - Traced: memories per parameter, traced into the backward (Note [Traced PowerSGD]).
     - ``bucket_cap_mb="auto"``: :func:`link_probe` sends a bucket as PowerSGD does, so the
       fitted latency is a bucket's fixed cost and the plan makes few buckets.
+    - Under a reducer strategy the hook's power iteration also runs on the rank's cores
+      while backward still runs, so each bucket sent delays the rest of backward:
+      :func:`measure_hook_compute` times it alone (no collective) over the probe's sizes,
+      and the plan counts it against every later bucket (Note [Cost-model bucket plan]).
+      The traced strategy compresses each gradient inside backward as it is produced, the
+      same work however the buckets fall, so it plans without it.
 
 Numerics
     PowerSGD is biased per step; error feedback makes the sum over steps unbiased. The
@@ -38,18 +44,22 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from ..planning.cost import DEFAULT_PROBE_SIZES, broadcast_floats, fit_link, sync
+from ..planning.solver import HookCompute
+
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_START", "PowerSGD", "SequencedState", "forget_buckets", "link_probe", "parse_compression",
-           "sequenced_powersgd_hook"]
+__all__ = ["DEFAULT_START", "PowerSGD", "SequencedState", "forget_buckets", "link_probe", "measure_hook_compute",
+           "parse_compression", "sequenced_powersgd_hook"]
 
 # Steps reduced uncompressed before PowerSGD starts: past the bucket rebuilds and realignment (at most 3 steps),
 # and short of most warm-ups (PyTorch's advice: at least the warm-up, about 10% of training).
@@ -157,3 +167,45 @@ def link_probe(spec: PowerSGD, group: dist.ProcessGroup) -> Callable[[torch.Tens
         dist.all_reduce(q, group=group)
 
     return probe
+
+
+def _power_iteration(matrix: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:
+    """One bucket's compute in PowerSGD's hook, on one matrix, without its all-reduces:
+    error feedback, ``P = M Q``, orthogonalise P, ``Q = M^T P``, decompress, the new error."""
+    matrix.add_(error)
+    p = torch.linalg.qr(matrix @ q).Q
+    q.copy_(matrix.t() @ p)
+    error.copy_(matrix - p @ q.t())
+
+
+def measure_hook_compute(spec: PowerSGD, device: torch.device | str = "cpu", *,
+                         group: dist.ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES,
+                         reps: int = 3) -> HookCompute:
+    """The power iteration's compute per bucket of n gradient bytes, fitted as ``fixed + n *
+    per_byte`` over ``sizes`` (best of ``reps``, one near-square matrix per bucket, as
+    :func:`link_probe`); rank 0's fit on every rank (Note [PowerSGD compression])."""
+    device = torch.device(device)
+    xs, ys = [], []
+    for size in sizes:
+        numel = max(1, size // 4)
+        n = max(1, math.isqrt(numel))
+        m = max(1, numel // n)
+        matrix = torch.randn(n, m, device=device)
+        error = torch.zeros_like(matrix)
+        q = torch.randn(m, min(n, m, spec.rank), device=device)
+        _power_iteration(matrix, error, q)  # warm-up
+        times = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            _power_iteration(matrix, error, q)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        xs.append(size)
+        ys.append(min(times))
+    fit = fit_link(xs, ys)
+    fixed_s, per_byte = broadcast_floats([fit.alpha_s, 1.0 / fit.bandwidth], group)
+    log.info("ddp_opt measured PowerSGD's power iteration: %.3f ms + %.3f ms/MiB per bucket (rank 0's fit of %s)",
+             fixed_s * 1e3, per_byte * 2**20 * 1e3,
+             ", ".join(f"{x // 1024} KiB {y * 1e3:.2f} ms" for x, y in zip(xs, ys)))
+    return HookCompute(fixed_s, per_byte)

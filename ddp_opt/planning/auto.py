@@ -10,7 +10,7 @@ from typing import Sequence
 
 from torch import fx
 
-from .solver import LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
+from .solver import NO_HOOK_COMPUTE, HookCompute, LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
 from .cost import CostModel, node_backward_costs
 from .buckets import Bucket, BucketCaps, group_by_caps, plan_buckets
 
@@ -40,21 +40,21 @@ def _merge(table: Sequence[UnitCost], lengths: Sequence[int]) -> list[UnitCost]:
 
 
 def solve_table(table: Sequence[UnitCost], link: LinkEstimate, gamma_s: float, min_bucket_bytes: int = 0,
-                contention: float = 0.0) -> Timeline:
+                contention: float = 0.0, hook: HookCompute = NO_HOOK_COMPUTE) -> Timeline:
     """``solve_robust`` on a unit table (gradient-ready order), over chunks of at least
     ``min_bucket_bytes`` with the first chunk alone when that is > 0 (``plan_auto``);
     the timeline is over ``table``'s units either way, ``extra["min_bucket_bytes"]`` set."""
     if min_bucket_bytes > 0:
         chunks = chunk_units(table, min_bucket_bytes)
-        best = solve_robust(_merge(table, chunks), link, gamma_s, first=1, contention=contention)
+        best = solve_robust(_merge(table, chunks), link, gamma_s, first=1, contention=contention, hook=hook)
         counts, start = [], 0
         for n in best.counts:
             counts.append(sum(chunks[start:start + n]))
             start += n
-        timeline = simulate(table, counts, link, gamma_s, contention)
+        timeline = simulate(table, counts, link, gamma_s, contention, hook)
         timeline.extra.update(best.extra)
     else:
-        timeline = solve_robust(table, link, gamma_s, contention=contention)
+        timeline = solve_robust(table, link, gamma_s, contention=contention, hook=hook)
     timeline.extra["min_bucket_bytes"] = min_bucket_bytes
     return timeline
 
@@ -72,7 +72,8 @@ def plan_auto(gm: fx.GraphModule, model: CostModel) -> tuple[BucketCaps, list[Bu
     """
     units = plan_buckets(gm, BucketCaps(1))  # the finest legal split, forward order
     table = unit_costs(units, node_backward_costs(gm, model.rates))
-    best = solve_table(table, model.link, model.gamma_s, model.min_bucket_bytes, model.contention_s_per_byte)
+    best = solve_table(table, model.link, model.gamma_s, model.min_bucket_bytes, model.contention_s_per_byte,
+                       model.hook)
     caps = BucketCaps(best.caps[0], per_bucket_caps=best.caps)
     # The prediction is for the plan plan_buckets really makes with these caps.
     planned = plan_buckets(gm, caps)
@@ -94,7 +95,8 @@ def predict_plan(gm: fx.GraphModule, buckets: list[Bucket], model: CostModel) ->
 
 def _predict(units: list[Bucket], table: list[UnitCost], buckets: list[Bucket], model: CostModel) -> Timeline | None:
     counts = _unit_counts(units, buckets)
-    return None if counts is None else simulate(table, counts, model.link, model.gamma_s, model.contention_s_per_byte)
+    return None if counts is None else simulate(table, counts, model.link, model.gamma_s, model.contention_s_per_byte,
+                                                model.hook)
 
 
 def _unit_counts(units: list[Bucket], planned: list[Bucket]) -> list[int] | None:

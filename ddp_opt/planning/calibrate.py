@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .solver import LinkEstimate, Timeline, UnitCost, simulate
+from .solver import NO_HOOK_COMPUTE, HookCompute, LinkEstimate, Timeline, UnitCost, simulate
 from .cost import CostModel
 from .auto import solve_table
 
@@ -97,26 +97,27 @@ def calibrate(prediction: Timeline, measured_backward_s: float, measured_exposed
     scale = max(measured_backward_s - breaks, 1e-9) / max(estimated, 1e-12)
     table = [UnitCost(u.backward_s * scale, u.nbytes) for u in prediction.units]
     if measured_exposed_s is not None:
-        contention = fit_contention(table, prediction.counts, prediction.link, prediction.gamma_s, measured_exposed_s)
+        contention = fit_contention(table, prediction.counts, prediction.link, prediction.gamma_s, measured_exposed_s,
+                                    prediction.hook)
     elif contention is None:
         contention = prediction.contention_s_per_byte
-    current = simulate(table, prediction.counts, prediction.link, prediction.gamma_s, contention)
+    current = simulate(table, prediction.counts, prediction.link, prediction.gamma_s, contention, prediction.hook)
     best = solve_table(table, prediction.link, prediction.gamma_s, prediction.extra.get("min_bucket_bytes", 0),
-                       contention)
+                       contention, prediction.hook)
     return Calibration(scale, measured_backward_s, current, best)
 
 
 def fit_contention(table: list[UnitCost], counts: tuple[int, ...], link: LinkEstimate, gamma_s: float,
-                   measured_exposed_s: float) -> float:
+                   measured_exposed_s: float, hook: HookCompute = NO_HOOK_COMPUTE) -> float:
     """The contention (seconds per byte) under which the plan ``counts`` predicts
     ``measured_exposed_s``; 0 when the plan predicts that much without any, has one
     bucket (nothing in flight during backward to fit it on), or keeps the link busy
     from its first bucket on (link-bound: the link never waits for backward, so only a
     contention that outruns the link would show, and noise would be fitted as one)."""
     def exposed(kappa: float) -> float:
-        return simulate(table, counts, link, gamma_s, kappa).exposed_s
+        return simulate(table, counts, link, gamma_s, kappa, hook).exposed_s
 
-    free = simulate(table, counts, link, gamma_s)
+    free = simulate(table, counts, link, gamma_s, hook=hook)
     waits = any(b.ready_s > prev.finish_s for prev, b in zip(free.buckets, free.buckets[1:]))  # the link idles
     if len(counts) < 2 or not waits or free.exposed_s >= measured_exposed_s:
         return 0.0

@@ -41,13 +41,13 @@ import torch.distributed as dist
 from torch import fx
 
 from .._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example, size_hint
-from .solver import LinkEstimate
+from .solver import NO_HOOK_COMPUTE, HookCompute, LinkEstimate
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DeviceRates", "CostModel", "fit_link", "measure_link", "measure_rates", "node_backward_costs",
-    "DEFAULT_PROBE_SIZES", "MIN_BUCKET_BYTES",
+    "DeviceRates", "CostModel", "broadcast_floats", "fit_link", "sync", "measure_link", "measure_rates",
+    "node_backward_costs", "DEFAULT_PROBE_SIZES", "MIN_BUCKET_BYTES",
 ]
 
 DEFAULT_PROBE_SIZES = (64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
@@ -79,6 +79,8 @@ class CostModel:
         rates: the measured or given device rates.
         gamma_s: seconds one extra partition (graph break) costs.
         contention_s_per_byte: backward seconds a byte in flight takes (0 unless calibrated).
+        hook: what the comm hook computes per bucket while backward runs (PowerSGD's power
+            iteration under a reducer strategy; none otherwise).
         min_bucket_bytes: the smallest bucket the plan makes but the last (``solve_table``),
             1 MiB by default; 0 plans over single units (Note [Cost-model bucket plan]).
     """
@@ -88,6 +90,7 @@ class CostModel:
     gamma_s: float = 5e-4
     contention_s_per_byte: float = 0.0
     min_bucket_bytes: int = MIN_BUCKET_BYTES
+    hook: HookCompute = NO_HOOK_COMPUTE
 
     def __post_init__(self) -> None:
         if isinstance(self.min_bucket_bytes, bool) or not isinstance(self.min_bucket_bytes, int) \
@@ -124,12 +127,12 @@ def _wait(handle: Any) -> None:
         handle.wait()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _broadcast_floats(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+def broadcast_floats(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
     """Rank 0's values on every rank (identity without a multi-rank group)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
@@ -163,15 +166,15 @@ def measure_link(probe: Probe | None = None, *, group: dist.ProcessGroup | None 
     for s in sizes:
         times = []
         for _ in range(reps):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             _wait(probe(bufs[s]))
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
         xs.append(s)
         ys.append(statistics.median(times))
     fit = fit_link(xs, ys)
-    alpha, bandwidth = _broadcast_floats([fit.alpha_s, fit.bandwidth], group)
+    alpha, bandwidth = broadcast_floats([fit.alpha_s, fit.bandwidth], group)
     est = LinkEstimate(alpha, bandwidth, "measured")
     log.info("ddp_opt measured the link: %.3f ms + %.4g MB/s (rank 0's fit of %s)", alpha * 1e3, bandwidth / 1e6,
              ", ".join(f"{x // 1024} KiB {y * 1e3:.2f} ms" for x, y in zip(xs, ys)))
@@ -190,10 +193,10 @@ def measure_rates(device: torch.device | str = "cpu", *, group: dist.ProcessGrou
         fn()
         times = []
         for _ in range(reps):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
         return max(min(times), 1e-9)
 
@@ -207,7 +210,7 @@ def measure_rates(device: torch.device | str = "cpu", *, group: dist.ProcessGrou
         flops = 2 * n**3 / best(lambda: a @ a)
         nbytes = 2 * copy_bytes / best(lambda: dst.copy_(src))
         op_s = best(hundred_tiny_ops) / 100
-    flops, nbytes, op_s = _broadcast_floats([flops, nbytes, op_s], group)
+    flops, nbytes, op_s = broadcast_floats([flops, nbytes, op_s], group)
     log.info("ddp_opt measured the device: %.3g GFLOP/s matmul, %.3g GB/s copy, %.2g us per operator",
              flops / 1e9, nbytes / 1e9, op_s * 1e6)
     return DeviceRates(flops, nbytes, op_s)

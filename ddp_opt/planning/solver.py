@@ -22,6 +22,12 @@ Algorithm
     - ``F[k][i] = min_j max(F[k-1][j], R(i, k)) + alpha + B(j+1..i)/beta``; exact, as a
       bucket's finish is monotone in the previous one's. Answer ``min_k F[k][n-1]``;
       ties go to fewer buckets. Bucket k's cap is its bytes.
+    - Compression in a reducer hook (PowerSGD under split, whole, regional): each bucket's
+      power iteration runs on the rank's cores while backward runs, so every bucket sent
+      before bucket k delays k's readiness by ``HookCompute.fixed_s + bytes *
+      s_per_byte``: the same form as ``gamma`` and ``kappa``, added to them. The hook's
+      compute also delays its own send; the link probe sends as the hook does, compute
+      included, so that part is already in ``alpha`` and ``beta``.
     - Robustness (``solve_robust``, what ``"auto"`` uses): the backward estimate can be
       off by a constant factor, and where communication dominates the exact optimum is
       indifferent to a huge last bucket that a slower backward exposes. So the DP is
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = [
-    "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust", "simulate", "format_timeline",
+    "HookCompute", "NO_HOOK_COMPUTE", "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust", "simulate", "format_timeline",
     "DEFAULT_SCALES",
 ]
 
@@ -71,6 +77,25 @@ class LinkEstimate:
 
     def transfer_s(self, nbytes: int) -> float:
         return self.alpha_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class HookCompute:
+    """What a bucket's comm hook computes on the rank's cores, taken from backward while it
+    runs: ``fixed_s + nbytes * s_per_byte`` seconds for a bucket of ``nbytes`` gradient bytes
+    (PowerSGD's power iteration, Note [Cost-model bucket plan])."""
+
+    fixed_s: float = 0.0
+    s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.fixed_s >= 0 and self.s_per_byte >= 0):
+            raise ValueError(f"HookCompute(fixed_s={self.fixed_s!r}, s_per_byte={self.s_per_byte!r}): both must be "
+                             ">= 0 (seconds per bucket and per gradient byte); HookCompute() is a hook that "
+                             "computes nothing.")
+
+
+NO_HOOK_COMPUTE = HookCompute()
 
 
 @dataclass(frozen=True)
@@ -103,6 +128,7 @@ class Timeline:
         link: the link the prediction used.
         gamma_s: the per-partition overhead used.
         contention_s_per_byte: the CPU contention used (``simulate``).
+        hook: the comm hook's compute used (``simulate``).
     """
 
     buckets: tuple[BucketTiming, ...]
@@ -113,6 +139,7 @@ class Timeline:
     extra: dict = field(default_factory=dict, compare=False)  # e.g. regret, scales (solve_robust)
     units: tuple[UnitCost, ...] = field(default=(), compare=False, repr=False)  # the table simulated
     contention_s_per_byte: float = 0.0  # backward seconds each byte sent before a bucket's readiness adds
+    hook: HookCompute = NO_HOOK_COMPUTE
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -134,6 +161,7 @@ class Timeline:
             "link_alpha_ms": self.link.alpha_s * 1e3, "link_bandwidth_MBps": self.link.bandwidth / 1e6,
             "link_source": self.link.source, "gamma_ms": self.gamma_s * 1e3,
             "contention_ms_per_mib": self.contention_s_per_byte * 2**20 * 1e3,
+            "hook_fixed_ms": self.hook.fixed_s * 1e3, "hook_ms_per_mib": self.hook.s_per_byte * 2**20 * 1e3,
             "predicted_backward_ms": self.backward_s * 1e3, "predicted_finish_ms": self.finish_s * 1e3,
             "predicted_exposed_comm_ms": self.exposed_s * 1e3,
             "buckets": [
@@ -145,7 +173,7 @@ class Timeline:
 
 
 def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimate, gamma_s: float = 0.0,
-             contention: float = 0.0) -> Timeline:
+             contention: float = 0.0, hook: HookCompute = NO_HOOK_COMPUTE) -> Timeline:
     """The timeline of the plan that puts ``counts[k]`` consecutive units in bucket k.
 
     Args:
@@ -156,6 +184,8 @@ def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimat
         contention: seconds of backward each byte of the earlier buckets adds (the CPU the
             collective takes from backward while it runs; 0: none). ``backward_s`` stays the
             backward without communication, so ``exposed_s`` includes it.
+        hook: the comm hook's compute per bucket; each earlier bucket's delays a bucket's
+            readiness as ``gamma_s`` and ``contention`` do, and ``exposed_s`` includes it.
     """
     if sum(counts) != len(units) or any(c <= 0 for c in counts):
         raise ValueError(f"bucket unit counts {list(counts)} do not cover the {len(units)} units exactly")
@@ -165,17 +195,18 @@ def simulate(units: Sequence[UnitCost], counts: Sequence[int], link: LinkEstimat
         done += c
         compute += sum(u.backward_s for u in chunk)
         nbytes = sum(u.nbytes for u in chunk)
-        ready = compute + k * gamma_s + contention * sent
+        ready = compute + k * (gamma_s + hook.fixed_s) + (contention + hook.s_per_byte) * sent
         start = max(ready, free)
         free = start + link.transfer_s(nbytes)
         sent += nbytes
         timings.append(BucketTiming(c, nbytes, ready, start, free))
     backward = compute + (len(counts) - 1) * gamma_s
-    return Timeline(tuple(timings), backward, free, link, gamma_s, units=tuple(units), contention_s_per_byte=contention)
+    return Timeline(tuple(timings), backward, free, link, gamma_s, units=tuple(units), contention_s_per_byte=contention,
+                    hook=hook)
 
 
 def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, max_buckets: int | None = None,
-          first: int | None = None, contention: float = 0.0) -> Timeline:
+          first: int | None = None, contention: float = 0.0, hook: HookCompute = NO_HOOK_COMPUTE) -> Timeline:
     """The plan (a merge of consecutive units) with the least predicted finish.
 
     Args:
@@ -184,7 +215,7 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
         gamma_s: seconds each extra partition adds to backward.
         max_buckets: an upper bound on the number of buckets (default: one per unit).
         first: the first bucket holds exactly this many units (default: the DP chooses).
-        contention: as in ``simulate``.
+        contention, hook: as in ``simulate``.
 
     Returns:
         The optimal plan's :class:`Timeline` (``caps`` gives its per-bucket caps).
@@ -210,10 +241,10 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
     for k in range(1, kmax):
         prev, row, back = F[k - 1], F[k], P[k]
         for i in range(k, n):
-            ready = cum_c[i + 1] + k * gamma_s
+            ready = cum_c[i + 1] + k * (gamma_s + hook.fixed_s)
             best, arg = inf, -1
             for j in range(k - 1, i):
-                f = (max(prev[j], ready + contention * cum_b[j + 1]) + link.alpha_s
+                f = (max(prev[j], ready + (contention + hook.s_per_byte) * cum_b[j + 1]) + link.alpha_s
                      + (cum_b[i + 1] - cum_b[j + 1]) / link.bandwidth)
                 if f < best:
                     best, arg = f, j
@@ -226,7 +257,7 @@ def solve(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0, m
         i = P[k][i]
     ends.reverse()
     counts = [ends[0] + 1] + [b - a for a, b in zip(ends, ends[1:])]
-    return simulate(units, counts, link, gamma_s, contention)
+    return simulate(units, counts, link, gamma_s, contention, hook)
 
 
 DEFAULT_SCALES = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
@@ -234,7 +265,7 @@ DEFAULT_SCALES = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 
 def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float = 0.0,
                  scales: Sequence[float] = DEFAULT_SCALES, first: int | None = None,
-                 contention: float = 0.0) -> Timeline:
+                 contention: float = 0.0, hook: HookCompute = NO_HOOK_COMPUTE) -> Timeline:
     """The plan with the least worst-case regret when backward really takes ``scale`` x the estimate.
 
     Candidates: the exact optimum (``solve``, with ``first`` as there) for every scale,
@@ -247,16 +278,16 @@ def solve_robust(units: Sequence[UnitCost], link: LinkEstimate, gamma_s: float =
         return [UnitCost(u.backward_s * s, u.nbytes) for u in units]
 
     tables = {s: scaled(s) for s in scales}
-    optimum = {s: solve(t, link, gamma_s, first=first, contention=contention) for s, t in tables.items()}
+    optimum = {s: solve(t, link, gamma_s, first=first, contention=contention, hook=hook) for s, t in tables.items()}
     finest = (1,) * len(units) if first is None else (first,) + (1,) * (len(units) - first)
     candidates = {t.counts for t in optimum.values()} | {finest}
 
     def regret(counts: tuple[int, ...]) -> float:
-        return max(simulate(tables[s], counts, link, gamma_s, contention).finish_s / max(optimum[s].finish_s, 1e-12)
-                   for s in scales)
+        return max(simulate(tables[s], counts, link, gamma_s, contention, hook).finish_s
+                   / max(optimum[s].finish_s, 1e-12) for s in scales)
 
     best = min(candidates, key=lambda c: (round(regret(c), 9), len(c), c))
-    t = simulate(units, best, link, gamma_s, contention)
+    t = simulate(units, best, link, gamma_s, contention, hook)
     t.extra.update(regret=regret(best), scales=list(scales))
     return t
 
@@ -276,6 +307,8 @@ def format_timeline(t: Timeline, names: Sequence[str] | None = None) -> str:
         f"{table}\npredicted: backward {t.backward_s * 1e3:.2f} ms, last all-reduce done at {t.finish_s * 1e3:.2f} ms, "
         f"exposed comm (step comm tail) {t.exposed_s * 1e3:.2f} ms; link {t.link.alpha_s * 1e3:.3g} ms + "
         f"{t.link.bandwidth / 1e6:.4g} MB/s ({t.link.source}), {t.gamma_s * 1e3:.3g} ms per extra partition"
+        + (f"; the hook computes {t.hook.fixed_s * 1e3:.3g} ms + {t.hook.s_per_byte * 2**20 * 1e3:.3g} ms/MiB per "
+           "bucket" if t.hook != NO_HOOK_COMPUTE else "")
         + (f"; worst-case regret {t.extra['regret']:.3f} if backward takes {min(t.extra['scales']):g}x.."
            f"{max(t.extra['scales']):g}x the estimate" if "regret" in t.extra else "")
     )
