@@ -215,6 +215,20 @@ def test_the_trainers_own_compile_is_refused(tmp_path):
         compile_trainer(trainer, backend="aot_eager")
 
 
+def test_the_optimizer_in_backward_is_refused_as_the_trainer_clips_after_backward(tmp_path):
+    # The Trainer's default max_grad_norm=1.0 clips after backward; with the update inside backward it would
+    # find no gradients and silently not clip.
+    model = _gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_Tokens(), optimizers=(optimizer, None))
+    with pytest.raises(ValueError, match=r"^compile_trainer\(optimizer=\.\.\.\): the optimizer in backward does not "
+                                         r"fit the Trainer's loop, which clips the gradients after backward "
+                                         r"\(TrainingArguments\.max_grad_norm, 1\.0 by default\).* Drop optimizer= "
+                                         r".*, or call compile_ddp\(ddp, optimizer=opt\) in a loop of your own\.$"):
+        compile_trainer(trainer, backend="aot_eager", optimizer=optimizer)
+    assert not any(isinstance(c, DDPCompileCallback) for c in trainer.callback_handler.callbacks)
+
+
 def test_the_docs_show_the_example_as_it_is():
     page = (REPO / "docs" / "frameworks" / "hf.md").read_text()
     assert f"```python\n{EXAMPLE.read_text()}```" in page

@@ -258,6 +258,16 @@ def test_bad_settings_fail_when_the_strategy_is_built():
         CompiledDDPStrategy(config=DDPCompileConfig(), backend="eager")
 
 
+def test_the_optimizer_in_backward_is_refused_as_lightning_clips_after_backward():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^CompiledDDPStrategy\(optimizer=\.\.\.\): the optimizer in backward does "
+                                         r"not fit Lightning's loop, which runs backward inside "
+                                         r"optimizer\.step\(closure\) and after it clips \(gradient_clip_val\).* Drop "
+                                         r"optimizer= .*, or call "
+                                         r"compile_ddp\(ddp, optimizer=opt\) in a loop of your own\.$"):
+        CompiledDDPStrategy(backend="aot_eager", optimizer=optimizer)
+
+
 def test_a_module_compiled_by_lightnings_recipe_is_refused():
     strategy = CompiledDDPStrategy(backend="aot_eager")
     strategy.connect(from_compiled(torch.compile(_Regression(), backend="eager")))

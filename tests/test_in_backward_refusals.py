@@ -87,6 +87,31 @@ def test_a_wrapped_optimizer_updates_only_the_bucket_it_is_given():
     assert not any(torch.equal(p, b) for p, b in zip(params[2:], before))
 
 
+def test_an_optimizer_that_steps_through_a_grad_scaler_is_refused_with_the_fix():
+    # Accelerate's AcceleratedOptimizer under mixed_precision="fp16" keeps the real optimizer as .optimizer
+    # and the GradScaler as .scaler; until its step, the gradients are scaled.
+    # On CPU Accelerate makes no scaler; on CUDA, Accelerator.prepare_optimizer makes this call with its scaler.
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerate.Accelerator(cpu=True)  # the state AcceleratedOptimizer reads
+        wrapped = AcceleratedOptimizer(opt, device_placement=False, scaler=torch.amp.GradScaler("cpu"))
+        with pytest.raises(SettingError, match=r"optimizer=.*AcceleratedOptimizer steps through a GradScaler \(fp16 "
+                                               r"mixed precision.*the gradients stay scaled until its step unscales "
+                                               r"them.*train in bf16 \(no scaler\), or drop optimizer="):
+            DDPCompileConfig(optimizer=wrapped)
+        # without a scaler (fp32, bf16) it is the real optimizer, unwrapped
+        plain = AcceleratedOptimizer(opt, device_placement=False)
+        assert DDPCompileConfig(optimizer=plain).optimizer is plain
+        assert BucketStep(plain).optimizer is opt
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused_with_the_fix():
     opt = torch.optim.LBFGS(_model().parameters())
     with pytest.raises(SettingError, match=r"optimizer=.*LBFGS\.step needs a closure.*drop optimizer= and call "

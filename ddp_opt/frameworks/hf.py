@@ -123,7 +123,8 @@ def compile_trainer(trainer: Trainer, *, config: DDPCompileConfig | None = None,
         The callback, added to the trainer; ``callback.compiled`` once training began.
 
     Raises:
-        ValueError: ``torch_compile=True`` in the arguments, or both ``config`` and keywords.
+        ValueError: ``torch_compile=True`` in the arguments, both ``config`` and keywords, or
+            ``optimizer=`` (the optimizer in backward; the Trainer clips after backward).
         SettingError: a bad setting, before training starts.
     """
     if trainer.args.torch_compile:
@@ -135,6 +136,14 @@ def compile_trainer(trainer: Trainer, *, config: DDPCompileConfig | None = None,
         raise ValueError(
             f"compile_trainer(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every "
             "setting, so keywords given beside it would be silently dropped. Put them into the config or drop config=.")
-    callback = DDPCompileCallback(trainer, config or DDPCompileConfig.from_keywords("compile_ddp", settings))
+    config = config or DDPCompileConfig.from_keywords("compile_ddp", settings)
+    if config.optimizer is not None:
+        raise ValueError(
+            "compile_trainer(optimizer=...): the optimizer in backward does not fit the Trainer's loop, which clips "
+            "the gradients after backward (TrainingArguments.max_grad_norm, 1.0 by default) and unscales fp16 ones "
+            "before its own optimizer.step(), and would find none: the clipping would silently not happen. Drop "
+            "optimizer= (the Trainer steps the optimizer after backward), or call compile_ddp(ddp, optimizer=opt) "
+            "in a loop of your own.")
+    callback = DDPCompileCallback(trainer, config)
     trainer.add_callback(callback)
     return callback

@@ -100,6 +100,13 @@ class CompiledDDPStrategy(DDPStrategy):
                 "every compile setting, so keywords beside it would be silently dropped or silently win. Put them "
                 "into the config (dataclasses.replace(config, backend='aot_eager')) or drop config=.")
         self.compile_config = config or DDPCompileConfig.from_keywords("CompiledDDPStrategy", settings)
+        if self.compile_config.optimizer is not None:
+            raise ValueError(
+                "CompiledDDPStrategy(optimizer=...): the optimizer in backward does not fit Lightning's loop, which "
+                "runs backward inside optimizer.step(closure) and after it clips (gradient_clip_val) and unscales "
+                "(fp16) the gradients, which would find none: the clipping would silently not happen. Drop "
+                "optimizer= (Lightning steps the optimizer after backward), or call compile_ddp(ddp, "
+                "optimizer=opt) in a loop of your own.")
         _check_comm_hook(self.compile_config, ddp_comm_hook)
         super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
                          ddp_comm_wrapper=ddp_comm_wrapper, **kwargs)

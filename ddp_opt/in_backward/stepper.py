@@ -22,7 +22,8 @@ Algorithm
       then find no gradient of these parameters and change nothing; a parameter outside
       the DDP model keeps its gradient and is stepped there, as before. A wrapper that keeps
       the real optimizer as ``.optimizer`` (Accelerate's) is unwrapped: its ``step`` would
-      step the real one over every parameter.
+      step the real one over every parameter. One that steps through an enabled GradScaler
+      (Accelerate's under fp16) is refused: the gradients are scaled until that step.
     - Updates run one at a time (a lock): collectives complete on the process group's
       own threads.
 
@@ -61,8 +62,25 @@ def unwrapped(optimizer: object) -> object:
     return optimizer
 
 
+def _grad_scaler(optimizer: object) -> object | None:
+    """The enabled GradScaler a wrapper steps through (Accelerate's ``AcceleratedOptimizer.scaler`` under
+    ``mixed_precision="fp16"``), or None."""
+    while optimizer is not None:
+        scaler = getattr(optimizer, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+            return scaler
+        inner = getattr(optimizer, "optimizer", None)
+        optimizer = inner if inner is not optimizer else None
+    return None
+
+
 def refusal(optimizer: object) -> str | None:
     """Why ``optimizer`` cannot run inside backward, bucket by bucket, or None."""
+    if _grad_scaler(optimizer) is not None:
+        return (f"{type(optimizer).__name__} steps through a GradScaler (fp16 mixed precision, as Accelerate's "
+                "mixed_precision='fp16'): the gradients stay scaled until its step unscales them, and it skips the "
+                "step on an inf gradient, which no bucket's update inside backward can do; train in bf16 (no "
+                "scaler), or drop optimizer=")
     optimizer = unwrapped(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         return (f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer; pass the optimizer "
