@@ -108,48 +108,22 @@ def test_compile_ddps_own_refusal_of_the_optimizer_is_told_in_the_launchers_spel
 # --- one rank in this process: the warm-up and the step ----------------------------------------
 
 
-def test_the_warm_up_updates_nothing_and_the_step_updates_inside_backward(gloo, clean_dynamo):
+@pytest.mark.parametrize("strategy", ["split", "traced"])
+def test_the_warm_up_updates_nothing_and_the_step_updates_inside_backward(gloo, clean_dynamo, strategy):
     """Note [Warm-up]: under the flag its backwards run without sync, so nothing is updated; a
-    training step then updates every parameter inside backward and leaves no gradient."""
+    training step then updates every parameter inside backward and leaves no gradient. Under
+    ddp.strategy=traced (Note [Traced update]) the update is traced into the compiled backward,
+    the warm-up's no_sync backward returns before it, and each parameter's update is counted."""
     from launch.data.source import SyntheticTokens
     from launch.runtime.parallel import build_model
     from launch.step.optim import OptimizerStep, wrap_with_optimizer
     from launch.step.train_step import StepRunner, micro_batches
 
-    cfg = composed("compile=aot_eager", FLAG, *SMALL, "ddp.bucket_cap_mb=0.01")
+    cfg = composed("compile=aot_eager", FLAG, f"ddp.strategy={strategy}", *SMALL, "ddp.bucket_cap_mb=0.01")
     torch.manual_seed(0)
     model = build_model(cfg.model)
     wrapped, optimizer = wrap_with_optimizer(model, cfg, ENV)
-    runner = StepRunner(wrapped.forward, wrapped.module, OptimizerStep(optimizer), update_in_backward=True)
-    data = SyntheticTokens(vocab_size=64, seed=0)
-    before = [p.detach().clone() for p in model.parameters()]
-
-    runner.warm_up(data, rank=0, world_size=1, micro_batch=2, seq_len=16, padding="max", pad_multiple=8)
-    assert wrapped.in_backward_updates() == 0
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the warm-up updated the model"
-
-    batches = micro_batches(data, step=1, rank=0, world_size=1, local_batch=4, seq_len=16, grad_accum=2,
-                            lengths="fixed", padding="max", pad_multiple=8, seed=0, device=ENV.device)
-    runner.step(batches, 1)
-    assert wrapped.in_backward_updates() > 0
-    assert all(p.grad is None for p in model.parameters())
-    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a parameter was not updated"
-
-
-def test_under_the_traced_strategy_the_warm_up_updates_nothing_and_the_step_updates_inside_backward(
-        gloo, clean_dynamo):
-    """As above with ddp.strategy=traced (Note [Traced update]): the update is traced into the compiled
-    backward, the warm-up's no_sync backward returns before it, and the updates are counted."""
-    from launch.data.source import SyntheticTokens
-    from launch.runtime.parallel import build_model
-    from launch.step.optim import OptimizerStep, wrap_with_optimizer
-    from launch.step.train_step import StepRunner, micro_batches
-
-    cfg = composed("compile=aot_eager", FLAG, "ddp.strategy=traced", *SMALL, "ddp.bucket_cap_mb=0.01")
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    wrapped, optimizer = wrap_with_optimizer(model, cfg, ENV)
-    assert wrapped.compiled_ddp.strategy == "traced"
+    assert wrapped.compiled_ddp.strategy == strategy
     runner = StepRunner(wrapped.forward, wrapped.module, OptimizerStep(optimizer), update_in_backward=True,
                         backward_context=wrapped.backward_context)
     data = SyntheticTokens(vocab_size=64, seed=0)
@@ -162,8 +136,10 @@ def test_under_the_traced_strategy_the_warm_up_updates_nothing_and_the_step_upda
     batches = micro_batches(data, step=1, rank=0, world_size=1, local_batch=4, seq_len=16, grad_accum=2,
                             lengths="fixed", padding="max", pad_multiple=8, seed=0, device=ENV.device)
     runner.step(batches, 1)
-    # each parameter once, by the synchronising backward only (the no_sync micro-step's returns at once)
-    assert wrapped.in_backward_updates() == len(before)
+    if strategy == "traced":  # each parameter once, by the synchronising backward only
+        assert wrapped.in_backward_updates() == len(before)
+    else:  # each bucket once (several at ddp.bucket_cap_mb=0.01)
+        assert wrapped.in_backward_updates() > 1
     assert all(p.grad is None for p in model.parameters())
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a parameter was not updated"
 
@@ -243,6 +219,7 @@ def test_two_ranks_under_the_traced_strategy_train_as_without_the_flag(tmp_path,
     _same_losses(got["losses"], dict(base["losses"]))
     assert re.search(r"^ddp\.strategy=traced: the all-reduces run inside the compiled backward graph", stdout,
                      re.M), stdout[-3000:]  # no fallback to the split strategy
-    said = re.search(r"^optimizer in backward: (\d+) bucket update\(s\) on rank 0", stdout, re.M)
+    said = re.search(r"^optimizer in backward: (\d+) parameter update\(s\) on rank 0, traced into the compiled "
+                     r"backward after their bucket's all-reduce", stdout, re.M)
     params = len(list(build_model(composed(*RUN).model).parameters()))
     assert said and int(said[1]) == 8 * params, stdout[-3000:]

@@ -67,17 +67,21 @@ def _describe_fsdp(f: FSDPOptions) -> str:
 def ddp_lines(wrapped: Wrapped, alignment: Alignment | None) -> list[str]:
     """What DDP's gradients went through: the realigned buckets' alignment, or under
     ``ddp.strategy=traced`` the fused all-reduces of the compiled backward; and with
-    ``ddp.optimizer_in_backward`` the bucket updates run inside backward."""
+    ``ddp.optimizer_in_backward`` the updates run inside backward (per bucket; per parameter when traced)."""
     lines = []
     updates = wrapped.in_backward_updates()
-    if updates is not None:
+    traced = wrapped.traced_buckets()
+    if updates is not None and traced is not None:
+        lines.append(f"optimizer in backward: {updates} parameter update(s) on rank 0, traced into the compiled "
+                     "backward after their bucket's all-reduce (ddp.optimizer_in_backward=true; the step after "
+                     "backward found no gradients)")
+    elif updates is not None:
         lines.append(f"optimizer in backward: {updates} bucket update(s) on rank 0, each run inside backward right "
                      "after its bucket's all-reduce (ddp.optimizer_in_backward=true; the step after backward found "
                      "no gradients)")
     if alignment is not None:
         lines.append(f"alignment: {alignment.fraction:.2f} of gradient bytes are in DDP buckets that hold exactly "
                      f"one partition ({sum(alignment.aligned)} of {len(alignment.aligned)} runtime buckets)")
-    traced = wrapped.traced_buckets()
     if traced:
         lines.append(f"ddp.strategy=traced: {len(traced)} all-reduce(s) fused in the compiled backward graph, "
                      f"MiB {[round(b / 2**20, 2) for b in traced]} (gradient-ready order)")
