@@ -64,8 +64,8 @@ def test_the_dp_with_contention_finds_the_brute_force_optimum(seed):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_the_dp_with_a_hooks_compute_finds_the_brute_force_optimum(seed):
-    # Every bucket a compressing hook sends takes fixed + bytes * per_byte from backward (Note [Cost-model
-    # bucket plan]), on top of the graph break and the contention.
+    # Every bucket a compressing hook sends takes fixed + bytes * per_byte from backward, on top of the
+    # graph break and the contention (Note [Cost-model bucket plan]).
     rng = random.Random(seed)
     units = [UnitCost(rng.uniform(0.1, 5) * 1e-3, rng.randint(1, 20) * 1000) for _ in range(rng.randint(2, 8))]
     link, kappa = LinkEstimate(rng.uniform(0, 2) * 1e-3, 1e7), rng.uniform(0, 2) * 1e-7

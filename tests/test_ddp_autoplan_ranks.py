@@ -25,6 +25,10 @@ def _auto_rank(rank, world_size):
     link = SimulatedLink(LinkModel(1e-3, 1e8))
     measured = compile_ddp(DDP(torch.nn.Linear(8, 8)), backend="eager", bucket_cap_mb="auto", link=link.probe)
     cm = measured.ddp_optimizer.cost_model
+    # ... and under PowerSGD, rank 0's fit of the hook's power iteration (Note [PowerSGD compression]).
+    compressed = compile_ddp(DDP(torch.nn.Linear(8, 8)), backend="eager", bucket_cap_mb="auto",
+                             compression="powersgd:2")
+    hook = compressed.ddp_optimizer.cost_model.hook
     # 2. Training with a given cost model under which this small GPT splits (slow compute, fast link).
     cfg = GPTConfig(n_layer=2, n_embd=96, n_head=2)
     model = GPT(cfg)
@@ -48,6 +52,7 @@ def _auto_rank(rank, world_size):
         alignments.append(measure_alignment(ddp, compiled.buckets).fraction)
     return dict(losses=losses, alignments=alignments, plan=[(b.size, b.params) for b in compiled.buckets],
                 link=(cm.link.alpha_s, cm.link.bandwidth), rates=(cm.rates.flops, cm.rates.bytes, cm.rates.op_s),
+                hook=(hook.fixed_s, hook.s_per_byte),
                 predicted=compiled.prediction.finish_s, runtime=len(ddp.reducer._get_zeros_like_grad_buckets()))
 
 
@@ -62,6 +67,7 @@ def test_two_ranks_auto_plan_trains_like_eager_ddp_with_identical_plans(run_rank
         assert r["runtime"] == len(r["plan"]) >= 2, f"rank {rank}: {r['plan']}"
     # rank 0's measurements on both ranks (timings taken on each rank would never be bit-identical)
     assert r0["link"] == r1["link"] and r0["rates"] == r1["rates"]
+    assert r0["hook"] == r1["hook"] and r0["hook"][1] > 0, (r0["hook"], r1["hook"])
     # The probe crosses the modelled link, which never delivers early: the fit must not predict a
     # 4 MiB transfer faster than the model does. Load on the machine only adds time (loose upper bound).
     alpha, bandwidth = r0["link"]

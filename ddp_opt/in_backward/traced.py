@@ -36,8 +36,9 @@ Algorithm
       holds, registered after DDP's: in a synchronised backward it runs on the reduced
       gradient (in place of ``.grad``), updates the parameter, adds one to a counter
       tensor (``BucketStep.updates`` reads it: a Python counter would be a guarded
-      constant of the graph) and sets ``.grad`` to None. In a ``no_sync`` backward it returns at once (dynamo guards the flag:
-      compiled autograd keeps one graph of each), so gradients accumulate.
+      constant of the graph) and sets ``.grad`` to None. In a ``no_sync`` backward it
+      returns at once (dynamo guards the flag: compiled autograd keeps one graph of each),
+      so gradients accumulate.
     - Inductor's fusion pass (``FuseByPlan``) concatenates a bucket's all-reduces into
       one; the updates of its parameters read that bucket's result, so each runs after
       its bucket's reduction. ``sink_updates`` then moves the waits and the updates to

@@ -10,7 +10,8 @@ from typing import Sequence
 
 from torch import fx
 
-from .solver import NO_HOOK_COMPUTE, HookCompute, LinkEstimate, Timeline, UnitCost, format_timeline, simulate, solve_robust
+from .solver import (NO_HOOK_COMPUTE, HookCompute, LinkEstimate, Timeline, UnitCost, format_timeline, simulate,
+                     solve_robust)
 from .cost import CostModel, node_backward_costs
 from .buckets import Bucket, BucketCaps, group_by_caps, plan_buckets
 

@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = [
-    "HookCompute", "NO_HOOK_COMPUTE", "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust", "simulate", "format_timeline",
-    "DEFAULT_SCALES",
+    "HookCompute", "NO_HOOK_COMPUTE", "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust",
+    "simulate", "format_timeline", "DEFAULT_SCALES",
 ]
 
 
