@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -53,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from ..planning.cost import DEFAULT_PROBE_SIZES, broadcast_floats, fit_link, sync
+from ..planning.cost import DEFAULT_PROBE_SIZES, best_seconds, broadcast_floats, fit_link
 from ..planning.solver import HookCompute
 
 log = logging.getLogger(__name__)
@@ -193,16 +192,8 @@ def measure_hook_compute(spec: PowerSGD, device: torch.device | str = "cpu", *,
         matrix = torch.randn(n, m, device=device)
         error = torch.zeros_like(matrix)
         q = torch.randn(m, min(n, m, spec.rank), device=device)
-        _power_iteration(matrix, error, q)  # warm-up
-        times = []
-        for _ in range(reps):
-            sync(device)
-            t0 = time.perf_counter()
-            _power_iteration(matrix, error, q)
-            sync(device)
-            times.append(time.perf_counter() - t0)
         xs.append(size)
-        ys.append(min(times))
+        ys.append(best_seconds(lambda: _power_iteration(matrix, error, q), device, reps))
     fit = fit_link(xs, ys)
     fixed_s, per_byte = broadcast_floats([fit.alpha_s, 1.0 / fit.bandwidth], group)
     log.info("ddp_opt measured PowerSGD's power iteration: %.3f ms + %.3f ms/MiB per bucket (rank 0's fit of %s)",

@@ -52,26 +52,29 @@ log = logging.getLogger(__name__)
 __all__ = ["BucketStep", "refusal", "unwrapped"]
 
 
+def _wrappers(optimizer: object) -> list[object]:
+    """``optimizer`` and, while an Optimizer keeps another as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``), each one it wraps, outermost first."""
+    chain = [optimizer]
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and all(inner is not o for o in chain):
+        chain.append(inner)
+        inner = getattr(inner, "optimizer", None)
+    return chain
+
+
 def unwrapped(optimizer: object) -> object:
     """The optimizer that really steps: a wrapper that is itself an Optimizer and keeps the real one as
     ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``) steps that one over all of its parameters,
     which a bucket's update must not do."""
-    inner = getattr(optimizer, "optimizer", None)
-    while isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-        optimizer, inner = inner, getattr(inner, "optimizer", None)
-    return optimizer
+    return _wrappers(optimizer)[-1]
 
 
 def _grad_scaler(optimizer: object) -> object | None:
     """The enabled GradScaler a wrapper steps through (Accelerate's ``AcceleratedOptimizer.scaler`` under
     ``mixed_precision="fp16"``), or None."""
-    while optimizer is not None:
-        scaler = getattr(optimizer, "scaler", None)
-        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-            return scaler
-        inner = getattr(optimizer, "optimizer", None)
-        optimizer = inner if inner is not optimizer else None
-    return None
+    scalers = (getattr(o, "scaler", None) for o in _wrappers(optimizer))
+    return next((s for s in scalers if isinstance(s, torch.amp.GradScaler) and s.is_enabled()), None)
 
 
 def refusal(optimizer: object) -> str | None:

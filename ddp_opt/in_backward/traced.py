@@ -72,7 +72,6 @@ from typing import Callable, Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-
 from ._torch_internals import ddp_reduced_parameters
 from .stepper import BucketStep
 

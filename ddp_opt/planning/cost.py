@@ -46,7 +46,7 @@ from .solver import NO_HOOK_COMPUTE, HookCompute, LinkEstimate
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DeviceRates", "CostModel", "broadcast_floats", "fit_link", "sync", "measure_link", "measure_rates",
+    "DeviceRates", "CostModel", "best_seconds", "broadcast_floats", "fit_link", "measure_link", "measure_rates",
     "node_backward_costs", "DEFAULT_PROBE_SIZES", "MIN_BUCKET_BYTES",
 ]
 
@@ -127,9 +127,22 @@ def _wait(handle: Any) -> None:
         handle.wait()
 
 
-def sync(device: torch.device) -> None:
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def best_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` on ``device`` (synchronised), after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return max(min(times), 1e-9)
 
 
 def broadcast_floats(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
@@ -166,10 +179,10 @@ def measure_link(probe: Probe | None = None, *, group: dist.ProcessGroup | None 
     for s in sizes:
         times = []
         for _ in range(reps):
-            sync(device)
+            _sync(device)
             t0 = time.perf_counter()
             _wait(probe(bufs[s]))
-            sync(device)
+            _sync(device)
             times.append(time.perf_counter() - t0)
         xs.append(s)
         ys.append(statistics.median(times))
@@ -190,15 +203,7 @@ def measure_rates(device: torch.device | str = "cpu", *, group: dist.ProcessGrou
     dst = torch.empty_like(src)
 
     def best(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        return max(min(times), 1e-9)
+        return best_seconds(fn, device, reps)
 
     tiny = torch.zeros(1, device=device)
 
