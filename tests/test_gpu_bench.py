@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,  # starts the benchmarks' processes (Note [Test tiers])
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs CUDA: the benchmarks' --device cuda path (model, batches and clocks on the GPU, "
                               "peak GPU memory per mode)"),
