@@ -28,6 +28,7 @@ from .compression.hooks import OwnHook
 from .planning.buckets import Bucket, realign_caps
 from .alignment.realign import check_realignment, realign_reducer
 from .strategies.traced import TracedPlan
+from .in_backward.release import BucketRelease, release_refusal
 from .in_backward.split import allreduce_hook, leave_grads, then_step
 from .in_backward.stepper import BucketStep
 from .in_backward.traced import attach_traced
@@ -49,7 +50,8 @@ class CommHooks:
     With ``reduce_dtype`` or ``compression`` under the reducer strategies, ``own_hook`` is
     registered here first; under ``strategy="traced"`` no bucket hook can be registered.
     With ``stepper`` (``optimizer=``), the hook (``own_hook``'s or DDP's own reduction) is
-    followed by each bucket's update (Note [Update after the reduction])."""
+    followed by each bucket's update (Note [Update after the reduction]), and the bucket buffers
+    are given back between steps (Note [Bucket buffers between steps])."""
 
     def __init__(self, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None,
                  traced: bool = False, stepper: BucketStep | None = None) -> None:
@@ -60,7 +62,8 @@ class CommHooks:
         if stepper is not None:
             state, hook = ((own_hook.state, own_hook.bucket) if own_hook is not None
                            else (ddp_model.process_group, allreduce_hook))
-            self._add(state, then_step(hook, stepper))
+            stepper.release = BucketRelease(ddp_model) if release_refusal(ddp_model) is None else None
+            self._add(state, then_step(hook, stepper, stepper.release))
             leave_grads(ddp_model)
         elif own_hook is not None:
             self._add(own_hook.state, own_hook.bucket)

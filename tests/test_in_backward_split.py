@@ -76,6 +76,8 @@ def _run(rank: int, name: str, accum: int, reduce_dtype, ours: bool | str, steps
         out["updates"] = compiled.in_backward.updates
         out["aligned"] = compiled.aligned_caps is not None
         out["buckets"] = len([b for b in compiled.buckets if b.size > 0])
+        out["released"] = compiled.in_backward.release.released_bytes
+        out["grad_bytes"] = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
     out["state"] = {"model": ddp.module.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
     return out
 
@@ -115,6 +117,9 @@ def test_update_in_backward_equals_eager_ddp_step_after_backward(results, case):
         assert ours["grads_left"] == [0] * STEPS
         assert eager["grads_left"] == [len(eager["params"])] * STEPS
         assert ours["updates"] >= STEPS + 1, "several buckets, each updated as its own reduction completed"
+        # The last backward gave every bucket buffer back (Note [Bucket buffers between steps]), and the steps
+        # after each release took them back before the reducer wrote them: the parity above.
+        assert ours["released"] == ours["grad_bytes"]
 
 
 def test_compile_for_ddp_takes_the_optimizer_too(results):
@@ -125,6 +130,7 @@ def test_compile_for_ddp_takes_the_optimizer_too(results):
         for got, want in zip(ours["params"], eager["params"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert ours["grads_left"] == [0] * STEPS and ours["aligned"] and ours["updates"] >= STEPS + 1
+        assert ours["released"] == ours["grad_bytes"]
 
 
 def test_resume_from_the_optimizers_state_dict_is_loss_equal(results):

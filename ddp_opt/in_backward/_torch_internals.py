@@ -3,9 +3,10 @@ what it reaches and why (as ``ddp_opt._torch_internals`` does for the rest of dd
 
 from __future__ import annotations
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ddp_reduced_parameters", "reducer_leaves_grads"]
+__all__ = ["ddp_reduced_parameters", "queue_backward_callback", "reducer_leaves_grads"]
 
 
 def reducer_leaves_grads(ddp_model: DistributedDataParallel) -> None:
@@ -21,3 +22,10 @@ def ddp_reduced_parameters(ddp_model: DistributedDataParallel) -> list:
     # DDP._register_accum_grad_hook hooks each of them that requires grad.
     return [p for p in ddp_model._module_parameters if p.requires_grad]
 
+
+
+def queue_backward_callback(callback) -> None:
+    """Run ``callback`` when the running backward has finished, after the callbacks queued before it."""
+    # Variable._execution_engine.queue_callback: autograd's final callbacks of the current graph task (DDP's
+    # reducer queues its end-of-backward there; FSDP's post-backward too). A callback may queue another.
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

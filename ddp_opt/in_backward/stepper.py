@@ -113,6 +113,9 @@ class BucketStep:
         updates: bucket updates run so far; under ``strategy="traced"`` the parameter updates its
             backward graph ran (``traced_count``, Note [Traced update]).
         traced_count: under ``strategy="traced"``, the traced update's counter tensor; else None.
+        release: under DDP's reducer, what gives its bucket buffers back between steps
+            (:class:`ddp_opt.in_backward.release.BucketRelease`, Note [Bucket buffers between steps]);
+            None under ``strategy="traced"`` or where it is refused (``release_refusal``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -122,6 +125,7 @@ class BucketStep:
         self.optimizer = unwrapped(optimizer)  # a wrapper's own step after backward then finds no gradients
         self._updates = 0
         self.traced_count: torch.Tensor | None = None
+        self.release = None
         self._lock = threading.Lock()
 
     @property

@@ -1,0 +1,134 @@
+"""DDP's bucket buffers given back between steps under the optimizer in backward: a bucket's
+memory lives from its first gradient of a synchronised backward to that backward's end
+(Note [Bucket buffers between steps])."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ._torch_internals import ddp_reduced_parameters, queue_backward_callback
+
+__all__ = ["BucketRelease", "release_refusal"]
+
+
+def release_refusal(ddp_model: DistributedDataParallel) -> str | None:
+    """Why the buffers must stay allocated on this DDP module, or None.
+
+    Note [Bucket buffers between steps]
+
+    Background
+        DDP's reducer allocates a flat buffer per bucket when it is built and keeps it for the
+        whole run: one more copy of every gradient, beside ``.grad``. Under the optimizer in
+        backward the gradients are views of those buffers (``gradient_as_bucket_view``), and
+        each bucket's update leaves every ``.grad`` of it None: after the update nothing reads
+        the buffer until the bucket's next synchronised backward, which writes every element
+        of it (a copy of each gradient, or zeros) before reducing it.
+
+    Algorithm
+        - At the end of a synchronised backward, after the reducer's own end-of-backward
+          callback (it waits for every bucket's update; a callback queued from the first
+          one runs after it), each bucket updated in that backward whose parameters all have
+          no ``.grad`` gets its storage resized to 0 bytes. The tensor, its views and the
+          reducer's pointers to them stay; only the memory goes back to the allocator.
+        - A hook on each parameter's gradient runs before autograd accumulates it and before
+          the reducer copies it into its bucket; in a synchronised backward (or one that may
+          be: either of DDP's two sync flags set) it resizes that bucket's storage back first. A bucket is thus allocated from its first gradient
+          to the end of backward: forward's activations and the start of backward, where a
+          step's peak usually lies, run without the buckets.
+        - The parameter-to-bucket map is the one the last updates saw; a reducer re-created
+          (realignment) or rebuilt (DDP's one rebuild at its second iteration) since makes it
+          stale, and nothing is given back until the next updates record the new buckets.
+        - ``no_sync`` backwards do not touch the buckets: the gradients accumulate in ``.grad``
+          (None after the last update, so new tensors) and the synchronising backward copies
+          them into the resized buckets.
+
+    Notes
+        - Refused here (the buffers stay, as without the optimizer in backward), because the
+          reducer writes some bucket before that bucket's gradients arrive:
+          ``find_unused_parameters`` and ``static_graph`` (unused parameters' views are zeroed
+          at the first gradient), and DDP's ``join`` (a joined rank reduces zero buckets of its
+          own).
+        - Safe on CUDA: the buffers are released on the stream backward runs on, after the
+          reducer's callback has made it wait for every bucket's reduction and update.
+    """
+    if ddp_model.find_unused_parameters:
+        return "find_unused_parameters=True"
+    if getattr(ddp_model, "static_graph", False):
+        return "static_graph=True"
+    if getattr(ddp_model, "_join_config", None) is not None and ddp_model._join_config.enable:
+        return "DDP's join context"
+    return None
+
+
+class BucketRelease:
+    """Gives DDP's bucket buffers back at the end of each synchronised backward and takes each one
+    again at its first gradient of the next (Note [Bucket buffers between steps])."""
+
+    def __init__(self, ddp_model: DistributedDataParallel) -> None:
+        self.ddp_model = ddp_model
+        self._lock = threading.Lock()
+        self._updated: dict[int, tuple[torch.Tensor, list[torch.nn.Parameter]]] = {}  # this backward's
+        self._bucket_of: dict[int, tuple[torch.UntypedStorage, int]] = {}  # id(param) -> (storage, bytes)
+        self._released_under: Any = None  # the reducer the map was recorded under
+        self._queued = False
+        self.released_bytes = 0  # given back at the last backward's end (for tests and logs)
+        self._handles = [p.register_hook(self._before_gradient(p)) for p in ddp_reduced_parameters(ddp_model)]
+
+    def _reducer_token(self) -> tuple[int, bool]:
+        return id(self.ddp_model.reducer), bool(getattr(self.ddp_model, "_has_rebuilt_buckets", False))
+
+    def updated(self, buffer: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        """A bucket's update ran (on a collective's thread): its buffer may go at backward's end."""
+        with self._lock:
+            self._updated[buffer.untyped_storage().data_ptr()] = (buffer, params)
+
+    def _before_gradient(self, param: torch.nn.Parameter):
+        key = id(param)
+
+        def take_bucket_back(grad: torch.Tensor) -> None:
+            ddp = self.ddp_model
+            # The reducer writes the buckets in a backward whose forward synchronised (it sets
+            # require_forward_param_sync); the flag for the next forward is read too, so that a
+            # forward under no_sync with its backward after the context takes the buckets back.
+            if not (ddp.require_forward_param_sync or ddp.require_backward_grad_sync):
+                return None
+            if not self._queued:
+                self._queued = True
+                queue_backward_callback(self._after_reducer)
+            entry = self._bucket_of.get(key)
+            if entry is not None and entry[0].nbytes() == 0:
+                if self._released_under != self._reducer_token():
+                    self._bucket_of.clear()  # stale: the reducer's buckets are new ones
+                else:
+                    entry[0].resize_(entry[1])
+            return None
+
+        return take_bucket_back
+
+    def _after_reducer(self) -> None:
+        # Queued from the first gradient, before the reducer queued its own end-of-backward callback;
+        # queuing again runs after it (Note [Bucket buffers between steps]).
+        queue_backward_callback(self._release)
+
+    def _release(self) -> None:
+        self._queued = False
+        with self._lock:
+            updated, self._updated = self._updated, {}
+        if release_refusal(self.ddp_model) is not None:
+            return
+        released = 0
+        for buffer, params in updated.values():
+            if any(p.grad is not None for p in params):
+                continue  # a gradient still points into this bucket
+            storage = buffer.untyped_storage()
+            size = storage.nbytes()
+            for p in params:
+                self._bucket_of[id(p)] = (storage, size)
+            storage.resize_(0)
+            released += size
+        self._released_under = self._reducer_token()
+        self.released_bytes = released
