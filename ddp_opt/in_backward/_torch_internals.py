@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ddp_reduced_parameters", "queue_backward_callback", "reducer_leaves_grads"]
+__all__ = ["current_graph_task_id", "ddp_reduced_parameters", "queue_backward_callback", "reducer_leaves_grads"]
 
 
 def reducer_leaves_grads(ddp_model: DistributedDataParallel) -> None:
@@ -29,3 +29,9 @@ def queue_backward_callback(callback) -> None:
     # Variable._execution_engine.queue_callback: autograd's final callbacks of the current graph task (DDP's
     # reducer queues its end-of-backward there; FSDP's post-backward too). A callback may queue another.
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def current_graph_task_id() -> int:
+    """An id of the running backward (autograd graph task), -1 outside one."""
+    # torch._C._current_graph_task_id: as FSDP2's _fsdp_common and torch.autograd.graph use it.
+    return torch._C._current_graph_task_id()

@@ -5,12 +5,10 @@ memory lives from its first gradient of a synchronised backward to that backward
 from __future__ import annotations
 
 import threading
-from typing import Any
-
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import ddp_reduced_parameters, queue_backward_callback
+from ._torch_internals import current_graph_task_id, ddp_reduced_parameters, queue_backward_callback
 
 __all__ = ["BucketRelease", "release_refusal"]
 
@@ -36,12 +34,16 @@ def release_refusal(ddp_model: DistributedDataParallel) -> str | None:
           reducer's pointers to them stay; only the memory goes back to the allocator.
         - A hook on each parameter's gradient runs before autograd accumulates it and before
           the reducer copies it into its bucket; in a synchronised backward (or one that may
-          be: either of DDP's two sync flags set) it resizes that bucket's storage back first. A bucket is thus allocated from its first gradient
-          to the end of backward: forward's activations and the start of backward, where a
-          step's peak usually lies, run without the buckets.
-        - The parameter-to-bucket map is the one the last updates saw; a reducer re-created
-          (realignment) or rebuilt (DDP's one rebuild at its second iteration) since makes it
-          stale, and nothing is given back until the next updates record the new buckets.
+          be: either of DDP's two sync flags set) it resizes that bucket's storage back first.
+          A bucket is thus allocated from its first gradient to the end of backward: forward's
+          activations and the start of backward, where a step's peak usually lies, run without
+          the buckets.
+        - The parameter-to-bucket map is the one the last updates saw. A storage in it that was
+          given back is always taken back, even where the reducer has since been re-created
+          (realignment) or has rebuilt its buckets (DDP's rebuild at its second iteration, or
+          after ``_update_process_group``): taking back a bucket the reducer no longer uses only
+          costs its bytes until the next release records the new buckets, while skipping one it
+          still uses would let the reducer write into freed memory.
         - ``no_sync`` backwards do not touch the buckets: the gradients accumulate in ``.grad``
           (None after the last update, so new tensors) and the synchronising backward copies
           them into the resized buckets.
@@ -73,13 +75,9 @@ class BucketRelease:
         self._lock = threading.Lock()
         self._updated: dict[int, tuple[torch.Tensor, list[torch.nn.Parameter]]] = {}  # this backward's
         self._bucket_of: dict[int, tuple[torch.UntypedStorage, int]] = {}  # id(param) -> (storage, bytes)
-        self._released_under: Any = None  # the reducer the map was recorded under
-        self._queued = False
+        self._queued_for = -1  # the backward (autograd graph task) whose end the release is queued for
         self.released_bytes = 0  # given back at the last backward's end (for tests and logs)
         self._handles = [p.register_hook(self._before_gradient(p)) for p in ddp_reduced_parameters(ddp_model)]
-
-    def _reducer_token(self) -> tuple[int, bool]:
-        return id(self.ddp_model.reducer), bool(getattr(self.ddp_model, "_has_rebuilt_buckets", False))
 
     def updated(self, buffer: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
         """A bucket's update ran (on a collective's thread): its buffer may go at backward's end."""
@@ -96,15 +94,14 @@ class BucketRelease:
             # forward under no_sync with its backward after the context takes the buckets back.
             if not (ddp.require_forward_param_sync or ddp.require_backward_grad_sync):
                 return None
-            if not self._queued:
-                self._queued = True
-                queue_backward_callback(self._after_reducer)
+            with self._lock:  # once per backward, also after one that failed before its end
+                task = current_graph_task_id()
+                if task != self._queued_for:
+                    self._queued_for = task
+                    queue_backward_callback(self._after_reducer)
             entry = self._bucket_of.get(key)
             if entry is not None and entry[0].nbytes() == 0:
-                if self._released_under != self._reducer_token():
-                    self._bucket_of.clear()  # stale: the reducer's buckets are new ones
-                else:
-                    entry[0].resize_(entry[1])
+                entry[0].resize_(entry[1])
             return None
 
         return take_bucket_back
@@ -115,7 +112,6 @@ class BucketRelease:
         queue_backward_callback(self._release)
 
     def _release(self) -> None:
-        self._queued = False
         with self._lock:
             updated, self._updated = self._updated, {}
         if release_refusal(self.ddp_model) is not None:
@@ -130,5 +126,4 @@ class BucketRelease:
                 self._bucket_of[id(p)] = (storage, size)
             storage.resize_(0)
             released += size
-        self._released_under = self._reducer_token()
         self.released_bytes = released
