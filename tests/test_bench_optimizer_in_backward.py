@@ -1,4 +1,4 @@
-"""benchmarks.studies.optimizer_in_backward: the limit and the goals from the rows, the docs block,
+"""benchmarks.studies.optimizer_in_backward and its report: the limit and the goals from the rows, the docs block,
 the command line, the malloc shim's count of a known allocation (built with the C compiler: slow),
 and one tiny end-to-end run (slow)."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import heap_peak
-from benchmarks.studies.optimizer_in_backward import END, START, done_when, limit_columns, main, parse_args, \
-    results_markdown
+from benchmarks.render.optimizer_in_backward_report import END, START, done_when, limit_columns, results_markdown
+from benchmarks.studies.optimizer_in_backward import main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"mode", "bucket_cap_mb", "optimizer_in_backward", "peak_mib", "grad_mib", "step_ms_median", "link",
@@ -178,6 +178,12 @@ def test_a_quick_run_writes_both_rows_per_strategy_and_frees_the_gradients_in_ba
         assert ROW_KEYS <= set(r) and r["link"] == "none" and r["backend"] == "aot_eager"
         assert r["loss_max_abs_diff_vs_without"] == 0.0
     assert split[True]["peak_mib"] is not None  # the shim was preloaded into the ranks
+    # Memory from each mode's own job, where the rank with the update in backward gives its bucket buffers back
+    # at the end of every synchronised backward (Note [Bucket buffers between steps])
+    assert all(r["memory_rounds"] == 3 and r["peak_shared_mib"] is not None for r in split.values())
+    # (a count, not the heap: this model's 1.8 MiB of gradients are within two processes' other differences)
+    assert split[True]["released_mib"] == pytest.approx(split[True]["grad_mib"])
+    assert split[False]["released_mib"] is None
     assert split[True]["backward_end_saved_of_grad"] > 0.8  # each gradient freed after its update
     assert split[True]["opt_ms"] < split[False]["opt_ms"]  # optimizer.step() after backward found nothing
     for r in (r for r in rows if r["mode"] == "traced"):

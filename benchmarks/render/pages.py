@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..studies import (checkpoint_checksum, compile_share, compile_time, convergence, fsdp_compare, gpu_check,
-                       lightning_compare, optimizer_in_backward, padding_compare)
-from . import compression_report, readme_results
+                       lightning_compare, padding_compare)
+from . import compression_report, optimizer_in_backward_report, readme_results
 from ..harness.report import markdown_table, replace_section
 
 __all__ = ["Block", "BLOCKS", "ROOT", "SOURCES", "note_definitions", "stale_pages", "write_pages", "main"]
@@ -132,8 +132,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("docs/gpu.md", gpu_check.START, gpu_check.END, lambda: gpu_check.results_markdown(_json("gpu_check.json"))),
     Block("docs/frameworks/lightning.md", lightning_compare.START, lightning_compare.END,
           lambda: lightning_compare.results_markdown(_json("lightning_shaped_200mbit.json"))),
-    Block("docs/benchmarks/optimizer-in-backward.md", optimizer_in_backward.START, optimizer_in_backward.END,
-          lambda: optimizer_in_backward.results_markdown(_json("optimizer_in_backward.json"))),
+    Block("docs/benchmarks/optimizer-in-backward.md", optimizer_in_backward_report.START,
+          optimizer_in_backward_report.END,
+          lambda: optimizer_in_backward_report.results_markdown(_json("optimizer_in_backward.json"))),
     Block("docs/reliability.md", checkpoint_checksum.START, checkpoint_checksum.END,
           lambda: checkpoint_checksum.section_body(_json("checkpoint_checksum.json"))),
     Block("docs/contributing.md", "<!-- notes:start -->", "<!-- notes:end -->", _notes_index),

@@ -29,7 +29,8 @@ from ..harness.stats import median
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InBackwardJob", "InBackwardMode", "InBackwardRunner", "HeapWindow", "run_job"]
+__all__ = ["InBackwardJob", "InBackwardMode", "InBackwardRunner", "HeapWindow", "MEMORY_KEYS", "run_job",
+           "run_memory_job"]
 
 MiB = 2**20
 
@@ -291,3 +292,31 @@ def run_job(cfg: InBackwardJob, part: str | Path) -> None:
                   "backend": cfg.backend,
                   **job_columns(cfg)} for b in (False, True)]
     Path(part).write_text(json.dumps(rows))
+
+
+# Each row's memory comes from a job of its own mode (Note [Optimizer in backward study], step 3).
+MEMORY_KEYS = {"peak_mib": "peak_mib", "start_mib": "start_mib", "above_mib": "peak_above_start_mib",
+               "forward_mib": "forward_end_mib", "end_mib": "backward_end_mib"}
+
+
+def run_memory_job(cfg: InBackwardJob, mode_name: str, part: str | Path) -> None:
+    """One mode alone in each rank's process: its peak-memory windows over ``cfg.rounds`` synchronised
+    steps (each followed by a ``no_sync`` one, as in the interleaved rounds); rank 0 writes the row's
+    memory columns (most over ranks) to ``part``."""
+    torch.compiler.reset()
+    heap = HeapWindow(cfg.torch_device)
+    mode = next(InBackwardMode(s, b) for s in cfg.strategies for b in (False, True)
+                if InBackwardMode(s, b).name == mode_name)
+    runner = _build(cfg, mode)
+    with measuring([runner]):
+        for phase in ("compile", "second step"):
+            first_steps([runner], lambda r: _step(r, cfg, heap)[0], phase=phase, prefix=f"[{cfg.link} memory] ")
+        measure_rounds([runner], cfg.warmup, cfg.rounds, lambda r, measured: _round(r, cfg, heap, measured),
+                       prefix=f"[{cfg.link} memory] ")
+    release = getattr(getattr(runner.fn, "in_backward", None), "release", None)
+    measures = _measures([runner])
+    measures["released_mib"] = {runner.label: release.released_bytes / MiB if release is not None else None}
+    gathered = gather_rank0(measures)
+    if gathered is not None:  # released_mib: what the last backward gave back (Note [Bucket buffers between steps])
+        Path(part).write_text(json.dumps({column: _most(gathered, key, runner.label)
+                                          for key, column in {**MEMORY_KEYS, "released_mib": "released_mib"}.items()}))
