@@ -84,3 +84,26 @@ def test_buffers_stay_where_the_reducer_writes_a_bucket_before_its_gradients():
     assert release_refusal(ddp) == "static_graph=True"
     compiled = compile_ddp(ddp, backend="aot_eager", optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1))
     assert compiled.in_backward.release is None
+
+
+def _powersgd_losses(ours: bool) -> list[float]:
+    """Six steps under split with PowerSGD from step 2 (its hook then keeps error feedback per bucket
+    index across steps): the update in backward, or the loop's optimizer.step() after it."""
+    ddp = DDP(_model(), bucket_cap_mb=CAP_MB)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    compiled = compile_ddp(ddp, backend="aot_eager", compression="powersgd:2:2",
+                           optimizer=opt if ours else None)
+    losses = []
+    for step in range(6):
+        loss = compiled(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))).square().mean()
+        compiled.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    if ours:
+        assert compiled.in_backward.release.released_bytes == sum(p.numel() * 4 for p in ddp.parameters())
+    return losses
+
+
+def test_powersgd_with_the_buffers_given_back_trains_as_its_step_after_backward():
+    torch.testing.assert_close(_powersgd_losses(True), _powersgd_losses(False), rtol=1e-6, atol=1e-7)
