@@ -63,7 +63,7 @@ class CommHooks:
             state, hook = ((own_hook.state, own_hook.bucket) if own_hook is not None
                            else (ddp_model.process_group, allreduce_hook))
             stepper.release = BucketRelease(ddp_model) if release_refusal(ddp_model) is None else None
-            self._add(state, then_step(hook, stepper, stepper.release))
+            self._add(state, then_step(hook, stepper))
             leave_grads(ddp_model)
         elif own_hook is not None:
             self._add(own_hook.state, own_hook.bucket)

@@ -23,7 +23,8 @@ NO_CUDA = ("needs a CUDA GPU and none is visible (torch.cuda.is_available() is F
            "run `pytest -m gpu` on a GPU machine (docs/gpu.md: the GPU check)")
 # A hung collective fails its test instead of stalling the whole GPU check. Slow too: a GPU test
 # compiles with Inductor in its own process, which the fast tier's guard refuses (Note [Test tiers]).
-GPU = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA), pytest.mark.timeout(300)]
+GPU = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
+       pytest.mark.timeout(300)]
 
 # Small enough to compile in seconds, big enough for several 64 KiB buckets.
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)

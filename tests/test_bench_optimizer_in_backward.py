@@ -1,6 +1,6 @@
-"""benchmarks.studies.optimizer_in_backward and its report: the limit and the goals from the rows, the docs block,
-the command line, the malloc shim's count of a known allocation (built with the C compiler: slow),
-and one tiny end-to-end run (slow)."""
+"""benchmarks.studies.optimizer_in_backward and its report: the limit and the goals from the rows,
+the docs block, the command line, the malloc shim's count of a known allocation (built with the C
+compiler: slow), and one tiny end-to-end run (slow)."""
 
 import json
 import logging

@@ -183,14 +183,20 @@ def _run_links(args: argparse.Namespace, argv: Sequence[str]) -> int:
         lib = build_shim(folder) if args.device == "cpu" else None
         env = preload_env(lib, {})
         env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(folder) / "inductor")  # shared by the links' jobs: warm after one
-        for link, batch in ((link, batch) for batch in args.batches for link in args.links):
-            part = Path(folder) / f"{link}-{batch}.json"
-            load = os.getloadavg()[0]
-            job_argv = [*argv, "--job-link", link, "--job-part", str(part), "--job-batch", str(batch)]
+
+        def launch(link: str, batch: int, part: Path, *extra: str) -> int | None:
+            """One 2-rank job over ``link``; None when it wrote ``part``, else its exit code."""
+            job_argv = [*argv, "--job-link", link, "--job-part", str(part), "--job-batch", str(batch), *extra]
             with _environ({**env, COMMAND_ENV: command}):
                 code = here_or_relaunched("benchmarks.studies.optimizer_in_backward", job_argv, 2, COMMAND_ENV,
                                           lambda: 0, net="local" if link == "none" else f"shaped:{link}")
-            if code != 0 or not part.exists():
+            return None if code == 0 and part.exists() else code
+
+        for link, batch in ((link, batch) for batch in args.batches for link in args.links):
+            part = Path(folder) / f"{link}-{batch}.json"
+            load = os.getloadavg()[0]
+            code = launch(link, batch, part)
+            if code is not None:
                 failed.append(link)
                 print0(f"optimizer_in_backward: the {link} batch {batch} job failed (exit {code}); its rows are "
                        "missing")
@@ -202,12 +208,9 @@ def _run_links(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 rows.append(row)
             for row in (r for r in job_rows if not r.get("skipped")):  # step 3: each mode alone in its process
                 memory = Path(folder) / f"{link}-{batch}-{row['runner']}-memory.json"
-                mem_argv = [*argv, "--job-link", link, "--job-part", str(memory), "--job-batch", str(batch),
-                            "--job-memory", row["runner"], "--rounds", str(args.memory_rounds), "--warmup", "1"]
-                with _environ({**env, COMMAND_ENV: command}):
-                    code = here_or_relaunched("benchmarks.studies.optimizer_in_backward", mem_argv, 2, COMMAND_ENV,
-                                              lambda: 0, net="local" if link == "none" else f"shaped:{link}")
-                if code != 0 or not memory.exists():
+                code = launch(link, batch, memory, "--job-memory", row["runner"], "--rounds", str(args.memory_rounds),
+                              "--warmup", "1")
+                if code is not None:
                     failed.append(f"{link} memory")
                     print0(f"optimizer_in_backward: the {link} batch {batch} memory job of {row['runner']} failed "
                            f"(exit {code}); its memory columns are those of the shared job")

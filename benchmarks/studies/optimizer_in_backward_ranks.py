@@ -29,8 +29,7 @@ from ..harness.stats import median
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InBackwardJob", "InBackwardMode", "InBackwardRunner", "HeapWindow", "MEMORY_KEYS", "run_job",
-           "run_memory_job"]
+__all__ = ["InBackwardJob", "InBackwardMode", "InBackwardRunner", "HeapWindow", "run_job", "run_memory_job"]
 
 MiB = 2**20
 
@@ -294,9 +293,10 @@ def run_job(cfg: InBackwardJob, part: str | Path) -> None:
     Path(part).write_text(json.dumps(rows))
 
 
-# Each row's memory comes from a job of its own mode (Note [Optimizer in backward study], step 3).
-MEMORY_KEYS = {"peak_mib": "peak_mib", "start_mib": "start_mib", "above_mib": "peak_above_start_mib",
-               "forward_mib": "forward_end_mib", "end_mib": "backward_end_mib"}
+# Each row's memory comes from a job of its own mode (Note [Optimizer in backward study], step 3): the gathered
+# measure -> the row's column. released_mib: what the last backward gave back (Note [Bucket buffers between steps]).
+_MEMORY_COLUMNS = {"peak_mib": "peak_mib", "start_mib": "start_mib", "above_mib": "peak_above_start_mib",
+                   "forward_mib": "forward_end_mib", "end_mib": "backward_end_mib", "released_mib": "released_mib"}
 
 
 def run_memory_job(cfg: InBackwardJob, mode_name: str, part: str | Path) -> None:
@@ -317,6 +317,6 @@ def run_memory_job(cfg: InBackwardJob, mode_name: str, part: str | Path) -> None
     measures = _measures([runner])
     measures["released_mib"] = {runner.label: release.released_bytes / MiB if release is not None else None}
     gathered = gather_rank0(measures)
-    if gathered is not None:  # released_mib: what the last backward gave back (Note [Bucket buffers between steps])
+    if gathered is not None:
         Path(part).write_text(json.dumps({column: _most(gathered, key, runner.label)
-                                          for key, column in {**MEMORY_KEYS, "released_mib": "released_mib"}.items()}))
+                                          for key, column in _MEMORY_COLUMNS.items()}))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["current_graph_task_id", "ddp_reduced_parameters", "queue_backward_callback", "reducer_leaves_grads"]
+__all__ = ["current_graph_task_id", "ddp_join_enabled", "ddp_reduced_parameters", "queue_backward_callback",
+           "reducer_leaves_grads"]
 
 
 def reducer_leaves_grads(ddp_model: DistributedDataParallel) -> None:
@@ -35,3 +36,10 @@ def current_graph_task_id() -> int:
     """An id of the running backward (autograd graph task), -1 outside one."""
     # torch._C._current_graph_task_id: as FSDP2's _fsdp_common and torch.autograd.graph use it.
     return torch._C._current_graph_task_id()
+
+
+def ddp_join_enabled(ddp_model: DistributedDataParallel) -> bool:
+    """Whether DDP runs inside its ``join()`` context (uneven inputs)."""
+    # DDP._join_config.enable: set by DDP.join() for the context's duration.
+    config = getattr(ddp_model, "_join_config", None)
+    return config is not None and config.enable

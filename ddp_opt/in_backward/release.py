@@ -5,10 +5,12 @@ memory lives from its first gradient of a synchronised backward to that backward
 from __future__ import annotations
 
 import threading
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import current_graph_task_id, ddp_reduced_parameters, queue_backward_callback
+from ._torch_internals import (current_graph_task_id, ddp_join_enabled, ddp_reduced_parameters,
+                               queue_backward_callback)
 
 __all__ = ["BucketRelease", "release_refusal"]
 
@@ -61,7 +63,7 @@ def release_refusal(ddp_model: DistributedDataParallel) -> str | None:
         return "find_unused_parameters=True"
     if getattr(ddp_model, "static_graph", False):
         return "static_graph=True"
-    if getattr(ddp_model, "_join_config", None) is not None and ddp_model._join_config.enable:
+    if ddp_join_enabled(ddp_model):
         return "DDP's join context"
     return None
 

@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_internals import rebuild_reducer
 from ._torch_internals import reducer_leaves_grads
-from .release import BucketRelease
 from .stepper import BucketStep
 
 __all__ = ["allreduce_hook", "grads_in_buckets", "leave_grads", "then_step"]
@@ -25,7 +24,7 @@ def allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.f
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def then_step(hook: Callable, stepper: BucketStep, release: BucketRelease | None = None) -> Callable:
+def then_step(hook: Callable, stepper: BucketStep) -> Callable:
     """``hook`` (a DDP comm hook ``(state, bucket) -> Future[Tensor]``) followed by the update of
     the bucket's parameters from the reduced gradients.
 
@@ -52,7 +51,7 @@ def then_step(hook: Callable, stepper: BucketStep, release: BucketRelease | None
           gradient of a bucket would live twice until that bucket's update.
         - A ``no_sync`` backward calls no hook: gradients accumulate as before, and the
           synchronising backward reduces and updates them.
-        - With ``release``, each updated bucket's buffer is given back at the end of backward
+        - With ``stepper.release``, each updated bucket's buffer is given back at the end of backward
           and taken again at its next gradient (Note [Bucket buffers between steps]).
     """
 
@@ -66,8 +65,8 @@ def then_step(hook: Callable, stepper: BucketStep, release: BucketRelease | None
                 buffer.copy_(reduced)
             params = bucket.parameters()
             stepper.step(params, bucket.gradients())
-            if release is not None:
-                release.updated(buffer, params)
+            if stepper.release is not None:
+                stepper.release.updated(buffer, params)
             return buffer
 
         return hook(state, bucket).then(update)
