@@ -146,24 +146,40 @@ freed, peak = heap.live() - start, heap.peak() - start
 heap.reset(); start = heap.live()
 thread = threading.Thread(target=lambda: torch.ones(32 * 2**20, dtype=torch.uint8))
 thread.start(); thread.join()
-print(live_with, freed, peak, heap.peak() - start)
+thread_peak = heap.peak() - start
+heap.reset(); tensors, everything = heap.tensor_live(), heap.live()
+x = torch.empty(16 * 2**20, dtype=torch.uint8)
+objects = [bytearray(1024) for _ in range(8000)]  # 8 MiB of heap (malloc: over 512 bytes) in no tensor
+storage = torch.empty(0, dtype=torch.uint8).untyped_storage()
+storage.resize_(8 * 2**20)  # a storage taken back, as DDP's buckets are under the optimizer in backward
+grown = heap.tensor_live() - tensors
+storage.resize_(0); del x
+print(live_with, freed, peak, thread_peak, grown, heap.tensor_peak() - tensors, heap.tensor_live() - tensors,
+      heap.live() - everything, int(heap.counts_tensors()))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
-def test_the_shim_counts_a_known_allocation_live_then_freed_and_one_made_on_another_thread(tmp_path):
+def test_the_shim_counts_known_allocations_live_then_freed_on_any_thread_and_tensors_apart(tmp_path):
     lib = heap_peak.build_shim(tmp_path)
     assert lib is not None and lib.exists()
     env = heap_peak.preload_env(lib)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", SHIM_CHECK], env=env, capture_output=True, text=True, check=True)
-    live_with, freed, peak, thread_peak = (int(v) for v in out.stdout.split())
+    live_with, freed, peak, thread_peak, grown, tensor_peak, tensor_left, heap_left, counts = \
+        (int(v) for v in out.stdout.split())
     MiB = 2**20
     assert 64 * MiB <= live_with < 64 * MiB + MiB // 4
     assert abs(freed) < MiB // 4
     assert 64 * MiB <= peak < 64 * MiB + MiB // 4
     assert 32 * MiB <= thread_peak < 32 * MiB + MiB // 4
+    # the tensor count: the tensor and the resized storage, not the 8 MiB of bytearrays the heap count holds
+    assert counts == 1
+    assert 24 * MiB <= grown < 24 * MiB + MiB // 4
+    assert 24 * MiB <= tensor_peak < 24 * MiB + MiB // 4
+    assert abs(tensor_left) < MiB // 4
+    assert heap_left > 7 * MiB
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
-"""Peak live heap bytes of a CPU process, every thread included: a malloc shim built with
-the C compiler at run time and preloaded into the ranks (see Note [Live heap bytes]).
+"""Peak live tensor bytes and heap bytes of a CPU process, every thread included: a malloc
+shim built with the C compiler at run time and preloaded into the ranks (see Note [Live heap bytes]).
 
     lib = build_shim(folder)            # None, with the reason logged, where there is no compiler
     env = preload_env(lib)              # LD_PRELOAD and HEAP_SHIM_ENV for the ranks' environment
     ...                                 # inside a rank:
     heap = HeapPeak.from_env()          # None where the shim was not preloaded
-    heap.reset(); step(); heap.peak()   # bytes
+    heap.reset(); step(); heap.tensor_peak(), heap.peak()   # bytes: CPU tensors, the whole heap
 
 Note [Live heap bytes]
 
@@ -14,7 +14,9 @@ Background
     such counter: a dispatch-mode or profiler count sees the tensors the dispatcher
     allocates, but Inductor's CPU kernels fill buffers the dispatcher never sees, and the
     optimizer in backward runs on gloo's threads. Resident memory (RSS) is no better: the C
-    allocator keeps freed pages, so it shows the most ever held, not what is live.
+    allocator keeps freed pages, so it shows the most ever held, not what is live. The whole
+    heap is no tensor count either: it holds the compiled graphs, guards and Python objects,
+    which differ between compiled modes by megabytes.
 
 Algorithm
     - A small shared library defines ``malloc``, ``calloc``, ``realloc``, ``reallocarray``,
@@ -23,19 +25,26 @@ Algorithm
       ``__libc_*`` entry points, and keeps two atomic counters: the live bytes (each block
       counted at its ``malloc_usable_size``, added when made and taken off when freed, so
       both sides agree) and their peak (raised by compare-and-swap).
-    - ``LD_PRELOAD`` puts it before libc in every process of the job, so every thread's
-      allocations, tensors of any origin included (PyTorch's CPU allocator calls
-      ``posix_memalign``), pass through it. ``heap_shim_reset`` sets the peak to the live
-      bytes now; ``heap_shim_peak`` and ``heap_shim_live`` read them (``ctypes``).
+    - It also defines ``c10::alloc_cpu`` and ``c10::free_cpu``, through which every CPU
+      tensor's storage is made and freed (PyTorch's default CPU allocator, and Inductor's
+      buffers through it), and counts them apart: live tensor bytes and their peak. libc10
+      calls them through its PLT, so the preloaded ones come first; they call libc10's own,
+      found in libc10 itself (``dlopen`` with ``RTLD_NOLOAD``: it is loaded local to
+      torch, out of ``RTLD_NEXT``'s reach). :meth:`HeapPeak.counts_tensors` checks that a
+      tensor made now is seen, for a build that would bypass the PLT.
+    - ``LD_PRELOAD`` puts it before libc and libc10 in every process of the job, so every
+      thread's allocations pass through it. ``heap_shim_reset`` sets both peaks to the live
+      bytes now; ``heap_shim_peak``, ``heap_shim_live``, ``heap_shim_tensor_peak`` and
+      ``heap_shim_tensor_live`` read them (``ctypes``).
     - Built with ``cc -O2 -shared -fPIC`` into a folder of the caller's (a fresh private
       one), once per run; without a C compiler :func:`build_shim` returns None and the
       caller records no CPU peak.
 
 Notes
-    - It counts every live heap byte of the process: the weights, optimizer state and
-      caches too, not only what a step makes. Differences between steps of one process
-      are what it measures well; memory mapped directly (``mmap`` outside malloc, Python's
-      small-object arenas) is not counted.
+    - The tensor count is what ``max_memory_allocated`` counts on a GPU: every live
+      tensor byte, the weights and optimizer state too. The heap count adds everything
+      else the process mallocs; memory mapped directly (``mmap`` outside malloc, Python's
+      small-object arenas) is in neither.
     - Usable size rounds each block up to the allocator's granule (16 bytes), a few bytes
       per block over the requested size.
 """
@@ -57,10 +66,12 @@ HEAP_SHIM_ENV = "BENCH_HEAP_SHIM"  # the shim's path, for the ranks to find what
 
 SHIM_SOURCE = r"""
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <malloc.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 extern void *__libc_malloc(size_t);
@@ -119,10 +130,45 @@ void *reallocarray(void *p, size_t k, size_t n) {
     return realloc(p, total);
 }
 
+/* PyTorch's CPU tensors: c10::alloc_cpu(size_t) and c10::free_cpu(void*), which libc10 calls through its PLT, so
+   the preloaded definitions come first. The real ones are libc10's own: it is loaded by then (it is what calls),
+   but with RTLD_LOCAL, out of RTLD_NEXT's reach, so it is opened again by name (RTLD_NOLOAD) and searched. */
+static long long tensor_bytes = 0, tensor_peak = 0;
+static void *(*real_alloc_cpu)(size_t);
+static void (*real_free_cpu)(void *);
+
+static void *c10_symbol(const char *name) {
+    void *lib = dlopen("libc10.so", RTLD_LAZY | RTLD_NOLOAD);
+    void *sym = lib ? dlsym(lib, name) : 0;
+    if (!sym) abort();  /* called from libc10, so it is loaded: never reached */
+    return sym;
+}
+
+void *_ZN3c109alloc_cpuEm(size_t n) {
+    if (!real_alloc_cpu) real_alloc_cpu = (void *(*)(size_t))c10_symbol("_ZN3c109alloc_cpuEm");
+    void *p = real_alloc_cpu(n);
+    if (p) {
+        long long now = __atomic_add_fetch(&tensor_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
+        long long seen = __atomic_load_n(&tensor_peak, __ATOMIC_RELAXED);
+        while (now > seen && !__atomic_compare_exchange_n(&tensor_peak, &seen, now, 1, __ATOMIC_RELAXED,
+                                                          __ATOMIC_RELAXED)) {}
+    }
+    return p;
+}
+
+void _ZN3c108free_cpuEPv(void *p) {
+    if (!real_free_cpu) real_free_cpu = (void (*)(void *))c10_symbol("_ZN3c108free_cpuEPv");
+    if (p) __atomic_sub_fetch(&tensor_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
+    real_free_cpu(p);
+}
+
 long long heap_shim_live(void) { return __atomic_load_n(&live_bytes, __ATOMIC_RELAXED); }
 long long heap_shim_peak(void) { return __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED); }
+long long heap_shim_tensor_live(void) { return __atomic_load_n(&tensor_bytes, __ATOMIC_RELAXED); }
+long long heap_shim_tensor_peak(void) { return __atomic_load_n(&tensor_peak, __ATOMIC_RELAXED); }
 void heap_shim_reset(void) {
     __atomic_store_n(&peak_bytes, __atomic_load_n(&live_bytes, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+    __atomic_store_n(&tensor_peak, __atomic_load_n(&tensor_bytes, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
 }
 """
 
@@ -137,7 +183,7 @@ def build_shim(folder: str | Path) -> Path | None:
         return None
     src, lib = Path(folder) / "heap_shim.c", Path(folder) / "heap_shim.so"
     src.write_text(SHIM_SOURCE)
-    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True, text=True)
+    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning("no CPU peak memory: %s could not build the malloc shim (%s), so peak_mib is recorded as null",
                     cc, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
@@ -159,7 +205,7 @@ class HeapPeak:
 
     def __init__(self, lib: str | Path) -> None:
         self._lib = ctypes.CDLL(str(lib))  # the preloaded copy: dlopen returns the loaded library
-        for name in ("heap_shim_live", "heap_shim_peak"):
+        for name in ("heap_shim_live", "heap_shim_peak", "heap_shim_tensor_live", "heap_shim_tensor_peak"):
             getattr(self._lib, name).restype = ctypes.c_longlong
         self._lib.heap_shim_reset.restype = None
 
@@ -179,6 +225,25 @@ class HeapPeak:
         """The most heap bytes live at once since the last :meth:`reset`."""
         return int(self._lib.heap_shim_peak())
 
+    def tensor_live(self) -> int:
+        """Bytes of PyTorch's CPU tensors live now (``c10::alloc_cpu`` less ``c10::free_cpu``)."""
+        return int(self._lib.heap_shim_tensor_live())
+
+    def tensor_peak(self) -> int:
+        """The most CPU tensor bytes live at once since the last :meth:`reset`."""
+        return int(self._lib.heap_shim_tensor_peak())
+
+    def counts_tensors(self) -> bool:
+        """Whether this torch's tensors pass through the shim's ``c10::alloc_cpu`` (a libc10 that
+        calls it directly, not through its PLT, would bypass it): a 1 MiB tensor is made and looked for."""
+        import torch
+
+        before = self.tensor_live()
+        probe = torch.empty(2**20, dtype=torch.uint8)
+        seen = self.tensor_live() - before
+        del probe
+        return seen >= 2**20
+
     def reset(self) -> None:
-        """Start a new peak window at the live bytes now."""
+        """Start new peak windows (heap and tensor bytes) at the live bytes now."""
         self._lib.heap_shim_reset()

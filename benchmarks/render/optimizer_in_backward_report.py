@@ -137,6 +137,9 @@ def results_markdown(rows: Sequence[dict]) -> str:
     measured = [r for r in rows if not r.get("skipped")]
     r0 = (measured or list(rows))[0]
     peak_how = ("torch.cuda.max_memory_allocated" if str(r0["device"]).startswith("cuda") else
+                "the live CPU tensor bytes of the rank's process, every thread included (its `c10::alloc_cpu` less "
+                "`c10::free_cpu`, counted by a preloaded shim, `benchmarks/harness/heap_peak.py`; the whole heap's "
+                "peak is `peak_heap_mib` in the JSON)" if "peak_heap_mib" in r0 else
                 "the live heap bytes of the rank's process, every thread included (a malloc shim, "
                 "`benchmarks/harness/heap_peak.py`)")
     text = (f"torch {r0['torch']}, {r0['device']}, {r0.get('date', '?')}: {r0['world_size']} ranks over gloo; links: "

@@ -29,9 +29,10 @@ Algorithm
        ``ratio_vs_without``: median (IQR) of per-round ratios of the step to the same
        strategy's step without the optimizer in backward.
     3. Peak memory per rank over the synchronised step (forward, backward, ``optimizer.step()``,
-       ``zero_grad()``): on a GPU ``torch.cuda.max_memory_allocated``; on the CPU the live heap
-       bytes of the rank's process, every thread included, counted by a malloc shim preloaded
-       into the ranks (Note [Live heap bytes] in ``benchmarks.harness.heap_peak``). Measured in a
+       ``zero_grad()``): on a GPU ``torch.cuda.max_memory_allocated``; on the CPU the live tensor
+       bytes of the rank's process, every thread included, counted by a shim preloaded into the
+       ranks (Note [Live heap bytes] in ``benchmarks.harness.heap_peak``; ``peak_heap_mib``: the
+       peak of its whole heap, compiled graphs and Python objects too). Measured in a
        2-rank job per mode after the timed job, over the same link, with only that mode's copy
        in each process (``--memory-rounds`` steps after one warm-up): what a rank holds between
        steps is part of its peak (DDP's bucket buffers, given back between steps under the

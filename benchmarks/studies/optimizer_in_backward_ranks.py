@@ -85,6 +85,7 @@ class InBackwardRunner(Runner):
     start_bytes: list[int] = field(default_factory=list)  # live bytes when each measured peak window opened
     forward_bytes: list[int] = field(default_factory=list)  # live bytes when each measured forward ended
     end_bytes: list[int] = field(default_factory=list)  # live bytes when each measured backward ended
+    heap_peak_bytes: list[int] = field(default_factory=list)  # CPU: each window's peak of the whole heap
 
     @property
     def label(self) -> str:
@@ -111,12 +112,16 @@ class InBackwardRunner(Runner):
 
 
 class HeapWindow:
-    """Peak-memory windows: ``torch.cuda.max_memory_allocated`` on a GPU, the preloaded malloc
-    shim's live heap bytes on the CPU (Note [Live heap bytes]); nothing without either."""
+    """Peak-memory windows: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the preloaded
+    shim's live tensor bytes, its whole heap beside (Note [Live heap bytes]); nothing without either."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.heap = HeapPeak.from_env() if device.type == "cpu" else None
+        heap = HeapPeak.from_env() if device.type == "cpu" else None
+        self.heap = heap if heap is not None and heap.counts_tensors() else None
+        if heap is not None and self.heap is None:
+            print0(f"no peak memory: torch {torch.__version__}'s CPU tensors bypass the shim's c10::alloc_cpu "
+                   "(its libc10 does not call it through the PLT); peak_mib is null")
 
     @property
     def measures(self) -> bool:
@@ -126,29 +131,33 @@ class HeapWindow:
         """Start a window; the bytes live at its start."""
         if self.heap is not None:
             self.heap.reset()
-            return self.heap.live()
+            return self.heap.tensor_live()
         reset_peak(self.device)
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
 
     def peak(self) -> int | None:
-        return self.heap.peak() if self.heap is not None else peak_bytes(self.device)
+        return self.heap.tensor_peak() if self.heap is not None else peak_bytes(self.device)
+
+    def heap_peak(self) -> int | None:
+        """The window's peak of the whole heap (CPU only): the tensors and all else the process mallocs."""
+        return self.heap.peak() if self.heap is not None else None
 
     def live(self) -> int | None:
         if self.heap is not None:
-            return self.heap.live()
+            return self.heap.tensor_live()
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
 
 
 def _step(r: InBackwardRunner, cfg: InBackwardJob, heap: HeapWindow, *, sync: bool = True
-          ) -> tuple[float, float, float, tuple[int, int, int, int] | None]:
+          ) -> tuple[float, float, float, tuple[int, int, int, int, int | None] | None]:
     """One timed step (``sync=False``: under ``no_sync``, no optimizer step). A synchronised step's
     peak window covers forward, backward, ``optimizer.step()`` and ``zero_grad()``. Returns the step,
     forward + backward and forward seconds, and the bytes live at the window's start, when forward
-    ended, when backward ended, and the window's peak (None where not measured)."""
+    ended, when backward ended, the window's peak (None where not measured) and its heap peak (CPU)."""
     x, y = cfg.batch_at(r.step)
     device = x.device
     dist.barrier()
-    start = forward = end = peak = None
+    start = forward = end = peak = heap_peak = None
     with r.mode.during_step(r):
         if sync:
             start = heap.open()
@@ -166,11 +175,11 @@ def _step(r: InBackwardRunner, cfg: InBackwardJob, heap: HeapWindow, *, sync: bo
         r.opt.zero_grad(set_to_none=True)
         t2 = clock(device)
         if sync:
-            peak = heap.peak()
+            peak, heap_peak = heap.peak(), heap.heap_peak()
     if sync:
         r.losses.append(float(loss.detach()))
         r.step += 1
-    return t2 - t0, t1 - t0, tf - t0, (start, forward, end, peak) if peak is not None else None
+    return t2 - t0, t1 - t0, tf - t0, (start, forward, end, peak, heap_peak) if peak is not None else None
 
 
 def _round(r: InBackwardRunner, cfg: InBackwardJob, heap: HeapWindow, measured: bool) -> float:
@@ -187,6 +196,8 @@ def _round(r: InBackwardRunner, cfg: InBackwardJob, heap: HeapWindow, measured: 
             r.forward_bytes.append(memory[1])
             r.end_bytes.append(memory[2])
             r.peak_bytes.append(memory[3])
+            if memory[4] is not None:
+                r.heap_peak_bytes.append(memory[4])
     return step_s
 
 
@@ -254,6 +265,7 @@ def _most(gathered: list[dict], key: str, label: str) -> float | None:
 def _measures(runners: list[InBackwardRunner]) -> dict:
     return {"losses": {r.label: r.losses for r in runners},
             "peak_mib": {r.label: max(r.peak_bytes) / MiB if r.peak_bytes else None for r in runners},
+            "heap_peak_mib": {r.label: max(r.heap_peak_bytes) / MiB if r.heap_peak_bytes else None for r in runners},
             "start_mib": {r.label: median(r.start_bytes) / MiB if r.start_bytes else None for r in runners},
             "above_mib": {r.label: max(p - s for p, s in zip(r.peak_bytes, r.start_bytes)) / MiB
                           if r.peak_bytes else None for r in runners},
@@ -296,7 +308,8 @@ def run_job(cfg: InBackwardJob, part: str | Path) -> None:
 # Each row's memory comes from a job of its own mode (Note [Optimizer in backward study], step 3): the gathered
 # measure -> the row's column. released_mib: what the last backward gave back (Note [Bucket buffers between steps]).
 _MEMORY_COLUMNS = {"peak_mib": "peak_mib", "start_mib": "start_mib", "above_mib": "peak_above_start_mib",
-                   "forward_mib": "forward_end_mib", "end_mib": "backward_end_mib", "released_mib": "released_mib"}
+                   "forward_mib": "forward_end_mib", "end_mib": "backward_end_mib", "released_mib": "released_mib",
+                   "heap_peak_mib": "peak_heap_mib"}
 
 
 def run_memory_job(cfg: InBackwardJob, mode_name: str, part: str | Path) -> None:
