@@ -36,7 +36,7 @@ Algorithm
       thread's allocations pass through it. ``heap_shim_reset`` sets both peaks to the live
       bytes now; ``heap_shim_peak``, ``heap_shim_live``, ``heap_shim_tensor_peak`` and
       ``heap_shim_tensor_live`` read them (``ctypes``).
-    - Built with ``cc -O2 -shared -fPIC`` into a folder of the caller's (a fresh private
+    - Built with ``cc -O2 -shared -fPIC ... -ldl`` into a folder of the caller's (a fresh private
       one), once per run; without a C compiler :func:`build_shim` returns None and the
       caller records no CPU peak.
 
@@ -183,7 +183,8 @@ def build_shim(folder: str | Path) -> Path | None:
         return None
     src, lib = Path(folder) / "heap_shim.c", Path(folder) / "heap_shim.so"
     src.write_text(SHIM_SOURCE)
-    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], capture_output=True, text=True)
+    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning("no CPU peak memory: %s could not build the malloc shim (%s), so peak_mib is recorded as null",
                     cc, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")

@@ -49,6 +49,7 @@ def limit_columns(rows: list[dict]) -> list[dict]:
                 saved = _less(base, r, "peak_mib")
                 freed = _less(base, r, "backward_end_mib")
                 r.update(peak_saved_mib=saved, peak_saved_of_grad=saved / r["grad_mib"] if saved is not None else None,
+                         start_saved_mib=_less(base, r, "start_mib"),
                          backward_end_saved_of_grad=freed / r["grad_mib"] if freed is not None else None,
                          limit_gain_ms=base["limit_ms"] - r["limit_ms"])
     return rows
@@ -72,14 +73,27 @@ def _why_not_faster(r: dict) -> str:
 def _why_not_lower(r: dict) -> str:
     """Why a row with the optimizer in backward did not lower the peak by 0.8 of the gradient bytes."""
     own, activations, grad = r["peak_above_start_mib"], r["forward_end_mib"], r["grad_mib"]
+    at_rest = r.get("start_saved_mib")
+    rest = ""
+    if at_rest is not None and at_rest < 0.8 * grad:
+        rest = f"the step starts with {at_rest:.1f} MiB fewer bytes live than without"
+        if r["mode"] == "traced":
+            rest += (" (nothing is given back between steps: DDP's C++ reducer keeps its bucket buffers, one more "
+                     "copy of the gradients, unused by the traced graph in both modes; it hands them only to a comm "
+                     "hook, which the traced strategy's python reducer never calls)")
+        rest += "; "
     if own - activations < 0.2 * grad:
-        return (f"the step's own peak ({own:.1f} MiB) is forward's activations ({activations:.1f} MiB live when "
-                "forward ended) as backward starts, before any gradient exists to free")
+        return (rest + f"the step's own peak ({own:.1f} MiB) is forward's activations ({activations:.1f} MiB live "
+                "when forward ended) as backward starts, before any gradient exists to free")
     buckets = r.get("bucket_mib") or []
-    text = (f"the step's own peak is {own:.1f} MiB, of which {activations:.1f} MiB are forward's activations; the "
-            f"other {own - activations:.1f} MiB are backward's temporaries and the gradients live at once: a bucket's "
-            "gradients live from its backward until its update")
-    if buckets:
+    text = rest + (f"the step's own peak is {own:.1f} MiB, of which {activations:.1f} MiB are forward's activations; "
+                   f"the other {own - activations:.1f} MiB are backward's temporaries and the gradients live at once: "
+                   "a bucket's gradients live from its backward until its update")
+    if r["mode"] == "traced":
+        text += (", and the traced graph runs every update at its end, after the last wait (`sink_updates`: a "
+                 "wait earlier stops backward until its bucket has crossed the link), so every gradient and its "
+                 "reduced copy live until then")
+    elif buckets:
         text += (f", and the auto plan's {len(buckets)} bucket(s) are large (the largest {max(buckets):.1f} MiB, the "
                  f"last reduced {buckets[-1]:.1f} MiB, of {grad:.1f} MiB)")
     return text
@@ -133,7 +147,9 @@ def _goal_line(g: dict) -> str:
 
 
 def results_markdown(rows: Sequence[dict]) -> str:
-    """The docs block: how it was measured, the table, the done-when figures, the command."""
+    """The docs block: how it was measured, the table, the done-when figures, the command. The derived
+    columns (limits, savings) are computed again from the measured ones, as this code defines them."""
+    rows = limit_columns([dict(r) for r in rows])
     measured = [r for r in rows if not r.get("skipped")]
     r0 = (measured or list(rows))[0]
     peak_how = ("torch.cuda.max_memory_allocated" if str(r0["device"]).startswith("cuda") else
