@@ -300,6 +300,15 @@ def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
     ddp_model.reducer._remove_autograd_hooks()
     # DDP._use_python_reducer: DDP's _pre_forward/_post_forward/_run_ddp_forward skip the C++ reducer.
     ddp_model._use_python_reducer = True
+    # The detached reducer's bucket buffers, one more copy of every gradient, are never written again.
+    # DDP._ddp_init_helper(params, expect_sparse_gradient, param_to_name_mapping, static_graph), DDP's own
+    # construction, re-creates DDP.reducer and DDP.logger over one placeholder element, no collective, and the
+    # old reducer goes with its buffers (its logger, which held it, is replaced).
+    # DDP._module_parameters: the parameters DDP syncs (the placeholder goes on their device).
+    param = next(iter(ddp_model._module_parameters), None)
+    placeholder = torch.zeros(1, device=param.device if param is not None else "cpu", requires_grad=True)
+    ddp_model._ddp_init_helper([placeholder], [False], {0: "python reducer placeholder"}, ddp_model.static_graph)
+    ddp_model.reducer._remove_autograd_hooks()
     # As DDP.__init__ does: dynamo inlines torch.nn.parallel.distributed (the hooks are traced).
     torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.add("torch.nn.parallel.distributed")
     torch._dynamo.trace_rules.get_legacy_mod_inlinelist.cache_clear()

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from compiler import SettingError
 from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
+from ddp_opt._torch_internals import registered_hook_name, runtime_buckets
 from ddp_opt.planning.buckets import group_by_caps
 from ddp_opt.strategies.traced import TracedPlan
 from launch.models import GPT, GPTConfig
@@ -266,3 +267,21 @@ def test_calling_the_ddp_model_itself_gets_the_traced_checks(gloo, clean_dynamo)
     ddp(x, x)[1].backward()
     with pytest.warns(UserWarning, match=r"a forward ran again without compiled.backward\(loss\)"):
         ddp(x, x)
+
+
+def test_traced_frees_the_detached_c_reducers_bucket_buffers_and_still_trains(gloo, clean_dynamo):
+    # The C++ reducer's buffers are one more copy of every gradient, never written under the python
+    # reducer: compile_ddp re-creates it over one placeholder element, so only 4 bytes stay bucketed.
+    torch.manual_seed(0)
+    ddp = DDP(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)), bucket_cap_mb=1)
+    grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
+    assert sum(n for bucket in runtime_buckets(ddp) for _, n in bucket) == grad_bytes
+    reference = copy.deepcopy(ddp.module)
+    compiled = compile_ddp(ddp, backend="aot_eager", strategy="traced")
+    assert [n for bucket in runtime_buckets(ddp) for _, n in bucket] == [4]
+    assert registered_hook_name(ddp) is None  # DDP's logger answers, from the new reducer
+    x = torch.randint(0, 512, (2, 8))
+    compiled.backward(compiled(x, x)[1])
+    reference(x, x)[1].backward()  # one rank: the all-reduce of the mean is the gradient itself
+    for p, q in zip(ddp.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -78,9 +78,9 @@ def _why_not_lower(r: dict) -> str:
     if at_rest is not None and at_rest < 0.8 * grad:
         rest = f"the step starts with {at_rest:.1f} MiB fewer bytes live than without"
         if r["mode"] == "traced":
-            rest += (" (nothing is given back between steps: DDP's C++ reducer keeps its bucket buffers, one more "
-                     "copy of the gradients, unused by the traced graph in both modes; it hands them only to a comm "
-                     "hook, which the traced strategy's python reducer never calls)")
+            rest += (" (between steps the traced strategy holds no gradient memory in either mode: `zero_grad()` "
+                     "frees the gradients without the update, and DDP's C++ bucket buffers, unused there, are freed "
+                     "when it compiles)")
         rest += "; "
     if own - activations < 0.2 * grad:
         return (rest + f"the step's own peak ({own:.1f} MiB) is forward's activations ({activations:.1f} MiB live "

@@ -14,7 +14,11 @@ Background
 
 Algorithm
     - Convert: the DDP module switches to the python reducer
-      (``_torch_internals.use_python_reducer``), as ``python_reducer`` does.
+      (``_torch_internals.use_python_reducer``), as ``python_reducer`` does, and its
+      C++ reducer, detached, is re-created over one placeholder element. Rule and
+      reason: that reducer keeps a flat buffer per bucket, one more copy of every
+      gradient, which nothing writes under the python reducer and which it hands only
+      to a comm hook; PyTorch's ``python_reducer`` keeps it for the whole run.
     - Forward: compiled whole. With ``bucket_cap_mb="auto"`` the cost-model DP
       (Note [Cost-model bucket plan]) plans it with ``gamma = 0`` (a boundary costs no
       break here) over chunks of at least ``CostModel.min_bucket_bytes``, the first
