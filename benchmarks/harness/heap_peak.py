@@ -82,15 +82,16 @@ extern void __libc_free(void *);
 
 static long long live_bytes = 0, peak_bytes = 0;
 
-static void *counted(void *p) {
+static void *count_into(long long *live, long long *peak, void *p) {
     if (p) {
-        long long now = __atomic_add_fetch(&live_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
-        long long seen = __atomic_load_n(&peak_bytes, __ATOMIC_RELAXED);
-        while (now > seen && !__atomic_compare_exchange_n(&peak_bytes, &seen, now, 1, __ATOMIC_RELAXED,
-                                                          __ATOMIC_RELAXED)) {}
+        long long now = __atomic_add_fetch(live, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
+        long long seen = __atomic_load_n(peak, __ATOMIC_RELAXED);
+        while (now > seen && !__atomic_compare_exchange_n(peak, &seen, now, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
     }
     return p;
 }
+
+static void *counted(void *p) { return count_into(&live_bytes, &peak_bytes, p); }
 
 static void uncount(void *p) {
     if (p) __atomic_sub_fetch(&live_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
@@ -146,14 +147,7 @@ static void *c10_symbol(const char *name) {
 
 void *_ZN3c109alloc_cpuEm(size_t n) {
     if (!real_alloc_cpu) real_alloc_cpu = (void *(*)(size_t))c10_symbol("_ZN3c109alloc_cpuEm");
-    void *p = real_alloc_cpu(n);
-    if (p) {
-        long long now = __atomic_add_fetch(&tensor_bytes, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
-        long long seen = __atomic_load_n(&tensor_peak, __ATOMIC_RELAXED);
-        while (now > seen && !__atomic_compare_exchange_n(&tensor_peak, &seen, now, 1, __ATOMIC_RELAXED,
-                                                          __ATOMIC_RELAXED)) {}
-    }
-    return p;
+    return count_into(&tensor_bytes, &tensor_peak, real_alloc_cpu(n));
 }
 
 void _ZN3c108free_cpuEPv(void *p) {
