@@ -1,12 +1,10 @@
 """Every private torch name ``ddp_opt`` uses, in one place.
 
-Each access says what it relies on; ``tests/test_torch_contracts_ddp.py`` pins each
-one, so a torch upgrade that changes one fails there first.
-
-Version gate: bucket realignment re-creates DDP's reducer through DDP's private
-initialisation helpers. Where a release lacks one of them (:func:`missing_for_realignment`,
-feature detection), :data:`REALIGN_SUPPORTED` is False: ``compile_ddp`` warns once, naming
-what is missing, and keeps DDP's own buckets instead of calling helpers that do not exist.
+Each access says what it relies on; ``tests/test_torch_contracts_ddp.py`` pins each one, so a torch
+upgrade that changes one fails there first. Version gate: bucket realignment re-creates DDP's reducer
+through DDP's private initialisation helpers. Where a release lacks one of them
+(:func:`missing_for_realignment`, feature detection), :data:`REALIGN_SUPPORTED` is False: ``compile_ddp``
+warns once, naming what is missing, and keeps DDP's own buckets instead of calling helpers that do not exist.
 """
 
 from __future__ import annotations
@@ -46,10 +44,9 @@ def missing_for_realignment() -> list[str]:
 
 
 def _rebuild_caps_kind() -> str | None:
-    """Where this torch's DDP reads the per-bucket caps its reducer is built and rebuilt with:
-    ``"bucket_config"`` (torch >= 2.12: ``DDP._bucket_config``, a ``_BucketCapacityConfig``),
-    ``"cap_list"`` (torch 2.11: ``DDP.bucket_bytes_cap_list``, which 2.12 folded into
-    ``_bucket_config``), or None."""
+    """Where this torch's DDP reads the per-bucket caps its reducer is built and rebuilt with: ``"bucket_config"``
+    (torch >= 2.12: ``DDP._bucket_config``, a ``_BucketCapacityConfig``), ``"cap_list"`` (torch 2.11:
+    ``DDP.bucket_bytes_cap_list``, which 2.12 folded into ``_bucket_config``), or None."""
     config = getattr(_ddp_module, "_BucketCapacityConfig", None)
     if config is not None and dataclasses.is_dataclass(config) and \
             "per_bucket_bytes_caps" in {f.name for f in dataclasses.fields(config)}:
@@ -295,19 +292,15 @@ def traced_strategy_missing() -> str | None:
 
 def use_python_reducer(ddp_model: DistributedDataParallel) -> None:
     """Switch a built DDP module to PyTorch's python reducer, as DDP's ``__init__`` does under ``optimize_ddp=
-    "python_reducer"``: per-gradient all-reduce hooks compiled autograd traces; the C++ reducer detached."""
+    "python_reducer"``: per-gradient all-reduce hooks compiled autograd traces; the C++ reducer detached, emptied."""
     # Reducer._remove_autograd_hooks(): the C++ reducer no longer sees gradients.
     ddp_model.reducer._remove_autograd_hooks()
     # DDP._use_python_reducer: DDP's _pre_forward/_post_forward/_run_ddp_forward skip the C++ reducer.
     ddp_model._use_python_reducer = True
-    # The detached reducer's bucket buffers, one more copy of every gradient, are never written again.
-    # DDP._ddp_init_helper(params, expect_sparse_gradient, param_to_name_mapping, static_graph), DDP's own
-    # construction, re-creates DDP.reducer and DDP.logger over one placeholder element, no collective, and the
-    # old reducer goes with its buffers (its logger, which held it, is replaced).
-    # DDP._module_parameters: the parameters DDP syncs (the placeholder goes on their device).
-    param = next(iter(ddp_model._module_parameters), None)
-    placeholder = torch.zeros(1, device=param.device if param is not None else "cpu", requires_grad=True)
-    ddp_model._ddp_init_helper([placeholder], [False], {0: "python reducer placeholder"}, ddp_model.static_graph)
+    # DDP._ddp_init_helper(params, expect_sparse, names, static_graph) (no collective): DDP.reducer and .logger
+    # re-created over a placeholder on DDP._module_parameters' device, so the old reducer's buffers are freed.
+    placeholder = torch.zeros(1, device=next((p.device for p in ddp_model._module_parameters), "cpu")).requires_grad_()
+    ddp_model._ddp_init_helper([placeholder], [False], {0: "placeholder"}, ddp_model.static_graph)
     ddp_model.reducer._remove_autograd_hooks()
     # As DDP.__init__ does: dynamo inlines torch.nn.parallel.distributed (the hooks are traced).
     torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.add("torch.nn.parallel.distributed")
@@ -398,12 +391,10 @@ def fuse_ddp_allreduces(graph: fx.Graph, group_fn: Any, any_readers: bool = Fals
 def custom_graph_pass_base() -> type:
     # torch._inductor.custom_graph_pass.CustomGraphPass: a pass with a uuid() keeps the FX graph cache on.
     from torch._inductor.custom_graph_pass import CustomGraphPass
-
     return CustomGraphPass
 
 
 def active_ddp_module() -> DistributedDataParallel | None:
     """The DDP module whose forward is running now (dynamo compiles a frame below it), else None."""
-    # DistributedDataParallel._get_active_ddp_module(): set by DDP's forward (_inside_ddp_forward) for
-    # dynamo's own DDPOptimizer, which reads it in convert_frame the same way.
+    # DDP._get_active_ddp_module(): set by DDP's forward (_inside_ddp_forward) for dynamo's DDPOptimizer, as here.
     return DistributedDataParallel._get_active_ddp_module()
