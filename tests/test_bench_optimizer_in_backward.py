@@ -85,6 +85,31 @@ def test_the_goals_name_the_figures_and_say_why_a_row_missed_one():
                                          "1.050]")
 
 
+def test_a_traced_row_says_what_no_update_could_save_and_what_its_largest_bucket_holds():
+    """Batch 8: the peak without is 4 MiB above the start plus forward's activations, so no update could lower it
+    by 0.8 of the gradient bytes. Batch 1: the bound is far, the largest bucket's three copies are the reason."""
+    def traced(batch, in_bwd, **kw):
+        return _row("none", in_bwd, mode="traced", batch=batch, comm_ms=20.0, start_mib=38.0, **kw)
+
+    rows = [traced(8, False, peak_mib=76.0), traced(8, True, peak_mib=78.0, bucket_mib=[1.0, 7.0, 2.0, 2.0]),
+            traced(1, False, peak_mib=74.0, forward_end_mib=4.0),
+            traced(1, True, peak_mib=74.0, forward_end_mib=4.0, peak_above_start_mib=36.0, bucket_mib=[1.0, 11.0])]
+    batch8, batch1 = done_when(limit_columns(rows))
+    assert batch8["peak_saved_bound_of_grad"] == pytest.approx(4 / 12) and not batch8["memory_met"]
+    assert batch8["memory_why"] == (
+        "the step starts with 0.0 MiB fewer bytes live than without (between steps the traced strategy holds no "
+        "gradient memory in either mode: `zero_grad()` frees the gradients without the update, and DDP's C++ bucket "
+        "buffers, unused there, are freed when it compiles); no update could: the peak without is only 4.0 MiB (0.33 "
+        "x the gradient bytes) above this step's start plus forward's activations (34.0 MiB live when forward ended, "
+        "before any gradient exists), and the step cannot peak below that")
+    assert batch1["peak_saved_bound_of_grad"] == pytest.approx(32 / 12)
+    assert batch1["memory_why"].endswith(
+        "the auto plan's 2 bucket(s) are large (the largest 11.0 MiB, the last reduced 11.0 MiB, of 12.0 MiB); in "
+        "the traced graph Inductor's fused all-reduce holds a bucket's gradients, their concatenation and the "
+        "divided copy it reduces at once: 3 x 11.0 = 33.0 MiB for the largest, before its update can free any")
+    assert "at most 0.33 x possible" in results_markdown(rows)
+
+
 def test_the_block_is_rendered_from_the_json_between_its_markers_only(tmp_path):
     out, page = tmp_path / "rows.json", tmp_path / "page.md"
     rows = limit_columns(_rows())

@@ -27,8 +27,10 @@ def _job(row: dict) -> tuple[str, int | None]:
 
 def limit_columns(rows: list[dict]) -> list[dict]:
     """Each measured row with its limit and parts (Note [Optimizer in backward study], step 4), per job;
-    each row with the optimizer in backward also with ``peak_saved_mib``, ``peak_saved_of_grad`` and
-    ``limit_gain_ms`` against its strategy's row without."""
+    each row with the optimizer in backward also with ``peak_saved_mib``, ``peak_saved_of_grad``,
+    ``peak_saved_bound_mib`` (the most any update could save: the peak without less this row's start and
+    forward's activations, before any gradient exists) and ``limit_gain_ms`` against its strategy's row
+    without."""
     for job in dict.fromkeys(_job(r) for r in rows):
         measured = [r for r in rows if _job(r) == job and not r.get("skipped")]
         without = [r for r in measured if not r["optimizer_in_backward"]]
@@ -49,7 +51,7 @@ def limit_columns(rows: list[dict]) -> list[dict]:
                 saved = _less(base, r, "peak_mib")
                 freed = _less(base, r, "backward_end_mib")
                 r.update(peak_saved_mib=saved, peak_saved_of_grad=saved / r["grad_mib"] if saved is not None else None,
-                         start_saved_mib=_less(base, r, "start_mib"),
+                         start_saved_mib=_less(base, r, "start_mib"), peak_saved_bound_mib=_bound(base, r),
                          backward_end_saved_of_grad=freed / r["grad_mib"] if freed is not None else None,
                          limit_gain_ms=base["limit_ms"] - r["limit_ms"])
     return rows
@@ -57,6 +59,13 @@ def limit_columns(rows: list[dict]) -> list[dict]:
 
 def _less(base: dict, r: dict, key: str) -> float | None:
     return base[key] - r[key] if base.get(key) is not None and r.get(key) is not None else None
+
+
+def _bound(base: dict, r: dict) -> float | None:
+    """The most the update could lower the peak: when forward ends no gradient exists in either mode, so
+    the step cannot peak below its start plus forward's activations."""
+    parts = (base.get("peak_mib"), r.get("start_mib"), r.get("forward_end_mib"))
+    return parts[0] - parts[1] - parts[2] if None not in parts else None
 
 
 def _why_not_faster(r: dict) -> str:
@@ -76,26 +85,32 @@ def _why_not_lower(r: dict) -> str:
     at_rest = r.get("start_saved_mib")
     rest = ""
     if at_rest is not None and at_rest < 0.8 * grad:
-        rest = f"the step starts with {at_rest:.1f} MiB fewer bytes live than without"
+        shown = round(at_rest, 1) + 0.0  # + 0.0: no "-0.0"
+        rest = f"the step starts with {abs(shown):.1f} MiB {'more' if shown < 0 else 'fewer'} bytes live than without"
         if r["mode"] == "traced":
             rest += (" (between steps the traced strategy holds no gradient memory in either mode: `zero_grad()` "
                      "frees the gradients without the update, and DDP's C++ bucket buffers, unused there, are freed "
                      "when it compiles)")
         rest += "; "
+    bound = r.get("peak_saved_bound_mib")
     if own - activations < 0.2 * grad:
         return (rest + f"the step's own peak ({own:.1f} MiB) is forward's activations ({activations:.1f} MiB live "
                 "when forward ended) as backward starts, before any gradient exists to free")
+    if bound is not None and bound < 0.8 * grad:
+        return (rest + f"no update could: the peak without is only {bound:.1f} MiB ({bound / grad:.2f} x the gradient "
+                f"bytes) above this step's start plus forward's activations ({activations:.1f} MiB live when forward "
+                "ended, before any gradient exists), and the step cannot peak below that")
     buckets = r.get("bucket_mib") or []
     text = rest + (f"the step's own peak is {own:.1f} MiB, of which {activations:.1f} MiB are forward's activations; "
                    f"the other {own - activations:.1f} MiB are backward's temporaries and the gradients live at once: "
                    "a bucket's gradients live from its backward until its update")
-    if r["mode"] == "traced":
-        text += (", and the traced graph runs every update at its end, after the last wait (`sink_updates`: a "
-                 "wait earlier stops backward until its bucket has crossed the link), so every gradient and its "
-                 "reduced copy live until then")
-    elif buckets:
+    if buckets:
         text += (f", and the auto plan's {len(buckets)} bucket(s) are large (the largest {max(buckets):.1f} MiB, the "
                  f"last reduced {buckets[-1]:.1f} MiB, of {grad:.1f} MiB)")
+    if r["mode"] == "traced" and buckets:
+        text += (f"; in the traced graph Inductor's fused all-reduce holds a bucket's gradients, their concatenation "
+                 f"and the divided copy it reduces at once: 3 x {max(buckets):.1f} = {3 * max(buckets):.1f} MiB for "
+                 "the largest, before its update can free any")
     return text
 
 
@@ -108,7 +123,9 @@ def done_when(rows: Sequence[dict]) -> list[dict]:
         if r["optimizer_in_backward"] and not r.get("skipped") and "limit_gain_ms" in r:
             ratio = r["ratio_vs_without"]
             saved = r.get("peak_saved_of_grad")
+            bound = r.get("peak_saved_bound_mib")
             out.append({"link": r["link"], "batch": r.get("batch"), "mode": r["mode"], "peak_saved_of_grad": saved,
+                        "peak_saved_bound_of_grad": bound / r["grad_mib"] if bound is not None else None,
                         "memory_met": saved is not None and saved >= 0.8,
                         "backward_end_saved_of_grad": r.get("backward_end_saved_of_grad"), "ratio": ratio,
                         "ratio_q1": r["ratio_vs_without_q1"], "ratio_q3": r["ratio_vs_without_q3"],
@@ -140,7 +157,9 @@ def row_cells(r: dict) -> list[str]:
 def _goal_line(g: dict) -> str:
     met = {True: "met", False: "not met"}
     return (f"- {g['link']}, batch {fmt(g['batch'], 'd')}, {g['mode']}: peak lowered by "
-            f"{fmt(g['peak_saved_of_grad'], '.2f')} x the gradient bytes ({met[g['memory_met']]}, goal >= 0.8), live "
+            f"{fmt(g['peak_saved_of_grad'], '.2f')} x the gradient bytes ({met[g['memory_met']]}, goal >= 0.8"
+            + (f"; at most {g['peak_saved_bound_of_grad']:.2f} x possible" if g["peak_saved_bound_of_grad"] is not None
+               else "") + "), live "
             f"bytes at backward's end by {fmt(g['backward_end_saved_of_grad'], '.2f')} x; step "
             f"{with_iqr(g['ratio'], g['ratio_q1'], g['ratio_q3'])} x without ({met[g['speed_met']]}, goal <= 1.00)"
             + (f": {g['why']}" if g["why"] else "") + (f"; memory: {g['memory_why']}" if g["memory_why"] else ""))
