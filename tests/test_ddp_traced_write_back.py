@@ -52,11 +52,42 @@ def test_a_fused_bucket_is_waited_for_after_the_rest_of_backward():
     FuseByPlan(TracedPlan(BucketCaps(1 << 30), backend_fn=None))(g)
     g.lint()
     at = _position(g)
-    [comm] = [n for n in g.nodes if n.target is c10d.all_reduce.default]
+    [comm] = [n for n in g.nodes if n.target in (c10d.all_reduce.default, c10d.all_reduce_.default)]
     [wait] = [n for n in g.nodes if n.target is c10d.wait_tensor.default]
     copies = [n for n in g.nodes if n.target is aten.copy.default]
     assert at[comm] < at[later] < at[wait], "the wait comes after the backward that does not need it"
     assert all(at[later] < at[c] for c in copies), "the write-back comes after it too"
+
+
+def test_a_fused_bucket_is_one_buffer_reduced_in_place():
+    # The fusion divides the concatenation and all-reduces the quotient, which Inductor lowers with a copy: the
+    # gradients, the concatenation and the copy were live at once. Now each gradient is divided into its slice.
+    g, _ = _fused_bucket_then_more_backward()
+    FuseByPlan(TracedPlan(BucketCaps(1 << 30), backend_fn=None))(g)
+    g.lint()
+    [comm] = [n for n in g.nodes if n.target is c10d.all_reduce_.default]
+    assert not [n for n in g.nodes if n.target is c10d.all_reduce.default]
+    cat = comm.args[0]
+    assert cat.target is aten.cat and comm.args[1:] == ("sum", "0")
+    assert [(part.target, part.args[1]) for part in cat.args[0]] == [(aten.div.Tensor, 2)] * 2
+    assert [part.args[0].target for part in cat.args[0]] == [aten.flatten.using_ints] * 2
+    assert list(cat.users) == [comm], "nothing else reads the buffer the all-reduce writes"
+
+
+def test_a_write_back_moves_past_another_buckets_in_place_all_reduce_but_not_past_a_write_to_what_it_reads():
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    first = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce_.default, (x, "sum", "0")),))
+    back = g.call_function(aten.mul.Tensor, (first, 0.5))
+    reads_w = g.call_function(aten.add.Tensor, (first, w))
+    second = g.call_function(c10d.all_reduce_.default, (w, "sum", "0"))
+    later = g.call_function(aten.mm.default, (x, x))
+    g.output((back, reads_w, g.call_function(c10d.wait_tensor.default, (second,)), later))
+    delay_write_back(g)
+    g.lint()
+    at = _position(g)
+    assert at[later] < at[back], "another bucket's in-place all-reduce writes only its own buffer"
+    assert at[reads_w] < at[second], "never past a write to what it reads"
 
 
 def test_what_feeds_a_collective_or_follows_a_mutation_stays():

@@ -8,7 +8,7 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["comm_role", "mutates"]
+__all__ = ["comm_role", "mutates", "reduce_in_place"]
 
 
 def comm_role(node: fx.Node) -> str | None:
@@ -33,3 +33,38 @@ def mutates(node: fx.Node) -> bool:
         return str(target).endswith("_") or "out" in node.kwargs
     schema = getattr(target, "_schema", None)  # OpOverload._schema: the op's declared aliasing
     return schema is None or schema.is_mutable
+
+
+def reduce_in_place(graph: fx.Graph) -> int:
+    """Each fused bucket ``all_reduce(div(cat(parts), n))`` rewritten as ``all_reduce_(cat(div(part, n) ...))``:
+    one bucket buffer, reduced in place (Note [Traced strategy]). Returns how many buckets were rewritten."""
+    # torch.ops._c10d_functional.all_reduce_: the in-place functional all-reduce Inductor lowers without a copy
+    # (comm_lowering: all_reduce clones its input first). Absent from a torch: nothing is rewritten.
+    in_place = getattr(torch.ops._c10d_functional, "all_reduce_", None)
+    aten = torch.ops.aten
+    rewritten = 0
+    for comm in list(graph.nodes):
+        if comm.op != "call_function" or comm.target is not torch.ops._c10d_functional.all_reduce.default:
+            continue
+        div = comm.args[0]
+        if in_place is None or not (isinstance(div, fx.Node) and div.target == aten.div.Tensor
+                                    and len(div.users) == 1):
+            continue
+        cat = div.args[0]
+        if not (isinstance(cat, fx.Node) and cat.target in (aten.cat, aten.cat.default) and len(cat.users) == 1
+                and len(cat.args) == 1 and not cat.kwargs):
+            continue
+        parts = []
+        for part in cat.args[0]:
+            with graph.inserting_before(cat):
+                parts.append(graph.call_function(aten.div.Tensor, (part, div.args[1])))
+            parts[-1].meta.update(part.meta)  # same shape and dtype: a division by a number
+        cat.args = (parts,)
+        with graph.inserting_after(comm):
+            reduced = graph.call_function(in_place.default, (cat, *comm.args[1:]), dict(comm.kwargs))
+        reduced.meta.update(cat.meta)
+        comm.replace_all_uses_with(reduced)
+        graph.erase_node(comm)
+        graph.erase_node(div)
+        rewritten += 1
+    return rewritten
