@@ -107,10 +107,6 @@ def _why_not_lower(r: dict) -> str:
     if buckets:
         text += (f", and the auto plan's {len(buckets)} bucket(s) are large (the largest {max(buckets):.1f} MiB, the "
                  f"last reduced {buckets[-1]:.1f} MiB, of {grad:.1f} MiB)")
-    if r["mode"] == "traced" and buckets:
-        text += (f"; in the traced graph Inductor's fused all-reduce holds a bucket's gradients, their concatenation "
-                 f"and the divided copy it reduces at once: 3 x {max(buckets):.1f} = {3 * max(buckets):.1f} MiB for "
-                 "the largest, before its update can free any")
     return text
 
 
