@@ -225,7 +225,8 @@ def _run_links(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(markdown_table(HEADERS, [row_cells(r) for r in rows]), flush=True)
     for g in done_when(rows):
         print(f"{g['link']} batch {g['batch']} {g['mode']}: peak saved {fmt(g['peak_saved_of_grad'], '.2f')} x grad "
-              f"bytes (at most {fmt(g['peak_saved_bound_of_grad'], '.2f')}); step ratio {fmt(g['ratio'], '.3f')}" + (f" ({g['why']})" if g["why"] else ""), flush=True)
+              f"bytes (at most {fmt(g['peak_saved_bound_of_grad'], '.2f')}); step ratio {fmt(g['ratio'], '.3f')}"
+              + (f" ({g['why']})" if g["why"] else ""), flush=True)
     print(f"optimizer_in_backward: wrote {args.out} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 1 if failed else 0
 
