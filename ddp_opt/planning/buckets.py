@@ -48,7 +48,7 @@ from .._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_M
 log = logging.getLogger(__name__)
 
 __all__ = ["Bucket", "BucketCaps", "format_buckets", "group_by_caps", "kind_groups", "main_kind", "param_kind",
-           "partition_map", "plan_buckets", "plan_details", "realign_caps"]
+           "partition_map", "plan_buckets", "plan_details", "realign_caps", "split_caps"]
 
 MiB = 1024 * 1024
 
@@ -135,6 +135,16 @@ def group_by_caps(sizes: Sequence[int], caps: BucketCaps) -> list[int]:
     if count:
         lengths.append(count)
     return lengths
+
+
+def split_caps(caps: Sequence[int], most: int) -> tuple[int, ...]:
+    """``caps`` with each cap above ``most`` bytes replaced by as few equal caps of at most ``most`` as add up to
+    at least it: bucket k's gradients cut into smaller buckets at the same order."""
+    split: list[int] = []
+    for cap in caps:
+        pieces = -(-cap // most)
+        split += [-(-cap // pieces)] * pieces
+    return tuple(split)
 
 
 def plan_buckets(gm: fx.GraphModule, caps: BucketCaps) -> list[Bucket]:

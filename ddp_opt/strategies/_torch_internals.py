@@ -8,7 +8,7 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["comm_role", "mutates", "reduce_in_place"]
+__all__ = ["aliasing", "comm_role", "mutates", "reduce_in_place"]
 
 
 def comm_role(node: fx.Node) -> str | None:
@@ -33,6 +33,33 @@ def mutates(node: fx.Node) -> bool:
         return str(target).endswith("_") or "out" in node.kwargs
     schema = getattr(target, "_schema", None)  # OpOverload._schema: the op's declared aliasing
     return schema is None or schema.is_mutable
+
+
+def aliasing(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(the argument nodes ``node``'s result may share memory with, those it may write to), from the op's
+    declared aliasing; an op that declares none but may mutate (``mutates``) is taken to alias and write all."""
+    inputs = node.all_input_nodes
+    target = node.target
+    if node.op != "call_function":
+        return [], []
+    if target is operator.getitem or comm_role(node) == "wait":  # wait_tensor returns its collective's buffer
+        return inputs[:1], []
+    op = getattr(target, "default", target)  # OpOverloadPacket -> its default overload, as for mutates
+    if op is torch.ops.aten._unsafe_view.default:  # a view that declares no alias (AOTAutograd's reshape)
+        return inputs[:1], []
+    schema = getattr(op, "_schema", None)  # OpOverload._schema: the op's declared aliasing
+    if schema is None:
+        return (inputs, inputs) if mutates(node) else ([], [])
+    shared, written = [], []
+    for k, arg in enumerate(schema.arguments):
+        value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+        values = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node)]
+        if arg.alias_info is not None:
+            shared += values
+            if arg.alias_info.is_write:
+                written += values
+    outputs_alias = any(ret.alias_info is not None for ret in schema.returns)
+    return (shared if outputs_alias else []), written
 
 
 def reduce_in_place(graph: fx.Graph) -> int:

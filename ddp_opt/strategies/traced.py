@@ -83,16 +83,18 @@ from compiler.step_gate import StepGate
 from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
 from ._torch_internals import comm_role, mutates, reduce_in_place
+from .update_placement import readers_of_reductions, sink_updates
 from ..planning.solver import Timeline
 from ..planning.cost import CostModel
 from ..planning.auto import describe, plan_auto
-from ..planning.buckets import BucketCaps, group_by_caps
+from ..planning.buckets import BucketCaps, group_by_caps, split_caps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FIRST_BUCKET_CAP", "TracedPlan", "FuseByPlan", "delay_write_back", "fallback_reason", "sink_updates"]
+__all__ = ["FIRST_BUCKET_CAP", "IN_BACKWARD_BUCKETS", "TracedPlan", "FuseByPlan", "delay_write_back", "fallback_reason"]
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the largest first bucket under fixed caps (Note [Traced strategy])
+IN_BACKWARD_BUCKETS = 8  # with the optimizer in backward, auto buckets hold at most 1/8 of a graph's gradients
 
 
 def fallback_reason(ddp_model: DistributedDataParallel) -> str | None:
@@ -131,41 +133,8 @@ class FuseByPlan(custom_graph_pass_base()):
                       moved)
 
     def uuid(self) -> Any:
-        # "4": the pass's version (reduce_in_place); bump it when the pass changes, Inductor's cache keys on it.
-        return f"distcompile.FuseByPlan:4:{self.plan.caps!r}:{self.plan.updates_in_backward}"
-
-
-def _readers_of_reductions(nodes: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
-    """The nodes that feed a collective, and those that read an all-reduce's result (through its wait)."""
-    feeds_comm: set[fx.Node] = set()
-    for node in reversed(nodes):
-        if comm_role(node) == "collective" or any(user in feeds_comm for user in node.users):
-            feeds_comm.add(node)
-    after_wait: set[fx.Node] = set()
-    for node in nodes:
-        if comm_role(node) == "wait" or any(arg in after_wait for arg in node.all_input_nodes):
-            after_wait.add(node)
-    return feeds_comm, after_wait
-
-
-def sink_updates(graph: fx.Graph) -> int:
-    """With the optimizer in backward (Note [Traced update]): every wait and every node that reads an
-    all-reduce's result and feeds no collective (the bucket's split, the write-back, the update)
-    moved, in graph order, to the end of the graph, so backward and the later all-reduces run while
-    the buckets cross the link. The updates mutate parameters and optimizer state, which backward
-    no longer reads once a gradient is final. Nothing moves when a node left in place reads a moved
-    one. Returns how many nodes moved."""
-    nodes = list(graph.nodes)
-    feeds_comm, after_wait = _readers_of_reductions(nodes)
-    movable = [node for node in nodes if node in after_wait and node not in feeds_comm
-               and node.op == "call_function"]
-    moving = set(movable)
-    if any(user not in moving and user.op != "output" for node in movable for user in node.users):
-        return 0
-    output = next(node for node in reversed(nodes) if node.op == "output")
-    for node in movable:
-        output.prepend(node)
-    return len(movable)
+        # "5": the pass's version (sink_updates by lag); bump it when the pass changes, Inductor's cache keys on it.
+        return f"distcompile.FuseByPlan:5:{self.plan.caps!r}:{self.plan.updates_in_backward}"
 
 
 def _writes_for(spot: fx.Node, node: fx.Node) -> bool:
@@ -181,7 +150,7 @@ def delay_write_back(graph: fx.Graph) -> int:
     collective down to just before its first user, never past an op that may write to what it reads
     (Note [Traced strategy]). The graph stays in topological order. Returns how many nodes moved."""
     nodes = list(graph.nodes)
-    feeds_comm, after_wait = _readers_of_reductions(nodes)
+    feeds_comm, after_wait = readers_of_reductions(nodes)
     movable = [node for node in nodes if node in after_wait and node not in feeds_comm
                and node.op == "call_function" and not mutates(node)]
     moved = 0
@@ -245,12 +214,16 @@ class TracedPlan:
         if not params:
             return  # a graph without parameters (a loss after a graph break) has no gradients to plan
         # A recompile of a graph replaces its plan; graphs run later hold earlier-ready gradients.
-        self._graph_caps[params] = caps.per_bucket_caps
+        planned, cut = caps.per_bucket_caps, ""
+        if self.updates_in_backward:  # Note [Traced update]: a bucket's gradients live until its update
+            most = max(sum(b.size for b in buckets) // IN_BACKWARD_BUCKETS, self.cost_model.min_bucket_bytes)
+            planned, cut = split_caps(planned, most), f"; with the optimizer in backward, cut to caps of {most} bytes"
+        self._graph_caps[params] = planned
         ordered = [c for graph_caps in reversed(self._graph_caps.values()) for c in graph_caps]
         self.caps = BucketCaps(ordered[0], per_bucket_caps=tuple(ordered))
         self.prediction = timeline
         if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
-            log.info("ddp_opt traced plan: %d bucket(s) fused in the backward graph\n%s", len(buckets),
+            log.info("ddp_opt traced plan: %d bucket(s) fused in the backward graph%s\n%s", len(buckets), cut,
                      describe(timeline, buckets))
 
     @property
