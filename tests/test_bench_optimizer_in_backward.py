@@ -72,8 +72,8 @@ def test_the_goals_name_the_figures_and_say_why_a_row_missed_one():
     assert none["why"].startswith("compute-bound (bwd 100 ms >= comm 20 ms): both limits are fwd + bwd + opt")
     assert none["memory_why"] == ("the step's own peak is 40.0 MiB, of which 34.0 MiB are forward's activations; the "
                                   "other 6.0 MiB are backward's temporaries and the gradients live at once: a bucket's "
-                                  "gradients live from its backward until its update, and the auto plan's 2 bucket(s) "
-                                  "are large (the largest 9.0 MiB, the last reduced 3.0 MiB, of 12.0 MiB)")
+                                  "gradients live from its backward until its update; the auto plan's 2 bucket(s): the "
+                                  "largest 9.0 MiB, the last reduced 3.0 MiB, of 12.0 MiB")
     rows = limit_columns(_rows())
     rows[3]["forward_end_mib"] = 39.0  # the peak within 0.2 of the gradients of the activations
     assert done_when(rows)[1]["memory_why"] == ("the step's own peak (40.0 MiB) is forward's activations (39.0 MiB "
@@ -104,8 +104,8 @@ def test_a_traced_row_says_what_no_update_could_save_or_how_large_its_buckets_ar
         "before any gradient exists), and the step cannot peak below that")
     assert batch1["peak_saved_bound_of_grad"] == pytest.approx(32 / 12)
     assert batch1["memory_why"].endswith(
-        "a bucket's gradients live from its backward until its update, and the auto plan's 2 bucket(s) are large "
-        "(the largest 11.0 MiB, the last reduced 11.0 MiB, of 12.0 MiB)")
+        "a bucket's gradients live from its backward until its update; the auto plan's 2 bucket(s): the largest "
+        "11.0 MiB, the last reduced 11.0 MiB, of 12.0 MiB")
     assert "at most 0.33 x possible" in results_markdown(rows)
 
 

@@ -105,8 +105,8 @@ def _why_not_lower(r: dict) -> str:
                    f"the other {own - activations:.1f} MiB are backward's temporaries and the gradients live at once: "
                    "a bucket's gradients live from its backward until its update")
     if buckets:
-        text += (f", and the auto plan's {len(buckets)} bucket(s) are large (the largest {max(buckets):.1f} MiB, the "
-                 f"last reduced {buckets[-1]:.1f} MiB, of {grad:.1f} MiB)")
+        text += (f"; the auto plan's {len(buckets)} bucket(s): the largest {max(buckets):.1f} MiB, the last reduced "
+                 f"{buckets[-1]:.1f} MiB, of {grad:.1f} MiB")
     return text
 
 

@@ -50,7 +50,8 @@ Algorithm
       backward that all-reduces: its topological sorts know nothing of overlap, and can
       pull each wait up to its all-reduce (where backward adds into existing ``.grad``)
       or issue every all-reduce after the last gradient. The price is memory: the
-      buckets live to the end of backward. A ``no_sync`` backward keeps the pass.
+      buckets live to the end of backward, unless the optimizer's updates, placed two
+      buckets behind (Note [Traced update]), free them. A ``no_sync`` backward keeps the pass.
     - Every rank traces the same backward and plans from rank 0's cost model, so the
       buckets agree.
 
