@@ -106,6 +106,8 @@ def _end_conflicts(nodes: list[fx.Node], movable: list[fx.Node], spot: dict[fx.N
         reads[node] = frozenset().union(*(roots[a] for a in node.all_input_nodes))
         writes[node] = frozenset().union(*(roots[a] for a in written))
 
+    written = frozenset().union(*writes.values())
+
     def place(node: fx.Node) -> tuple[int, int, int]:  # a moved node goes just before the node at its spot
         return (spot[node], 0, order[node]) if node in spot else (order[node], 1, 0)
 
@@ -113,7 +115,7 @@ def _end_conflicts(nodes: list[fx.Node], movable: list[fx.Node], spot: dict[fx.N
     while conflicting:
         conflicting = False
         for node in movable:
-            if spot[node] == end or not writes[node] and not any(writes[o] & reads[node] for o in nodes):
+            if spot[node] == end or not writes[node] and not reads[node] & written:
                 continue
             here = place(node)
             for other in nodes:
@@ -127,9 +129,10 @@ def _end_conflicts(nodes: list[fx.Node], movable: list[fx.Node], spot: dict[fx.N
 
 def _send_to_end(node: fx.Node, spot: dict[fx.Node, int], end: int) -> None:
     """``node`` and every moved node that reads it, directly or not, to the end."""
-    stack = [node]
+    spot[node] = end
+    stack = [user for user in node.users if user in spot]
     while stack:
         current = stack.pop()
-        if spot.get(current, end) != end or current is node:
+        if spot[current] != end:
             spot[current] = end
             stack += [user for user in current.users if user in spot]
