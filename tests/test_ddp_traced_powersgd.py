@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp
 from ddp_opt.compression.powersgd import SequencedState, sequenced_powersgd_hook
-from ddp_opt.compression.traced_powersgd import orthogonalize
+from ddp_opt.compression.traced_powersgd import orthogonalize, project, project_back
 
 RANK, START, STEPS = 4, 3, 7
 CAP_MB = 0.03  # 31 KB: below one 96 x 96 layer (36.9 KB), so each bucket closes at one such layer
@@ -115,6 +115,16 @@ def test_orthogonalize_is_pytorchs(columns):
     theirs = matrix.clone().unsqueeze(0)
     _orthogonalize(theirs)
     torch.testing.assert_close(orthogonalize(matrix), theirs[0])
+
+
+@pytest.mark.parametrize("shape", [(1024, 256), (256, 1024), (96, 64)])
+def test_the_transposed_products_are_the_plain_ones(shape):
+    g = torch.Generator().manual_seed(5)
+    matrix = torch.randn(*shape, generator=g)
+    q, p = torch.randn(shape[1], 4, generator=g), torch.randn(shape[0], 4, generator=g)
+    torch.testing.assert_close(project(matrix, q), matrix @ q, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(project_back(matrix, p), matrix.t() @ p, rtol=1e-5, atol=1e-4)
+    assert project(matrix, q).shape == (shape[0], 4) and project_back(matrix, p).shape == (shape[1], 4)
 
 
 class _LeavesOneOut(torch.nn.Module):
