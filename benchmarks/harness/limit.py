@@ -22,13 +22,16 @@ loopback): one message pays one latency, no bucketing carries the bytes faster.
 
 Compressed gradients (PowerSGD): ``comm`` is the link time of what crosses (the P and Q
 factors and the tensors left uncompressed, one flat message), and the power iteration
-is work no schedule avoids: per compressed matrix ``M = grad + E``, ``P = M Q``,
+is work no schedule avoids: per compressed matrix ``M = grad + E``, ``P = M orth(Q)``,
 ``orth(P)``, ``Q = M^T P``, ``approx = P Q^T``, ``E = M - approx``. It runs on the device
 that runs backward (one core per rank on the CPU runs, one stream on a GPU), so it adds
 to backward there, never to the link: ``step >= fwd + max(bwd + compress, comm) + opt``.
 ``compress`` is that arithmetic timed alone on gradients of the model's shapes, with no
 collective at all (``measure_powersgd_compute``: the median of a few runs, rank 0's
-clock); uncompressed rows have ``compress = 0``, and the bound is as before.
+clock), its products with the rank-r factors in the fastest form known here (``project``
+and ``project_back`` of Note [Traced PowerSGD]), so the bound holds for any implementation,
+not only for one that computes them as PyTorch's hook does; uncompressed rows have
+``compress = 0``, and the bound is as before.
 
 Not tighter on purpose: the first and last gradients' ready times would need
 per-parameter timings not measured, so the bound stays valid, only less tight. It
@@ -219,11 +222,12 @@ def powersgd_shapes(params, compression: str | None) -> list[tuple[int, int, int
 
 def measure_powersgd_compute(shapes: Sequence[tuple[int, int, int]], device, repeats: int) -> float:
     """Median seconds (rank 0's clock; no collective) of one step's power iteration over matrices of
-    ``shapes`` (``powersgd_shapes``): per matrix ``M = grad + E``, ``P = M Q``, ``orth(P)``,
-    ``Q = M^T P``, ``approx = P Q^T``, ``E = M - approx`` (Note [Physical limit of a step])."""
+    ``shapes`` (``powersgd_shapes``): per matrix ``M = grad + E``, ``P = M orth(Q)``, ``orth(P)``,
+    ``Q = M^T P``, ``approx = P Q^T``, ``E = M - approx`` (Note [Physical limit of a step]), the
+    products with the factors in their fastest form (``project``, ``project_back``)."""
     import torch
 
-    from ddp_opt.compression.traced_powersgd import orthogonalize
+    from ddp_opt.compression.traced_powersgd import orthogonalize, project, project_back
 
     from .device import clock
 
@@ -234,8 +238,8 @@ def measure_powersgd_compute(shapes: Sequence[tuple[int, int, int]], device, rep
     def once() -> None:
         for grad, error, q in mats:
             matrix = grad + error
-            p = orthogonalize(matrix @ q)
-            q.copy_(matrix.t() @ p)
+            p = orthogonalize(project(matrix, orthogonalize(q)))
+            q.copy_(project_back(matrix, p))
             error.copy_(matrix - p @ q.t())
 
     once()  # warm: allocator, QR workspaces
