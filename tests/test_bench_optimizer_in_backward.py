@@ -71,9 +71,10 @@ def test_the_goals_name_the_figures_and_say_why_a_row_missed_one():
     assert none["ratio"] == 1.03 and not none["speed_met"]
     assert none["why"].startswith("compute-bound (bwd 100 ms >= comm 20 ms): both limits are fwd + bwd + opt")
     assert none["memory_why"] == ("the step's own peak is 40.0 MiB, of which 34.0 MiB are forward's activations; the "
-                                  "other 6.0 MiB are backward's temporaries and the gradients live at once: a bucket's "
-                                  "gradients live from its backward until its update; the auto plan's 2 bucket(s): the "
-                                  "largest 9.0 MiB, the last reduced 3.0 MiB, of 12.0 MiB")
+                                  "other 6.0 MiB are backward's temporaries and the gradients live at once: under "
+                                  "DDP's reducer each bucket's buffer, which holds its gradients, lives from the "
+                                  "bucket's first gradient to backward's end, where the reducer reads every bucket; the "
+                                  "auto plan's 2 bucket(s): the largest 9.0 MiB, the last reduced 3.0 MiB, of 12.0 MiB")
     rows = limit_columns(_rows())
     rows[3]["forward_end_mib"] = 39.0  # the peak within 0.2 of the gradients of the activations
     assert done_when(rows)[1]["memory_why"] == ("the step's own peak (40.0 MiB) is forward's activations (39.0 MiB "

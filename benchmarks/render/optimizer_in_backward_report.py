@@ -101,9 +101,12 @@ def _why_not_lower(r: dict) -> str:
                 f"bytes) above this step's start plus forward's activations ({activations:.1f} MiB live when forward "
                 "ended, before any gradient exists), and the step cannot peak below that")
     buckets = r.get("bucket_mib") or []
+    lives = ("under DDP's reducer each bucket's buffer, which holds its gradients, lives from the bucket's first "
+             "gradient to backward's end, where the reducer reads every bucket" if r["mode"] == "split"
+             else "a bucket's gradients live from its backward until its update")
     text = rest + (f"the step's own peak is {own:.1f} MiB, of which {activations:.1f} MiB are forward's activations; "
                    f"the other {own - activations:.1f} MiB are backward's temporaries and the gradients live at once: "
-                   "a bucket's gradients live from its backward until its update")
+                   + lives)
     if buckets:
         text += (f"; the auto plan's {len(buckets)} bucket(s): the largest {max(buckets):.1f} MiB, the last reduced "
                  f"{buckets[-1]:.1f} MiB, of {grad:.1f} MiB")

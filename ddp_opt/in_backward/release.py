@@ -51,6 +51,10 @@ def release_refusal(ddp_model: DistributedDataParallel) -> str | None:
           them into the resized buckets.
 
     Notes
+        - Not earlier, right after a bucket's update: at the end of backward the reducer makes views of
+          every bucket from its hook's result, which fails on a storage given back (tried on torch 2.13:
+          "setStorage: ... out of bounds for storage of size 0"). So under DDP's reducer a bucket's
+          memory lives from its first gradient to backward's end, whatever the update frees.
         - Refused here (the buffers stay, as without the optimizer in backward), because the
           reducer writes some bucket before that bucket's gradients arrive:
           ``find_unused_parameters`` and ``static_graph`` (unused parameters' views are zeroed
