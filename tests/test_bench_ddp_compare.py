@@ -142,3 +142,24 @@ def test_keep_grads_zeroes_the_gradients_in_place_between_steps(gloo, keep):
         assert all(g is not None and not g.any() for g in grads)
     else:
         assert all(g is None for g in grads)
+
+
+@pytest.mark.slow
+def test_a_powersgd_row_gets_a_limit_with_its_power_iteration_timed_in_backward(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.studies.ddp_compare", "--sweep", "--caps", "1", "--link", "none",
+         "--modes", "eager,eager_powersgd", "--device", "cpu", "--layers", "1", "--embd", "128", "--heads", "2",
+         "--vocab", "512", "--steps", "2", "--warmup", "0", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "matrices took" in proc.stdout + proc.stderr and "inside an eager backward" in proc.stdout + proc.stderr
+    rows = {r["runner"]: r for r in json.loads(out.read_text())}
+    assert rows["eager@25"]["limit_compress_ms"] == 0 and rows["eager@25"]["limit_compress_alone_ms"] == 0
+    for label in ("eager_powersgd@1", "eager_powersgd@25"):
+        r = rows[label]
+        assert r["compression"] == "powersgd:4:2"
+        assert r["limit_compress_ms"] > 0 and r["limit_compress_alone_ms"] > 0
+        assert r["limit_ms"] == pytest.approx(r["limit_fwd_ms"] + max(r["limit_bwd_ms"] + r["limit_compress_ms"],
+                                                                      r["limit_comm_ms"]) + r["limit_opt_ms"])

@@ -128,3 +128,36 @@ def test_powersgd_shapes_are_the_matrices_pytorchs_rule_compresses():
     assert powersgd_shapes(params, "powersgd:4:2") == [(512, 256, 4), (1024, 256, 4)]
     assert powersgd_shapes(params, None) == []
     assert measure_powersgd_compute([(16, 8, 2)], torch.device("cpu"), repeats=2) > 0
+
+
+def test_the_power_iteration_in_backward_runs_on_each_compressed_gradient_as_it_is_made(monkeypatch):
+    # Each round runs forward and backward with the iteration in a post-accumulate-grad hook on the
+    # compressed matrices only, and times it there; the hooks are gone afterwards.
+    from benchmarks.harness import limit
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 2))
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x, y):
+            out = self.net(x)
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+    seen = []
+    real = limit._power_iteration
+
+    def iteration(grad, error, q):
+        seen.append(tuple(grad.shape))
+        real(grad, error, q)
+
+    monkeypatch.setattr(limit, "_power_iteration", iteration)
+    batch = (torch.randn(4, 64), torch.tensor([0, 1, 0, 1]))
+    seconds = limit.measure_powersgd_in_backward(WithLoss(), batch, "powersgd:2:2", torch.device("cpu"), repeats=3)
+    assert seconds > 0
+    # powersgd:2 compresses the 32x64 and 64x32 weights ((n + m) * 2 * 2 < n * m), not 2x64 nor the biases.
+    assert sorted(seen) == sorted([(32, 64), (64, 32)] * 4)  # one warm-up round and 3 measured ones
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())

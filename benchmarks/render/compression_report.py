@@ -78,10 +78,14 @@ def results_markdown(rows: Sequence[dict], command: str | None = None) -> str:
             "ratios are medians of per-round ratios. Each row's limit is fwd + max(bwd, comm) + opt with comm one "
             "all-reduce of the bytes it sends (Note [Physical limit of a step]). Generated "
             "by `python -m benchmarks.render.pages` from the sweep's JSON.")
-    compress = {wire_kind(r): r["limit_compress_ms"] for r in rows if r.get("limit_compress_ms")}
-    for kind, ms in compress.items():
-        text += (f" The {kind} rows' limit adds the power iteration's own compute to backward: {ms:.1f} ms, its "
-                 "matmuls and orthogonalisation timed alone on the model's gradient shapes, no collective.")
+    compress = {wire_kind(r): (r["limit_compress_ms"], r.get("limit_compress_alone_ms"))
+                for r in rows if r.get("limit_compress_ms")}
+    for kind, (ms, alone) in compress.items():
+        text += f" The {kind} rows' limit adds the power iteration's own compute to backward: {ms:.1f} ms, "
+        text += ("its matmuls and orthogonalisation timed alone on the model's gradient shapes, no collective."
+                 if not alone else "its matmuls and orthogonalisation timed inside an eager backward that ran them "
+                 "on each gradient as it was made, on every rank at once, no collective "
+                 f"(timed alone: {alone:.1f} ms).")
     parts = [text]
     if command or r0.get("command"):
         parts.append(f"Command: `{command or r0['command']}`")

@@ -54,7 +54,7 @@ from ..harness.core import FRESH, SAME, GPTJob, compile_seconds, first_steps, ga
     max_loss_diff, max_peak_mib, measure_rounds, measuring, runner_measures, step_stats
 from ..harness.device import clock, peak_bytes, reset_peak
 from ..harness.limit import (WIRE_BYTES, add_limit_columns, limit_parts, measure_comm, measure_powersgd_compute,
-                             powersgd_shapes, wire_kind, wire_numel)
+                             measure_powersgd_in_backward, powersgd_shapes, wire_kind, wire_numel)
 from ..link.shaping import LinkModel, SimulatedLink
 from .modes_ddp import DDP_MODES, DDPRunner, build_runner
 from ..harness.report import cap_label, nan_to_none, print0
@@ -314,18 +314,24 @@ def link_comm_s(cfg: BenchConfig, runners: list[DDPRunner], link: SimulatedLink,
     return comm
 
 
-def compress_s(cfg: BenchConfig, runners: list[DDPRunner], prefix: str = "") -> dict[str, float]:
-    """The power iteration's own compute per compression the runners use (the ``compress`` of Note
-    [Physical limit of a step]), timed on this rank with no collective; rank 0 says what it measured."""
+def compress_s(cfg: BenchConfig, runners: list[DDPRunner], prefix: str = "") -> dict[str, tuple[float, float]]:
+    """Per compression the runners use, the power iteration's compute: timed inside a backward that
+    runs it on its own core, every rank at once (the ``compress`` of Note [Physical limit of a step]),
+    and timed alone; no collective; rank 0 says what it measured."""
     out = {}
+    repeats = max(3, min(cfg.rounds, 5))
     for r in runners:
         kind = r.mode.compression
         if kind is None or kind in out:
             continue
         shapes = powersgd_shapes(list(r.ddp.module.parameters()), kind)
-        out[kind] = measure_powersgd_compute(shapes, cfg.torch_device, repeats=max(3, min(cfg.rounds, 5)))
-        print0(f"{prefix}compute: {kind}'s power iteration over {len(shapes)} matrices took {out[kind] * 1e3:.1f} ms "
-               "alone (median; added to backward in the physical limit)")
+        alone = measure_powersgd_compute(shapes, cfg.torch_device, repeats=repeats)
+        inside = measure_powersgd_in_backward(cfg.new_model(), cfg.batch_at(0), kind, cfg.torch_device,
+                                              repeats=max(5, min(cfg.rounds, 10)))
+        out[kind] = (inside, alone)
+        print0(f"{prefix}compute: {kind}'s power iteration over {len(shapes)} matrices took {inside * 1e3:.1f} ms "
+               f"inside an eager backward, on every rank at once (median; added to backward in the physical "
+               f"limit), {alone * 1e3:.1f} ms alone")
     return out
 
 
@@ -335,12 +341,12 @@ def _wire_bytes(r: DDPRunner) -> int:
 
 
 def finish_rows(rows: list[dict], comm_s: dict[str, float], prefix: str = "",
-                compress: dict[str, float] | None = None) -> list[dict]:
+                compress: dict[str, tuple[float, float]] | None = None) -> list[dict]:
     """The rows with the physical limit (each row's from the bytes it sends, and for compressed rows
     the power iteration's compute in ``compress``, by kind), ``step_over_limit`` and the ratio to the best
     peer; over a real link (no simulated one) also ``comm_ms`` and ``overlap`` from the measured link time."""
     if rows:
-        parts = {dtype: limit_parts(rows, seconds, (compress or {}).get(dtype, 0.0))
+        parts = {dtype: limit_parts(rows, seconds, *(compress or {}).get(dtype, (0.0, 0.0)))
                  for dtype, seconds in comm_s.items()}
         add_limit_columns(rows, parts)
         for r in rows:
