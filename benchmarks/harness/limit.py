@@ -34,10 +34,10 @@ shapes (``measure_powersgd_compute``, reported as ``compress_alone``), where its
 in cache and nothing else runs; in a step they cannot. The products with the rank-r factors
 are in the fastest form known here (``project`` and ``project_back`` of Note [Traced
 PowerSGD]), not PyTorch's hook's form, so no implementation pays for a slower product here;
-uncompressed rows have ``compress = 0``, and the bound is as before. A difference of whole
-backwards with and without the iteration would also charge what it evicts from backward's
-caches; it was tried and is noisier than the iteration itself (-5 to +18 ms on 230 to 260 ms
-backwards, 16 rounds), so the limit does not charge that part.
+uncompressed rows have ``compress = 0``, and the bound is as before. The difference of whole
+forward-and-backward rounds with and without the iteration would also charge what it evicts
+from backward's caches; it was tried and was noisier than the iteration itself (-5 to +18 ms
+on rounds of 224 to 258 ms, 16 rounds), so the limit does not charge that part.
 
 Not tighter on purpose: the first and last gradients' ready times would need
 per-parameter timings not measured, so the bound stays valid, only less tight. It
