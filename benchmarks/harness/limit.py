@@ -85,17 +85,8 @@ def wire_kind(row: dict) -> str:
 def wire_numel(params, compression: str | None) -> int:
     """Elements each rank sends per step: every gradient's, or under PowerSGD the P and Q of each
     matrix worth compressing (PyTorch's rule: ``(n + m) r`` at least halves ``n m``) and the rest."""
-    from ddp_opt.compression.powersgd import parse_compression
-
-    spec = parse_compression(compression)
-    rank = spec.rank if spec is not None else 0
-    total = 0
-    for p in params:
-        n = p.shape[0] if p.dim() else 1
-        m = p.numel() // max(n, 1)
-        r = min(n, m, rank)
-        total += (n + m) * r if rank and (n + m) * r * 2 < n * m else p.numel()
-    return total
+    params = list(params)
+    return sum((n + m) * r if n else p.numel() for p, (n, m, r) in zip(params, _compressed_shapes(params, compression)))
 
 
 @dataclass(frozen=True)
@@ -228,7 +219,7 @@ def _compressed_shapes(params, compression: str | None) -> list[tuple[int, int, 
         n = p.shape[0] if p.dim() else 1
         m = p.numel() // max(n, 1)
         r = min(n, m, spec.rank) if spec is not None else 0
-        out.append((n, m, r) if spec is not None and (n + m) * r * 2 < n * m else (0, 0, 0))
+        out.append((n, m, r) if r and (n + m) * r * 2 < n * m else (0, 0, 0))
     return out
 
 
