@@ -37,7 +37,11 @@ def single_rank_group(backend: str = "gloo"):
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
-               pg_timeout_s: float | None = None) -> None:
+               pg_timeout_s: float | None = None, environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # the test's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(environ)
+        tempfile.tempdir = None  # TMPDIR, read again
     timeout = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s is not None else {}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             **timeout)
@@ -57,9 +61,36 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     os._exit(0)
 
 
+# Note [Ranks forked from a server that imported torch]
+# Importing torch and dynamo takes 8 to 10 s on the 2-core CI host, and spawned ranks paid it on every
+# run_ranks. The ranks are forked from multiprocessing's fork server instead, which imports them once per
+# test session. A forked rank is otherwise as fresh as a spawned one: the server is a new interpreter that
+# has run no test and initialised no process group and no CUDA (forking after ``import torch`` is what
+# DataLoader workers do by default on Linux), and ``prepare`` gives each rank the test's sys.path and
+# working directory as spawn does. The environment is the one thing the server would fix at its start, so
+# each rank takes the test's environment from ``run_ranks``. The modules preloaded read no variable a test
+# sets for its ranks at import (TORCHINDUCTOR_CACHE_DIR is read at each use). With CUDA the ranks are
+# spawned, as before: a server that had asked CUDA for its devices could not fork ranks that use it.
+# Measured: test_ddp_multirank.py and test_fsdp_multirank.py, 220 s spawned, 112 s forked.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _start_method() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return "spawn"
+    from multiprocessing import forkserver
+
+    if forkserver._forkserver._forkserver_pid is None:  # the first run_ranks of the session
+        mp.set_forkserver_preload(_PRELOAD)
+    return "forkserver"
+
+
 def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0,
               pg_timeout_s: float | None = None, port: int | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks in their own processes
+    (Note [Ranks forked from a server that imported torch])
     (``pg_timeout_s``: the process group's collective timeout; default torch's; ``port``: the
     store's, for a store the test started, with ``TORCHELASTIC_USE_AGENT_STORE=True`` and MASTER_ADDR/MASTER_PORT naming it set).
 
@@ -67,8 +98,8 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 30
     or if the ranks did not finish within ``timeout`` seconds (a hang)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _rank_main, args=(world_size, port or free_port(), fn, args, out_dir, pg_timeout_s),
-            nprocs=world_size, join=False, start_method="spawn",
+            _rank_main, args=(world_size, port or free_port(), fn, args, out_dir, pg_timeout_s, dict(os.environ)),
+            nprocs=world_size, join=False, start_method=_start_method(),
         )
         import time
 

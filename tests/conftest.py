@@ -1,11 +1,11 @@
 """Fixtures shared by the test modules, one definition each, in the order tests climb
 (STYLE.md principle 9): compiler state, then one gloo rank in this process, then
-real gloo ranks in spawned processes, then the main job under torchrun.
+real gloo ranks in processes of their own, then the main job under torchrun.
 
 The hooks keep the fast tier fast (Note [Test tiers] in ``_tiers.py``): a test that
 spawns processes or compiles with Inductor is marked ``slow`` or fails.
 
-The plain helpers they wrap stay in ``_dist.py`` and ``_torchrun.py`` (the spawned
+The plain helpers they wrap stay in ``_dist.py`` and ``_torchrun.py`` (the forked
 ranks and ``_cache_job.py`` import them too). No fixture here is autouse: a module
 that wants one for all its tests says so with ``pytestmark = pytest.mark.usefixtures(...)``.
 """
@@ -101,7 +101,7 @@ def gloo_module():
 
 @pytest.fixture(scope="session")
 def run_ranks():
-    """``run_ranks(fn, *args, world_size=2, timeout=...)``: real gloo ranks in spawned
+    """``run_ranks(fn, *args, world_size=2, timeout=...)``: real gloo ranks in forked
     processes; returns each rank's result (see ``_dist.run_ranks``)."""
     return _dist.run_ranks
 
