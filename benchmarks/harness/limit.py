@@ -212,15 +212,10 @@ def powersgd_shapes(params, compression: str | None) -> list[tuple[int, int, int
 def _compressed_shapes(params, compression: str | None) -> list[tuple[int, int, int]]:
     """Per parameter ``(n, m, r)`` where PowerSGD compresses its gradient, ``(0, 0, 0)`` where not."""
     from ddp_opt.compression.powersgd import parse_compression
+    from ddp_opt.compression.traced_powersgd import compressed_shape
 
     spec = parse_compression(compression)
-    out = []
-    for p in params:
-        n = p.shape[0] if p.dim() else 1
-        m = p.numel() // max(n, 1)
-        r = min(n, m, spec.rank) if spec is not None else 0
-        out.append((n, m, r) if r and (n + m) * r * 2 < n * m else (0, 0, 0))
-    return out
+    return [(spec and compressed_shape(p, spec.rank)) or (0, 0, 0) for p in params]
 
 
 def _power_iteration(grad, error, q) -> None:

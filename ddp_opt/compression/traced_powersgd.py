@@ -54,7 +54,8 @@ from .._torch_internals import add_python_reducer_hook, functional_all_reduce, i
 from ..planning.buckets import BucketCaps
 from .powersgd import PowerSGD
 
-__all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "orthogonalize", "project", "project_back"]
+__all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "compressed_shape", "orthogonalize", "project",
+           "project_back"]
 
 MIN_COMPRESSION_RATE = 2  # PyTorch's PowerSGDState default: compress when (n + m) r * 2 < n m
 SEED = 0  # the first Q's, as PowerSGD.state's random_seed
@@ -86,11 +87,11 @@ class TracedPowerSGD:
         self.errors: list[torch.Tensor | None] = []
         self.qs: list[torch.Tensor | None] = []
         for param in params:
-            n, m, rank = _matrix(param, spec.rank)
-            compressed = param.dim() >= 2 and (n + m) * rank * MIN_COMPRESSION_RATE < n * m
-            self.errors.append(torch.zeros(n, m, dtype=param.dtype, device=param.device) if compressed else None)
+            shape = compressed_shape(param, spec.rank)
+            n, m, rank = shape or (0, 0, 0)
+            self.errors.append(torch.zeros(n, m, dtype=param.dtype, device=param.device) if shape else None)
             self.qs.append(torch.randn(m, rank, generator=generator).to(param.device, param.dtype)
-                           if compressed else None)
+                           if shape else None)
         self._clear()
 
     @property
@@ -209,11 +210,14 @@ class TracedPowerSGD:
         bucket[1] = None
 
 
-def _matrix(param: torch.Tensor, rank: int) -> tuple[int, int, int]:
-    """A gradient as PyTorch's hook views it: rows, columns and the rank used."""
+def compressed_shape(param: torch.Tensor, rank: int) -> tuple[int, int, int] | None:
+    """PyTorch's hook's rule: ``(rows, columns, rank used)`` of the matrix that ``param``'s gradient
+    is sent as P and Q of, or None where it is sent whole (fewer than 2 dimensions, or P and Q not
+    ``MIN_COMPRESSION_RATE`` times smaller than the matrix)."""
     n = param.shape[0] if param.dim() else 1
     m = param.numel() // max(n, 1)
-    return n, m, min(n, m, rank)
+    r = min(n, m, rank)
+    return (n, m, r) if param.dim() >= 2 and (n + m) * r * MIN_COMPRESSION_RATE < n * m else None
 
 
 def project(matrix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
