@@ -37,3 +37,11 @@ def test_each_rank_sees_the_tests_environment_tmpdir_and_folder_at_the_call(run_
 def test_a_failing_rank_reaches_the_test_with_its_traceback(run_ranks):
     with pytest.raises(AssertionError, match=r"(?s)rank 1 failed:.*ValueError: rank 1 was told to fail"):
         run_ranks(_fails_on_rank_1)
+
+
+def test_a_group_that_fails_to_form_is_started_once_more_and_the_function_runs_once(run_ranks, tmp_path,
+                                                                                    monkeypatch):
+    flag = tmp_path / "failed-once"
+    monkeypatch.setenv("DISTCOMPILE_TEST_FAIL_INIT_ONCE", str(flag))
+    seen = run_ranks(_what_the_rank_sees)
+    assert flag.exists() and [s["rank"] for s in seen] == [0, 1]
