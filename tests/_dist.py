@@ -44,7 +44,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         tempfile.tempdir = None  # TMPDIR, read again
     timeout = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s is not None else {}
     try:
-        _fail_init_once(out_dir)
+        _fail_init_once()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 **timeout)
     except dist.DistNetworkError:  # the group, not the test's function: run_ranks starts the ranks again
@@ -99,7 +99,7 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def _fail_init_once(out_dir: str) -> None:
+def _fail_init_once() -> None:
     """For the test of the restart: the first group of a run_ranks fails as a reset connection did."""
     flag = os.environ.get("DISTCOMPILE_TEST_FAIL_INIT_ONCE")
     if flag and not os.path.exists(flag):
@@ -109,6 +109,17 @@ def _fail_init_once(out_dir: str) -> None:
 
 class _GroupFailed(Exception):
     """A rank's init_process_group failed on the network, before the test's function ran."""
+
+
+def _raise_if_group_failed(ctx: Any, out_dir: str, world_size: int) -> None:
+    """Kill the ranks and raise _GroupFailed where one of them wrote ``rankN.init-failed``."""
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.init-failed")
+        if os.path.exists(path):
+            for p in ctx.processes:
+                p.kill()
+            with open(path) as f:
+                raise _GroupFailed(f"rank {rank}:\n{f.read()}")
 
 
 def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300.0,
@@ -144,20 +155,12 @@ def _run_ranks_once(fn: Callable, args: tuple, world_size: int, timeout: float, 
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):  # its peers wait in init_process_group for a rank that gave up
-            failed = [r for r in range(world_size) if os.path.exists(os.path.join(out_dir, f"rank{r}.init-failed"))]
-            if failed:
-                for p in ctx.processes:
-                    p.kill()
-                with open(os.path.join(out_dir, f"rank{failed[0]}.init-failed")) as f:
-                    raise _GroupFailed(f"rank {failed[0]}:\n{f.read()}")
+            _raise_if_group_failed(ctx, out_dir, world_size)
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {timeout:.0f}s")
-        failed = [r for r in range(world_size) if os.path.exists(os.path.join(out_dir, f"rank{r}.init-failed"))]
-        if failed:
-            with open(os.path.join(out_dir, f"rank{failed[0]}.init-failed")) as f:
-                raise _GroupFailed(f"rank {failed[0]}:\n{f.read()}")
+        _raise_if_group_failed(ctx, out_dir, world_size)
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
