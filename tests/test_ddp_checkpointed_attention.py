@@ -3,15 +3,28 @@ ranks: losses and gradients equal eager DDP's at every step. PyTorch's splitter 
 to give silently wrong gradients with FlexAttention and activation checkpointing. FlexAttention
 has no backward on CPU ("FlexAttention does not support backward on CPU", torch 2.13), so the
 model runs here with SDPA, aot_eager; with FlexAttention and Inductor on a GPU in
-tests/test_gpu_flex_attention.py."""
+tests/test_gpu_flex_attention.py. The traced strategy refuses checkpointed FlexAttention at the
+first forward (Note [Traced strategy]): that needs no backward, and is pinned here."""
 
 from __future__ import annotations
 
 import pytest
 
-from _attention_blocks import check, rank_run
+import torch.nn.attention.flex_attention as flex_module
+
+from _attention_blocks import check, rank_run, traced_refusal
+from _dist import single_rank_group
 
 
 @pytest.mark.parametrize("strategy", ["split", "traced"])
 def test_checkpointed_sdpa_blocks_train_as_eager_ddp(run_ranks, strategy):
     check(run_ranks(rank_run, "sdpa", strategy, "cpu", timeout=600), strategy)
+
+
+def test_traced_refuses_checkpointed_flex_attention_at_the_first_forward_and_says_what_to_use(monkeypatch):
+    # CPU FlexAttention refuses inputs that need gradients; the refusal comes before any backward.
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    with single_rank_group():
+        message = traced_refusal("cpu")
+    assert "FlexAttention inside 3 activation-checkpointed region(s)" in message, message
+    assert "compiled autograd" in message and "Use strategy='split'" in message, message

@@ -8,7 +8,7 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["aliasing", "comm_role", "mutates", "reduce_in_place"]
+__all__ = ["aliasing", "checkpointed_flex_attention", "comm_role", "mutates", "reduce_in_place"]
 
 
 def comm_role(node: fx.Node) -> str | None:
@@ -18,6 +18,30 @@ def comm_role(node: fx.Node) -> str | None:
     if getattr(target, "namespace", None) != "_c10d_functional":
         return None
     return "wait" if target is torch.ops._c10d_functional.wait_tensor.default else "collective"
+
+
+def checkpointed_flex_attention(gm: fx.GraphModule) -> list[str]:
+    """The activation-checkpointed regions of ``gm`` (their body modules' names) that call FlexAttention."""
+    # torch.ops.higher_order.tag_activation_checkpoint: how dynamo captures torch.utils.checkpoint, the region's
+    # body a GraphModule named by its first argument (a get_attr); torch.ops.higher_order.flex_attention: the
+    # FlexAttention op, in that body or in a region nested in it.
+    checkpoint = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if checkpoint is None or flex is None:
+        return []
+
+    def calls_flex(module: fx.GraphModule) -> bool:
+        return any(node.target is flex for node in module.graph.nodes) or any(
+            calls_flex(child) for child in module.children() if isinstance(child, fx.GraphModule))
+
+    found = []
+    for node in gm.graph.nodes:
+        body = node.args[0] if node.target is checkpoint and node.args else None
+        if isinstance(body, fx.Node) and body.op == "get_attr":
+            module = getattr(gm, str(body.target), None)
+            if isinstance(module, fx.GraphModule) and calls_flex(module):
+                found.append(str(body.target))
+    return found
 
 
 def mutates(node: fx.Node) -> bool:

@@ -62,6 +62,11 @@ Notes
       (``fallback_reason``): a torch without the pieces, a comm hook already
       registered, ``find_unused_parameters=True`` (unmatched all-reduces), DDP mixed
       precision. ``no_sync()`` works: compiled autograd compiles that backward apart.
+    - FlexAttention inside an activation-checkpointed region is refused at the first forward, before
+      any step (``refuse_untraceable``): the backward recomputes it, and dynamo fails to trace the
+      recomputed op when compiled autograd traces that backward (torch 2.11 on an H200, 2.15 on CPU).
+      It is found only in the captured graph, too late to fall back to the split strategy, which
+      runs it (tests/test_gpu_flex_attention.py).
     - Debugging: ``compiled.traced.fused`` lists, per compiled backward, the fused
       buckets' byte sizes; a backward loaded from Inductor's FX graph cache records nothing.
 """
@@ -83,7 +88,7 @@ from compiler.step_gate import StepGate
 
 from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
-from ._torch_internals import comm_role, mutates, reduce_in_place
+from ._torch_internals import checkpointed_flex_attention, comm_role, mutates, reduce_in_place
 from .update_placement import readers_of_reductions, sink_updates
 from ..planning.solver import Timeline
 from ..planning.cost import CostModel
@@ -92,7 +97,8 @@ from ..planning.buckets import BucketCaps, group_by_caps, split_caps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FIRST_BUCKET_CAP", "IN_BACKWARD_BUCKETS", "TracedPlan", "FuseByPlan", "delay_write_back", "fallback_reason"]
+__all__ = ["FIRST_BUCKET_CAP", "IN_BACKWARD_BUCKETS", "TracedPlan", "FuseByPlan", "delay_write_back", "fallback_reason",
+           "refuse_untraceable"]
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the largest first bucket under fixed caps (Note [Traced strategy])
 IN_BACKWARD_BUCKETS = 8  # with the optimizer in backward, auto buckets hold at most 1/8 of a graph's gradients
@@ -113,6 +119,21 @@ def fallback_reason(ddp_model: DistributedDataParallel) -> str | None:
     if getattr(ddp_model, "mixed_precision", None) is not None:
         return "DDP's mixed_precision is not applied by the python reducer"
     return None
+
+
+def refuse_untraceable(gm: fx.GraphModule) -> None:
+    """Raise, before the first step, when the captured forward ``gm`` holds what compiled autograd cannot
+    trace in its backward: FlexAttention inside an activation-checkpointed region."""
+    regions = checkpointed_flex_attention(gm)
+    if regions:
+        raise RuntimeError(
+            f"compile_ddp(strategy='traced'): this model calls FlexAttention inside {len(regions)} "
+            f"activation-checkpointed region(s) ({', '.join(regions)}), and the traced strategy cannot run that. "
+            "Its backward runs under compiled autograd, which traces the backward again with dynamo; the "
+            "backward recomputes each checkpointed FlexAttention, and dynamo fails on the op it recomputes "
+            "(\"too many values to unpack (expected 7)\", seen on torch 2.11 and 2.15). Use strategy='split' "
+            "(the default), which trains this model as eager DDP does, or call FlexAttention outside "
+            "torch.utils.checkpoint.")
 
 
 class FuseByPlan(custom_graph_pass_base()):
@@ -199,15 +220,16 @@ class TracedPlan:
         self.updates_in_backward = False  # set by in_backward.traced.attach_traced
 
     def forward_backend(self, backend_fn: Callable) -> Callable:
-        """The forward's backend: with ``auto``, plan from the graph first, then compile it whole."""
-        if not self.auto:
-            return backend_fn
+        """The forward's backend: refuse what the traced backward cannot run (:func:`refuse_untraceable`);
+        with ``auto``, plan from the graph; then compile it whole."""
 
-        def plan_then_compile(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
-            self._plan(gm)
+        def check_plan_compile(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+            refuse_untraceable(gm)
+            if self.auto:
+                self._plan(gm)
             return backend_fn(gm, example_inputs, **kwargs)
 
-        return plan_then_compile
+        return check_plan_compile
 
     def _plan(self, gm: fx.GraphModule) -> None:
         caps, buckets, timeline = plan_auto(gm, self.cost_model)
