@@ -247,6 +247,24 @@ def test_gpt_compiles_with_as_many_partitions_as_ddp_has_buckets():
     assert len(compiled.buckets) == len(runtime) == 4
 
 
+def test_a_graph_compiled_again_after_a_dynamo_reset_replaces_its_plan():
+    # After a reset the frame can get a new id (graph_slot): the plan of the old frame must not be kept
+    # beside the new one (the GPU check's benchmark counted 4 partitions of a 2-partition plan this way).
+    torch.manual_seed(0)
+    ddp, other = DDP(Tower(), bucket_cap_mb=2 * LAYER_MB), DDP(Tower(), bucket_cap_mb=1)  # PyTorch's: cap >= 1 MiB
+    compiled = compile_ddp(ddp, backend="aot_eager")
+    x = torch.randn(2, 64)
+    compiled(x).sum().backward()
+    before = [b.params for b in compiled.buckets]
+    torch.compiler.reset()
+    # The benchmarks' order: after the reset, another DDP model of the same class compiles first (here with
+    # PyTorch's splitter), and ours then compiles in a frame of a new id.
+    torch.compile(other, backend="aot_eager")(x).sum().backward()
+    compiled(x).sum().backward()
+    assert len(before) == 2 and [b.params for b in compiled.buckets] == before
+    assert compiled.ddp_optimizer.planned_graphs == 1 and len(compiled.ddp_optimizer.records) == 2
+
+
 def test_sub_mib_caps_work_where_pytorchs_splitter_crashes():
     # DDP(bucket_cap_mb < 1): PyTorch's splitter keeps its 1 MiB first-bucket cap,
     # which is then larger than the cap, and it refuses to compile at all.

@@ -206,6 +206,15 @@ class DDPOptimizer:
     def records(self) -> list[PartitionRecord]:
         return [r for _, records in self._graphs.values() for r in records]
 
+    def _forget_replaced(self, slot: Any, buckets: list[Bucket]) -> None:
+        """Drop the plan of another slot over the same parameters: that graph compiled again in a new
+        frame (after ``torch.compiler.reset()``), so its old plan and partitions are gone."""
+        params = frozenset(i for b in buckets for i in b.param_ids)
+        if params:
+            for other in [k for k, (plan, _) in self._graphs.items()
+                          if k != slot and frozenset(i for b in plan for i in b.param_ids) == params]:
+                del self._graphs[other]
+
     def compile_fn(self, gm: fx.GraphModule, example_inputs: list[Any], **compiler_configs: Any) -> Callable:
         """Dynamo backend entry: plan, split, compile each partition, return the stitched graph."""
         backend = self.backend_compile_fn
@@ -238,6 +247,7 @@ class DDPOptimizer:
         self.last_plan = buckets
         self.plans.append(buckets)
         slot = graph_slot()
+        self._forget_replaced(slot, buckets)
         self._graphs[slot] = (buckets, [])
         self._log_plan(caps)
         # For tlparse: the plan in PyTorch's structured trace (TORCH_TRACE=dir).
