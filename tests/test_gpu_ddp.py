@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _gpu import GPU, cuda0, ddp_pair, one_rank_nccl, train_side_by_side
 from ddp_opt import compile_ddp
+from ddp_opt._torch_internals import REALIGN_SUPPORTED, missing_for_realignment
 
 pytestmark = [*GPU, pytest.mark.usefixtures("clean_dynamo")]
 
@@ -43,6 +44,15 @@ def test_inductor_on_one_rank_over_nccl_matches_eager_ddp():
         assert len(compiled.buckets) >= 3, "the 64 KiB cap should split the model into several partitions"
         _assert_fp32_parity(drift, "inductor, 1 rank, nccl")
         assert {r.status for r in compiled.ddp_optimizer.records} == {"compiled"}, "a partition fell back to eager"
+        _assert_realigned(compiled)
+
+
+def _assert_realigned(compiled) -> None:
+    """DDP's reducer, rebuilt after the first step, buckets exactly the partitions (Note [Bucket realignment])."""
+    if not REALIGN_SUPPORTED:
+        pytest.skip(f"bucket realignment is off on this torch: it lacks {', '.join(missing_for_realignment())}")
+    assert compiled.align_buckets and compiled.realignment is not None, "the reducer was not realigned"
+    assert compiled.realignment.fraction == 1.0, f"runtime buckets straddle partitions: {compiled.realignment}"
 
 
 def _two_ranks_on_one_gpu(rank: int, world_size: int) -> dict:
@@ -54,6 +64,7 @@ def _two_ranks_on_one_gpu(rank: int, world_size: int) -> dict:
     gathered = [torch.empty_like(params) for _ in range(world_size)]
     torch.distributed.all_gather(gathered, params)
     return {"worst": drift.worst(), "partitions": len(compiled.buckets),
+            "aligned": compiled.realignment.fraction if compiled.realignment is not None else None,
             "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered)}
 
 
@@ -62,6 +73,7 @@ def test_two_ranks_sharing_one_gpu_over_gloo_match_eager_ddp(run_ranks):
         worst = result["worst"]
         assert worst["loss"] <= FP32 and worst["grad"] <= FP32 and worst["param"] <= FP32, f"rank {rank}: {worst}"
         assert result["partitions"] >= 3 and result["ranks_agree"], result
+        assert result["aligned"] == 1.0 or not REALIGN_SUPPORTED, f"rank {rank}: buckets not realigned: {result}"
 
 
 def test_cuda_graphs_reduce_overhead_across_split_partitions_match_eager_ddp():
