@@ -8,10 +8,13 @@ first forward (Note [Traced strategy]): that needs no backward, and is pinned he
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import torch.nn.attention.flex_attention as flex_module
 
+import _attention_blocks
 from _attention_blocks import check, rank_run, traced_refusal
 from _dist import single_rank_group
 
@@ -21,10 +24,15 @@ def test_checkpointed_sdpa_blocks_train_as_eager_ddp(run_ranks, strategy):
     check(run_ranks(rank_run, "sdpa", strategy, "cpu", timeout=600), strategy)
 
 
+_CHECKPOINT_LINE = next(n for n, line in enumerate(Path(_attention_blocks.__file__).read_text().splitlines(), 1)
+                        if "= checkpoint(block" in line)
+
+
 def test_traced_refuses_checkpointed_flex_attention_at_the_first_forward_and_says_what_to_use(monkeypatch):
     # CPU FlexAttention refuses inputs that need gradients; the refusal comes before any backward.
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
     with single_rank_group():
         message = traced_refusal("cpu")
-    assert "FlexAttention inside 3 activation-checkpointed region(s)" in message, message
+    assert "FlexAttention inside 3 activation-checkpointed region(s) (checkpoint called at " in message, message
+    assert f"{_attention_blocks.__file__}:{_CHECKPOINT_LINE})" in message, message
     assert "compiled autograd" in message and "Use strategy='split'" in message, message

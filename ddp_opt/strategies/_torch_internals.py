@@ -4,6 +4,7 @@ naming what it reaches and why (as ``ddp_opt._torch_internals`` does for the res
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 from torch import fx
@@ -21,7 +22,8 @@ def comm_role(node: fx.Node) -> str | None:
 
 
 def checkpointed_flex_attention(gm: fx.GraphModule) -> list[str]:
-    """The activation-checkpointed regions of ``gm`` (their body modules' names) that call FlexAttention."""
+    """The activation-checkpointed regions of ``gm`` that call FlexAttention, each as where the user's code
+    called ``checkpoint`` (``file:line``, from the node's stack trace) or else as its body module's name."""
     # torch.ops.higher_order.tag_activation_checkpoint: how dynamo captures torch.utils.checkpoint, the region's
     # body a GraphModule named by its first argument (a get_attr); torch.ops.higher_order.flex_attention: the
     # FlexAttention op, in that body or in a region nested in it.
@@ -40,8 +42,14 @@ def checkpointed_flex_attention(gm: fx.GraphModule) -> list[str]:
         if isinstance(body, fx.Node) and body.op == "get_attr":
             module = getattr(gm, str(body.target), None)
             if isinstance(module, fx.GraphModule) and calls_flex(module):
-                found.append(str(body.target))
+                found.append(_called_at(node) or str(body.target))
     return found
+
+
+def _called_at(node: fx.Node) -> str | None:
+    """``file:line`` of the innermost frame of ``node``'s stack trace (dynamo's ``meta["stack_trace"]``)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
 
 
 def mutates(node: fx.Node) -> bool:

@@ -128,7 +128,8 @@ def refuse_untraceable(gm: fx.GraphModule) -> None:
     if regions:
         raise RuntimeError(
             f"compile_ddp(strategy='traced'): this model calls FlexAttention inside {len(regions)} "
-            f"activation-checkpointed region(s) ({', '.join(regions)}), and the traced strategy cannot run that. "
+            f"activation-checkpointed region(s) (checkpoint called at {', '.join(dict.fromkeys(regions))}), and the "
+            "traced strategy cannot run that. "
             "Its backward runs under compiled autograd, which traces the backward again with dynamo; the "
             "backward recomputes each checkpointed FlexAttention, and dynamo fails on the op it recomputes "
             "(\"too many values to unpack (expected 7)\", seen on torch 2.11 and 2.15). Use strategy='split' "
