@@ -196,9 +196,8 @@ def builtin_splitter_on() -> bool:
 
 
 def graph_slot() -> int | None:
-    """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile);
-    a graph break resumes in a new frame, a recompile of the same graph keeps it, and after
-    ``torch.compiler.reset()`` the same frame can get a new id."""
+    """Which graph of the model dynamo is compiling: the id of its frame (None outside a compile); a graph break
+    resumes in a new frame, a recompile keeps it, and after ``torch.compiler.reset()`` it can get a new one."""
     # torch._guards.CompileContext.current_compile_id(): a CompileId(frame_id, frame_compile_id, ...)
     # while dynamo compiles a frame, None otherwise.
     compile_id = torch._guards.CompileContext.current_compile_id()
