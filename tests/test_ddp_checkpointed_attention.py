@@ -3,8 +3,10 @@ ranks: losses and gradients equal eager DDP's at every step. PyTorch's splitter 
 to give silently wrong gradients with FlexAttention and activation checkpointing. FlexAttention
 has no backward on CPU ("FlexAttention does not support backward on CPU", torch 2.13), so the
 model runs here with SDPA, aot_eager; with FlexAttention and Inductor on a GPU in
-tests/test_gpu_flex_attention.py. The traced strategy refuses checkpointed FlexAttention at the
-first forward (Note [Traced strategy]): that needs no backward, and is pinned here."""
+tests/test_gpu_flex_attention.py. Two FlexAttention cases run here with aot_eager and the CPU guard
+bypassed: traced without checkpointing (the op's dense reference, forward and backward, in both
+models), and traced's refusal of checkpointed FlexAttention at the first forward (Note [Traced
+strategy]), which needs no backward."""
 
 from __future__ import annotations
 
@@ -22,6 +24,17 @@ from _dist import single_rank_group
 @pytest.mark.parametrize("strategy", ["split", "traced"])
 def test_checkpointed_sdpa_blocks_train_as_eager_ddp(run_ranks, strategy):
     check(run_ranks(rank_run, "sdpa", strategy, "cpu", timeout=600), strategy)
+
+
+def _traced_flex_rank(rank: int, world_size: int):
+    # CPU FlexAttention refuses inputs that need gradients (Inductor's CPU kernel has no backward); with
+    # aot_eager both models run the op's dense reference, forward and backward.
+    flex_module._validate_device = lambda *args: None
+    return rank_run(rank, world_size, "flex", "traced", "cpu", "aot_eager", False)
+
+
+def test_flex_attention_without_checkpointing_under_traced_trains_as_eager_ddp(run_ranks):
+    check(run_ranks(_traced_flex_rank, timeout=600), "traced")
 
 
 _CHECKPOINT_LINE = next(n for n, line in enumerate(Path(_attention_blocks.__file__).read_text().splitlines(), 1)
