@@ -88,7 +88,7 @@ def rank_run(rank, world_size, attention, strategy, device, backend="aot_eager",
     ddp = ddp_of(checkpointed)
     compiled = compile_ddp(ddp, backend=backend, strategy=strategy)
     ours = _train(rank, compiled, compiled.backward, dev)
-    # Eager FlexAttention under torch.utils.checkpoint gives wrong gradients: NaN from the first step on an
+    # Eager FlexAttention under torch.utils.checkpoint gives wrong gradients: NaN on an
     # H200 (torch 2.11), wrong and different from run to run on CPU (2.15, the CPU guard bypassed), with a
     # masking score_mod such as _causal. Checkpointing changes no value, so the eager reference of a flex
     # model runs its blocks without it.
