@@ -10,6 +10,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -146,8 +147,6 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 30
 
 def _run_ranks_once(fn: Callable, args: tuple, world_size: int, timeout: float, pg_timeout_s: float | None,
                     port: int | None) -> list[Any]:
-    import time
-
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _rank_main, args=(world_size, port or free_port(), fn, args, out_dir, pg_timeout_s, dict(os.environ)),

@@ -5,7 +5,5 @@ import pytest
 
 from ddp_opt._torch_internals import REALIGN_SUPPORTED, missing_for_realignment
 
-needs_realignment = pytest.mark.skipif(
-    not REALIGN_SUPPORTED,
-    reason=f"bucket realignment is off on this torch: it lacks {', '.join(missing_for_realignment())}",
-)
+NO_REALIGNMENT = f"bucket realignment is off on this torch: it lacks {', '.join(missing_for_realignment())}"
+needs_realignment = pytest.mark.skipif(not REALIGN_SUPPORTED, reason=NO_REALIGNMENT)

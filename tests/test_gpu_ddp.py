@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _gpu import GPU, cuda0, ddp_pair, one_rank_nccl, train_side_by_side
 from ddp_opt import compile_ddp
-from ddp_opt._torch_internals import REALIGN_SUPPORTED, missing_for_realignment
+from ddp_opt._torch_internals import REALIGN_SUPPORTED
+from tests._torch_range import NO_REALIGNMENT
 
 pytestmark = [*GPU, pytest.mark.usefixtures("clean_dynamo")]
 
@@ -50,7 +51,7 @@ def test_inductor_on_one_rank_over_nccl_matches_eager_ddp():
 def _assert_realigned(compiled) -> None:
     """DDP's reducer, rebuilt after the first step, buckets exactly the partitions (Note [Bucket realignment])."""
     if not REALIGN_SUPPORTED:
-        pytest.skip(f"bucket realignment is off on this torch: it lacks {', '.join(missing_for_realignment())}")
+        pytest.skip(NO_REALIGNMENT)
     assert compiled.align_buckets and compiled.realignment is not None, "the reducer was not realigned"
     assert compiled.realignment.fraction == 1.0, f"runtime buckets straddle partitions: {compiled.realignment}"
 
