@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _graph_caches import compile_every_graph
+
 from benchmarks.link.peer_hooks import bucket_bf16_hook as torch_bf16_hook
 from compiler import SettingError
 from ddp_opt import DDPCompileConfig, compile_ddp, compile_for_ddp, compiled_ddp_of
@@ -42,8 +44,7 @@ CAP_MB = 0.012  # several buckets, so the split strategy realigns them after ste
 
 
 def _rank(rank: int, world_size: int, how: str, backend: str = "aot_eager") -> dict:
-    # The fusion is recorded when the pass runs, and a backward served by a cache records nothing.
-    torch._inductor.config.force_disable_caches = True
+    compile_every_graph()  # the fusion is recorded when the pass runs (Note [Graph caches off, kernel files kept])
     cap = CAP_MB
     reference = DDP(_model(), bucket_cap_mb=cap)
     reference.register_comm_hook(None, torch_bf16_hook)

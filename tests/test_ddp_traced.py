@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _graph_caches import compile_every_graph
+
 from compiler import SettingError
 from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
 from ddp_opt._torch_internals import registered_hook_name, runtime_buckets
@@ -88,9 +90,7 @@ def _traced_rank(rank, world_size, backend, cfg, bucket_cap_mb, auto_model, accu
     micro-batch under no_sync (with ``accumulate``), then one synchronised; losses and
     gradients compared. ``device``: where the models and batches live (``cuda:0`` for ranks sharing
     one GPU over gloo)."""
-    # The fusion is recorded when the pass runs; a backward served by Inductor's or AOTAutograd's cache
-    # (left by an earlier run on this machine) would skip it. This spawned rank's process only.
-    torch._inductor.config.force_disable_caches = True
+    compile_every_graph()  # the fusion is recorded when the pass runs (Note [Graph caches off, kernel files kept])
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     ref_model = copy.deepcopy(model)
