@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from compiler._torch_internals import default_store
 from launch.runtime.dist import destroy_process_group
 
 
@@ -59,6 +60,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     except BaseException:  # noqa: BLE001 - shipped to the parent with its traceback
         payload = ("error", traceback.format_exc())
     finally:
+        _leave_together(rank, world_size)
         destroy_process_group()  # not with the last reference in a DDP reducer: it can hang
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(payload, f)
@@ -80,11 +82,15 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 # sets for its ranks at import (TORCHINDUCTOR_CACHE_DIR is read at each use). With CUDA the ranks are
 # spawned, as before: a server that had asked CUDA for its devices could not fork ranks that use it.
 # Measured: test_ddp_multirank.py and test_fsdp_multirank.py, 220 s spawned, 112 s forked.
-# Once in about 250 forked starts (a full suite on torch 2.15), a rank's gloo connection was reset by its
-# peer inside init_process_group, before the test's function ran; in about 600 spawned starts it never was.
-# Such a rank writes rankN.init-failed and exits; run_ranks kills the others, which wait for it in
-# init_process_group, and starts the ranks once more on another port. The test's function runs once in a
-# group that formed; a second failure, or one on a store the test started, fails the test.
+# Rank 0 hosts the group's store (the tcp:// rendezvous on run_ranks' port). A rank 0 whose function needs no
+# collective could finish and exit while its peer was still in init_process_group, reading that store: the peer's
+# connection was reset ("Connection reset by peer" in ProcessGroupGloo). Measured, 2-rank starts in a loop whose
+# function only reads its rank: 5 of 300 groups failed so, and one CI run failed when it struck twice in a row. So
+# every rank writes that it is done into the store, and rank 0 waits for the others before it leaves
+# (_leave_together): 0 of 300 after. Where a rank's init_process_group still fails on the network (a port taken
+# between free_port and the store's bind, say), it writes rankN.init-failed and exits; run_ranks kills the others,
+# which wait for it in init_process_group, and starts the ranks once more on another port. The test's function
+# runs once in a group that formed; a second failure, or one on a store the test started, fails the test.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
@@ -98,6 +104,21 @@ def _start_method() -> str:
     if forkserver._forkserver._forkserver_pid is None:  # the first run_ranks of the session
         mp.set_forkserver_preload(_PRELOAD)
     return "forkserver"
+
+
+def _leave_together(rank: int, world_size: int) -> None:
+    """Rank 0 hosts the group's store (a ``tcp://`` rendezvous on run_ranks' port): it leaves only once every
+    rank has said it is done with the store, or after a bound (a peer that died: the parent sees its exit code)
+    (Note [Ranks forked from a server that imported torch])."""
+    if not dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return  # the test's function ended the group, or the store is the test's own and outlives the ranks
+    try:
+        store = default_store()
+        store.set(f"run_ranks/done/{rank}", b"1")
+        if rank == 0:
+            store.wait([f"run_ranks/done/{r}" for r in range(1, world_size)], datetime.timedelta(seconds=600))
+    except Exception:  # noqa: BLE001 - a peer gone or the group broken by the test: nothing to wait for
+        pass
 
 
 def _fail_init_once() -> None:
