@@ -2,8 +2,10 @@
 
 Note [Test tiers]
 ~~~~~~~~~~~~~~~~~
-``pytest -m "not slow"`` is the fast tier: one process, no Inductor compile, a few
-minutes on two cores. Everything else is marked ``slow``. Two hooks keep it so:
+``pytest -m "not slow"`` is the fast tier: a test starts no process and compiles nothing
+with Inductor, so the tier runs in two xdist workers (``-n 2``) in a few minutes on two
+cores. The slow tier runs in one process: its tests start ranks and torchrun jobs that use
+both cores, and some wait out timeouts. Everything else is marked ``slow``. Two hooks keep it so:
 
 * at collection, a test that asks for a fixture that spawns processes
   (``SPAWNING_FIXTURES``) is marked ``slow`` by that alone;
@@ -46,7 +48,7 @@ class SpawnInFastTier(BaseException):
 def _message(nodeid: str, what: str) -> str:
     return (
         f"{nodeid} started {what} but is not marked slow: the fast tier (pytest -m 'not slow') "
-        "runs in one process without Inductor (Note [Test tiers] in tests/_tiers.py). Mark the "
+        "starts no process and compiles nothing with Inductor (Note [Test tiers] in tests/_tiers.py). Mark the "
         "test @pytest.mark.slow, or use the 'run_ranks'/'torchrun' fixture, or test the same "
         "logic in process (aot_eager instead of inductor)."
     )
