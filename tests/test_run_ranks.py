@@ -16,6 +16,19 @@ def _what_the_rank_sees(rank, world_size):
                 rank=dist.get_rank(), world=dist.get_world_size(), pid=os.getpid())
 
 
+def _rank_1_reads_the_store_after_rank_0_returned(rank, world_size):
+    import time
+
+    from compiler._torch_internals import default_store
+
+    store = default_store()  # hosted by rank 0's process (a tcp:// rendezvous)
+    if rank == 0:
+        store.set("left", b"rank 0 returned")
+        return "returned"
+    time.sleep(2)  # rank 0's function has returned by now; its process must still serve the store
+    return store.get("left").decode()
+
+
 def _fails_on_rank_1(rank, world_size):
     if rank == 1:
         raise ValueError("rank 1 was told to fail")
@@ -45,3 +58,9 @@ def test_a_group_that_fails_to_form_is_started_once_more_and_the_function_runs_o
     monkeypatch.setenv("DISTCOMPILE_TEST_FAIL_INIT_ONCE", str(flag))
     seen = run_ranks(_what_the_rank_sees)
     assert flag.exists() and [s["rank"] for s in seen] == [0, 1]
+
+
+def test_rank_0_hosts_the_store_until_every_rank_is_done_with_it(run_ranks):
+    # Before, rank 0 left as soon as its function returned, and a peer still reading the store had its
+    # connection reset (Note [Ranks forked from a server that imported torch])
+    assert run_ranks(_rank_1_reads_the_store_after_rank_0_returned) == ["returned", "rank 0 returned"]
