@@ -4,8 +4,8 @@ Note [Test tiers]
 ~~~~~~~~~~~~~~~~~
 ``pytest -m "not slow"`` is the fast tier: a test starts no process and compiles nothing
 with Inductor, so the tier runs in two xdist workers (``-n 2``) in a few minutes on two
-cores. The slow tier runs in one process: its tests start ranks and torchrun jobs that use
-both cores, and some wait out timeouts. Everything else is marked ``slow``. Two hooks keep it so:
+cores. Everything else is marked ``slow`` and runs in one process: those tests start ranks
+and torchrun jobs that use both cores, and some wait out timeouts. Two hooks keep the tiers so:
 
 * at collection, a test that asks for a fixture that spawns processes
   (``SPAWNING_FIXTURES``) is marked ``slow`` by that alone;
