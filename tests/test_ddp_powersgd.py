@@ -20,7 +20,8 @@ from ddp_opt import DDPCompileConfig, compile_ddp
 from ddp_opt._torch_internals import python_comm_hooks, registered_hook_name
 from ddp_opt.compression import hooks as compression
 from ddp_opt.compression.hooks import own_hook
-from ddp_opt.compression.powersgd import PowerSGD, SequencedState, parse_compression, sequenced_powersgd_hook
+from ddp_opt.compression.powersgd import (PowerSGD, SequencedState, parse_compression, powersgd_hook,
+                                         sequenced_powersgd_hook)
 
 # Each Linear's weight (1.4 MB) fills a bucket at a cap of 1 MiB, so DDP's buckets, eager and realigned
 # alike, hold one matrix each, in the same order: PowerSGD's result for a bucket depends on the matrices
@@ -79,7 +80,7 @@ def test_powersgd_under_the_split_strategy_matches_eager_ddp_with_pytorchs_hook(
     for r in results:
         # Realigned after step 1 and the hook registered again on the new reducer, one bucket per layer.
         assert r["aligned"] is not None and r["partitions"] >= LAYERS, r["aligned"]
-        assert r["hook"] == "sequenced_powersgd_hook"
+        assert r["hook"] == "powersgd_hook"
         before, after = r["compressed"]
         assert 0 < after < before / 10, r["compressed"]  # rank 2 of 600 x 600: what crossed was ~1/150
         assert r["buckets"] == list(range(len(r["buckets"]))) and len(r["buckets"]) >= LAYERS
@@ -119,6 +120,45 @@ def test_a_bucket_layout_change_drops_powersgds_memories(gloo, caplog):
     assert "the error feedback and the warm start restart from zero" in caplog.text
     own.buckets_changed()  # nothing kept: nothing said
     assert caplog.text.count("restart from zero") == 1
+
+
+class _Shapes(torch.nn.Module):
+    """Matrices of three shapes (two alike) and vectors in one bucket: the memories' layout by shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = torch.nn.Linear(64, 48), torch.nn.Linear(48, 48)
+        self.c, self.d = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def test_the_hook_under_ddps_reducer_is_pytorchs_arithmetic_with_the_fast_products(gloo):
+    # One bucket whose compressed matrices come in three shapes, out of order, rank 4 (QR): the hook
+    # compile_ddp registers must lay out and draw its memories as PyTorch's hook does, step by step.
+    runs = {}
+    for hook in (sequenced_powersgd_hook, powersgd_hook):
+        ddp = DDP(_Shapes())
+        state = parse_compression("powersgd:4:2").state(ddp.process_group)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data, grads = torch.Generator().manual_seed(7), []
+        for _ in range(6):
+            ddp(torch.randn(16, 64, generator=data)).square().mean().backward()
+            grads.append([p.grad.clone() for p in ddp.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[hook.__name__] = grads, state
+    (theirs, their_state), (ours, our_state) = runs.values()
+    for step, (mine, ref) in enumerate(zip(ours, theirs)):
+        for a, b in zip(mine, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+    assert not torch.equal(ours[-1][0], ours[1][0])  # compressed steps moved the weights' gradients
+    assert our_state.compression_stats() == their_state.compression_stats()
+    torch.testing.assert_close(our_state.q_memory_dict[0], their_state.q_memory_dict[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(our_state.error_dict[0], their_state.error_dict[0], rtol=1e-4, atol=1e-5)
 
 
 # --- settings and refusals, in process ---------------------------------------------------------
@@ -187,7 +227,7 @@ def test_the_main_jobs_ddp_compresses_with_powersgd(gloo, clean_dynamo, backend)
     wrapped, x = one_rank_main_model(f"compile={backend}", "ddp.compression=powersgd:2:2")
     for _ in range(3):  # the third step is compressed: one rank's gradient replaced by its rank-2 approximation
         wrapped.forward(x, x)[1].backward()
-    assert registered_hook_name(wrapped.module) == "sequenced_powersgd_hook"
+    assert registered_hook_name(wrapped.module) == "powersgd_hook"
     [(state, _)] = python_comm_hooks(wrapped.module)
     assert state.iter == 3 and state.error_dict, state.iter
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_opt import compile_ddp
 from ddp_opt.compression.powersgd import SequencedState, sequenced_powersgd_hook
-from ddp_opt.compression.traced_powersgd import orthogonalize, project, project_back
+from ddp_opt.compression.factors import orthogonalize, project, project_back
 
 RANK, START, STEPS = 4, 3, 7
 CAP_MB = 0.03  # 31 KB: below one 96 x 96 layer (36.9 KB), so each bucket closes at one such layer

@@ -32,8 +32,8 @@ the iteration run on each compressed gradient as autograd accumulates it, the se
 in it summed per round, the median on rank 0's clock. It is also timed alone on the same
 shapes (``measure_powersgd_compute``, reported as ``compress_alone``), where its buffers stay
 in cache and nothing else runs; in a step they cannot. The products with the rank-r factors
-are in the fastest form known here (``project`` and ``project_back`` of Note [Traced
-PowerSGD]), not PyTorch's hook's form, so no implementation pays for a slower product here;
+are in the fastest form known here (``project`` and ``project_back``, Note [Products with a
+rank-r factor]), not PyTorch's hook's form, so no implementation pays for a slower product here;
 uncompressed rows have ``compress = 0``, and the bound is as before. The difference of whole
 forward-and-backward rounds with and without the iteration would also charge what it evicts
 from backward's caches; it was tried and was noisier than the iteration itself (-5 to +18 ms
@@ -220,7 +220,7 @@ def _compressed_shapes(params, compression: str | None) -> list[tuple[int, int, 
 
 def _power_iteration(grad, error, q) -> None:
     """One step of PowerSGD on one gradient matrix, ``error`` and ``q`` updated in place."""
-    from ddp_opt.compression.traced_powersgd import orthogonalize, project, project_back
+    from ddp_opt.compression.factors import orthogonalize, project, project_back
 
     matrix = grad + error
     p = orthogonalize(project(matrix, orthogonalize(q)))

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from . import traced_powersgd
 from .._torch_internals import add_python_reducer_hook, functional_all_reduce
-from .powersgd import PowerSGD, forget_buckets, sequenced_powersgd_hook
+from .powersgd import PowerSGD, forget_buckets, powersgd_hook
 
 __all__ = ["REDUCE_DTYPES", "OwnHook", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
            "own_hook", "parse_reduce_dtype"]
@@ -99,7 +99,7 @@ def own_hook(group: dist.ProcessGroup, reduce_dtype: torch.dtype | None,
              compression: PowerSGD | None) -> OwnHook | None:
     """The hook for the (validated) settings, or None when neither is set."""
     if compression is not None:
-        return OwnHook("compression", repr(str(compression)), compression.state(group), sequenced_powersgd_hook,
+        return OwnHook("compression", repr(str(compression)), compression.state(group), powersgd_hook,
                        functools.partial(traced_powersgd.attach, compression))
     if reduce_dtype is not None:
         state = ReduceState(group, reduce_dtype)

@@ -12,15 +12,18 @@ Background
     uncompressed.
 
 Algorithm
-    - Reducer strategies (split, whole, regional): PyTorch's hook and state, registered
-      by ``compile_ddp`` and again when realignment re-creates the reducer.
+    - Reducer strategies (split, whole, regional): :func:`powersgd_hook` with PyTorch's
+      state, registered by ``compile_ddp`` and again when realignment re-creates the
+      reducer. On the CPU it runs PyTorch's hook's arithmetic with the products in their
+      fast form (Note [PowerSGD of a bucket]); CUDA buckets take PyTorch's hook as it is.
     - PyTorch's hook issues a bucket's P and Q all-reduces from callbacks on whichever
       thread completes the earlier ones, while DDP's thread issues the next bucket's:
       with two buckets or more the ranks can issue collectives in different orders,
       which on gloo aborts or hangs the first compressed step (docs/compression.md).
-      :func:`sequenced_powersgd_hook` runs each bucket's whole hook on one worker thread
-      per state, in DDP's launch order; the last bucket waits for it, since DDP issues
-      collectives of its own right after. CUDA buckets take PyTorch's hook as it is.
+      So each CPU bucket's whole hook runs on one worker thread per state, in DDP's
+      launch order; the last bucket waits for it, since DDP issues collectives of its
+      own right after. :func:`sequenced_powersgd_hook` runs PyTorch's own hook that way
+      (the benchmarks' eager peer, the tests' reference).
     - Memories mean something for one bucket layout only: :func:`forget_buckets` drops
       them when realignment changes the layout, restarting error feedback rather than
       adding one bucket's error to another's gradients.
@@ -54,11 +57,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from ..planning.cost import DEFAULT_PROBE_SIZES, best_seconds, broadcast_floats, fit_link
 from ..planning.solver import HookCompute
+from .bucket_powersgd import compress_bucket
+from .factors import orthogonalize, project, project_back
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_START", "PowerSGD", "SequencedState", "forget_buckets", "link_probe", "measure_hook_compute",
-           "parse_compression", "sequenced_powersgd_hook"]
+           "parse_compression", "powersgd_hook", "sequenced_powersgd_hook"]
 
 # Steps reduced uncompressed before PowerSGD starts: past the bucket rebuilds and realignment (at most 3 steps),
 # and short of most warm-ups (PyTorch's advice: at least the warm-up, about 10% of training).
@@ -83,8 +88,8 @@ class PowerSGD:
 
 
 class SequencedState(PowerSGDState):
-    """PyTorch's ``PowerSGDState`` with the one worker thread :func:`sequenced_powersgd_hook` runs
-    on, started at the first bucket on the CPU."""
+    """PyTorch's ``PowerSGDState`` with the one worker thread :func:`powersgd_hook` (and
+    :func:`sequenced_powersgd_hook`) run on, started at the first bucket on the CPU."""
 
     def __init__(self, process_group: dist.ProcessGroup, **settings: Any) -> None:
         super().__init__(process_group, **settings)
@@ -92,26 +97,42 @@ class SequencedState(PowerSGDState):
 
 
 # No annotations: DDP's register_comm_hook compares a hook's annotations with real types.
+def powersgd_hook(state, bucket):
+    """The hook ``compile_ddp(compression=...)`` registers under DDP's reducer: each CPU bucket
+    through :func:`~ddp_opt.compression.bucket_powersgd.compress_bucket` (PyTorch's arithmetic,
+    the fast products) on the state's worker thread in DDP's launch order; a CUDA bucket,
+    PyTorch's ``powerSGD_hook`` as it is (Note [PowerSGD compression])."""
+    if bucket.buffer().device.type != "cpu":
+        return powerSGD_hook(state, bucket)
+    return _on_worker(state, bucket, lambda: compress_bucket(state, bucket))
+
+
 def sequenced_powersgd_hook(state, bucket):
     """PyTorch's ``powerSGD_hook``, each CPU bucket's run whole on the state's worker thread in
     DDP's launch order (Note [PowerSGD compression]); a CUDA bucket, PyTorch's hook as it is.
-    The last bucket's hook returns only when every bucket's is done: DDP's reducer issues
-    collectives of its own right after it (the used-parameter map of find_unused_parameters)."""
+    The benchmarks' eager peer and the tests' reference: PyTorch's own arithmetic, ordered."""
     if bucket.buffer().device.type != "cpu":
         return powerSGD_hook(state, bucket)
+    return _on_worker(state, bucket, lambda: powerSGD_hook(state, bucket).wait())
+
+
+def _on_worker(state, bucket, run: Callable[[], torch.Tensor]) -> torch.futures.Future:
+    """``run()`` (the bucket's whole hook) on the state's one worker thread, as a future. The last
+    bucket's call returns only when every bucket's is done: DDP's reducer issues collectives of
+    its own right after it (the used-parameter map of find_unused_parameters)."""
     if state.worker is None:
         state.worker = ThreadPoolExecutor(1, thread_name_prefix="powersgd")
     done = torch.futures.Future()
 
-    def run() -> None:
+    def job() -> None:
         try:
-            done.set_result(powerSGD_hook(state, bucket).wait())
+            done.set_result(run())
         except BaseException as e:  # DDP raises it where it waits for the bucket
             done.set_exception(e)
 
-    job = state.worker.submit(run)
+    submitted = state.worker.submit(job)
     if bucket.is_last():
-        job.result()  # the worker runs in order: every earlier bucket's hook is done too
+        submitted.result()  # the worker runs in order: every earlier bucket's hook is done too
     return done
 
 
@@ -160,20 +181,21 @@ def link_probe(spec: PowerSGD, group: dist.ProcessGroup) -> Callable[[torch.Tens
         matrix = tensor[: n * m].view(n, m)
         rank = min(n, m, spec.rank)
         dist.all_reduce(tensor[:1], group=group)  # the tensors PowerSGD leaves uncompressed
-        p = matrix @ torch.ones(m, rank, dtype=tensor.dtype, device=tensor.device)
+        p = project(matrix, torch.ones(m, rank, dtype=tensor.dtype, device=tensor.device))
         dist.all_reduce(p, group=group)
-        q = matrix.t() @ torch.linalg.qr(p).Q
+        q = project_back(matrix, torch.linalg.qr(p).Q)
         dist.all_reduce(q, group=group)
 
     return probe
 
 
 def _power_iteration(matrix: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:
-    """One bucket's compute in PowerSGD's hook, on one matrix, without its all-reduces:
-    error feedback, ``P = M Q``, orthogonalise P, ``Q = M^T P``, decompress, the new error."""
+    """One bucket's compute in :func:`powersgd_hook`, on one matrix, without its all-reduces:
+    error feedback, ``P = M Q``, orthogonalise P, ``Q = M^T P``, decompress, the new error
+    (Note [PowerSGD of a bucket])."""
     matrix.add_(error)
-    p = torch.linalg.qr(matrix @ q).Q
-    q.copy_(matrix.t() @ p)
+    p = orthogonalize(project(matrix, orthogonalize(q)))
+    q.copy_(project_back(matrix, p))
     error.copy_(matrix - p @ q.t())
 
 

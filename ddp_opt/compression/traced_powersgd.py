@@ -24,12 +24,8 @@ Algorithm
       closes it enters stage 1, k-1 stage 2, k-2 stage 3, so each wait comes after the
       next bucket's gradients; every rank traces one graph, so the collectives keep one
       order. ``orth`` is Gram-Schmidt for ``r <= 2`` and half dtypes, else QR.
-    - The products with a rank-r factor are taken transposed (:func:`project`,
-      :func:`project_back`): ``M Q`` as ``(Q^T M^T)^T`` and ``M^T P`` as ``(P^T M)^T``, the
-      same sums. A product whose output has r columns runs a slow kernel on the CPU
-      (measured on this project's machine, one thread, float32: ``M^T P`` of a 256 x 1024
-      gradient took 1.2 ms, ``(P^T M)^T`` 0.13 ms; ``M Q`` of a 1024 x 256 one 0.44 and
-      0.13 ms).
+    - The products with a rank-r factor are taken transposed, the same sums on a faster
+      kernel (Note [Products with a rank-r factor] in ``factors.py``).
     - The first START synchronised steps (counted as ``compiled.backward`` ends) reduce
       uncompressed; then the backward compiles once more with compression. A backward
       leaving some parameters without gradient is refused before the optimizer step.
@@ -52,10 +48,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_internals import add_python_reducer_hook, functional_all_reduce, is_ddp_ignored
 from ..planning.buckets import BucketCaps
+from .factors import orthogonalize, project, project_back
 from .powersgd import PowerSGD
 
-__all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "compressed_shape", "orthogonalize", "project",
-           "project_back"]
+__all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "compressed_shape"]
 
 MIN_COMPRESSION_RATE = 2  # PyTorch's PowerSGDState default: compress when (n + m) r * 2 < n m
 SEED = 0  # the first Q's, as PowerSGD.state's random_seed
@@ -218,30 +214,6 @@ def compressed_shape(param: torch.Tensor, rank: int) -> tuple[int, int, int] | N
     m = param.numel() // max(n, 1)
     r = min(n, m, rank)
     return (n, m, r) if param.dim() >= 2 and (n + m) * r * MIN_COMPRESSION_RATE < n * m else None
-
-
-def project(matrix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``matrix @ q`` (``q`` of few columns) computed as ``(q^T matrix^T)^T`` (Note [Traced PowerSGD])."""
-    return (q.t() @ matrix.t()).t()
-
-
-def project_back(matrix: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``matrix.t() @ p`` (``p`` of few columns) computed as ``(p^T matrix)^T`` (Note [Traced PowerSGD])."""
-    return (p.t() @ matrix).t()
-
-
-def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
-    """``matrix``'s columns made orthonormal, as PyTorch's hook does (``_orthogonalize``):
-    Gram-Schmidt for at most 2 columns and for half dtypes, QR otherwise."""
-    if matrix.shape[1] > 2 and matrix.dtype not in (torch.float16, torch.bfloat16):
-        return torch.linalg.qr(matrix).Q
-    cols = []
-    for i in range(matrix.shape[1]):
-        col = matrix[:, i:i + 1]
-        for done in cols:
-            col = col - (done * col).sum(dim=0, keepdim=True) * done
-        cols.append(col / col.norm(dim=0, keepdim=True))
-    return torch.cat(cols, dim=1)
 
 
 def _reduced_elsewhere(state: Any, grad_and_param: tuple[torch.Tensor, torch.nn.Parameter]) -> None:

@@ -1,0 +1,129 @@
+"""PowerSGD's step for one of DDP's CPU buckets, run whole on the calling thread: PyTorch's
+``powerSGD_hook`` arithmetic and memories, with the products taken in their fast form.
+
+Note [PowerSGD of a bucket]
+
+Background
+    Under the reducer strategies (split, whole, regional) ``compile_ddp`` compresses through
+    DDP's comm hook. PyTorch's ``powerSGD_hook`` takes ``M Q`` and ``M^T P`` as ``bmm``
+    products whose outputs have r columns, the slow kernel on the CPU (Note [Products with a
+    rank-r factor] in ``factors.py``): 17 of its ms a step on the benchmarks' GPT, 7 in the
+    transposed form. The traced strategy already used that form; the split rows paid the
+    difference on the core that runs backward.
+
+Algorithm
+    :func:`compress_bucket` does what PyTorch's hook does, in its order, with
+    ``use_error_feedback=True``, ``warm_start=True`` and unbatched matrices (what
+    ``PowerSGD.state`` makes), synchronously: its caller, ``powersgd_hook``, runs each bucket
+    whole on the state's worker thread (Note [PowerSGD compression]).
+
+    1. Before ``start_powerSGD_iter``: the bucket divided by the world size and all-reduced.
+    2. ``M = bucket + E`` (E per bucket index, zeros at first), a copy of M kept.
+    3. Each gradient whose matrix ``shape[0] x rest`` PowerSGD's rule compresses gets a P and
+       a Q, slices of the bucket's P and Q memories, laid out as the hook lays them: grouped by
+       shape in first-seen order. The bucket's first compressed step draws each Q as the hook
+       does (``torch.randn`` under ``fork_rng``, seeded from ``state.rng``), later ones keep it.
+    4. Each Q orthogonalised, ``P = M Q``; the other gradients all-reduced and divided, then
+       the P's all-reduced; each P orthogonalised, ``Q = M^T P``; the Q's all-reduced and
+       divided; ``M = P Q^T`` written into the bucket; ``E = copy - bucket``. A bucket with no
+       other gradients (or no matrix) skips that all-reduce, on every rank alike: the
+       buckets are the same on every rank.
+
+    The state is PyTorch's ``PowerSGDState`` (its memories by bucket index, its step count,
+    its compression counters), so realignment's ``forget_buckets`` and a user reading the
+    counters see what they saw with PyTorch's hook.
+
+Numerics
+    Equal to PyTorch's hook up to the float rounding of the products
+    (tests/test_ddp_powersgd.py: step by step against eager DDP with PyTorch's hook).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from .factors import orthogonalize, project, project_back
+
+__all__ = ["compress_bucket"]
+
+
+def compress_bucket(state, bucket) -> torch.Tensor:
+    """One DDP bucket through PowerSGD with ``state`` (a ``PowerSGDState`` with error feedback
+    and warm start), synchronously; returns the bucket's buffer, reduced (Note [PowerSGD of a
+    bucket])."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        dist.all_reduce(buffer.div_(world), group=group)
+        state.maybe_increase_iter(bucket)
+        return buffer
+    index = bucket.index()
+    error = state.error_dict.get(index)
+    if error is None:
+        error = state.error_dict[index] = torch.zeros_like(buffer)
+    buffer.add_(error)
+    before = buffer.clone()
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
+    plain = []
+    for grad in bucket.gradients():
+        matrix = grad.view(grad.shape[0], -1)
+        n, m = matrix.shape
+        rank = min(n, m, state.matrix_approximation_rank)
+        state.total_numel_before_compression += n * m
+        if (n + m) * rank * state.min_compression_rate < n * m:
+            by_shape[(n, m)].append(matrix)
+            state.total_numel_after_compression += (n + m) * rank
+        else:
+            plain.append(grad)
+            state.total_numel_after_compression += n * m
+    matrices = [matrix for group_ in by_shape.values() for matrix in group_]
+    ps, qs = _memories(state, index, matrices, buffer)
+    for matrix, p, q in zip(matrices, ps, qs):
+        q.copy_(orthogonalize(q))
+        p.copy_(project(matrix, q))
+    if plain:
+        flat = torch.cat([grad.reshape(-1) for grad in plain])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        offset = 0
+        for grad in plain:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    if matrices:
+        dist.all_reduce(state.p_memory_dict[index], group=group)
+        for matrix, p, q in zip(matrices, ps, qs):
+            p.copy_(orthogonalize(p))
+            q.copy_(project_back(matrix, p))
+        dist.all_reduce(state.q_memory_dict[index], group=group)
+        state.q_memory_dict[index].div_(world)
+        for matrix, p, q in zip(matrices, ps, qs):
+            matrix.copy_(p @ q.t())
+    torch.sub(before, buffer, out=error)
+    state.maybe_increase_iter(bucket)
+    return buffer
+
+
+def _memories(state, index: int, matrices: list[torch.Tensor], like: torch.Tensor
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The bucket's P and Q memories, one slice per matrix; made, with each Q drawn as PyTorch's
+    hook draws it, at the bucket's first compressed step."""
+    shapes = [(*matrix.shape, min(*matrix.shape, state.matrix_approximation_rank)) for matrix in matrices]
+    fresh = index not in state.p_memory_dict
+    if fresh:
+        state.p_memory_dict[index] = like.new_empty(sum(n * r for n, _, r in shapes))
+        state.q_memory_dict[index] = like.new_empty(sum(m * r for _, m, r in shapes))
+    ps, qs, p_at, q_at = [], [], 0, 0
+    for n, m, r in shapes:
+        ps.append(state.p_memory_dict[index][p_at:p_at + n * r].view(n, r))
+        qs.append(state.q_memory_dict[index][q_at:q_at + m * r].view(m, r))
+        p_at, q_at = p_at + n * r, q_at + m * r
+    if fresh:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(state.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(1, *q.shape, device="cpu", dtype=like.dtype)[0])
+    return ps, qs
