@@ -7,9 +7,8 @@ Background
     Under the reducer strategies (split, whole, regional) ``compile_ddp`` compresses through
     DDP's comm hook. PyTorch's ``powerSGD_hook`` takes ``M Q`` and ``M^T P`` as ``bmm``
     products whose outputs have r columns, the slow kernel on the CPU (Note [Products with a
-    rank-r factor] in ``factors.py``): 17 of its ms a step on the benchmarks' GPT, 7 in the
-    transposed form. The traced strategy already used that form; the split rows paid the
-    difference on the core that runs backward.
+    rank-r factor] in ``factors.py``). The traced strategy already took them transposed;
+    under the reducer strategies the slow form ran on the core that runs backward.
 
 Algorithm
     :func:`compress_bucket` does what PyTorch's hook does, in its order, with
