@@ -117,7 +117,7 @@ BLOCKS: tuple[Block, ...] = (
           lambda: compression_report.results_markdown(_json("ddp_shaped_100mbit_bf16.json"))),
     Block("docs/compression.md", "<!-- bench:compression-powersgd:start -->", "<!-- bench:compression-powersgd:end -->",
           lambda: compression_report.results_markdown(_json("ddp_shaped_200mbit_powersgd.json"))),
-    Block("docs/compression.md", "<!-- bench:compression-powersgd-100mbit:start -->",
+    Block("docs/benchmarks/ddp-shaped.md", "<!-- bench:compression-powersgd-100mbit:start -->",
           "<!-- bench:compression-powersgd-100mbit:end -->",
           lambda: compression_report.results_markdown(_json("ddp_shaped_100mbit_powersgd.json"))),
     Block("docs/benchmarks/ddp-shaped.md", "<!-- bench:compression-powersgd-seq256:start -->",
