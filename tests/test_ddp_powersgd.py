@@ -155,7 +155,7 @@ def test_the_hook_under_ddps_reducer_is_pytorchs_arithmetic_with_the_fast_produc
     for step, (mine, ref) in enumerate(zip(ours, theirs)):
         for a, b in zip(mine, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step}: {m}")
-    assert not torch.equal(ours[-1][0], ours[1][0])  # compressed steps moved the weights' gradients
+    assert our_state.iter == 6 and our_state.error_dict[0].abs().max() > 0  # steps 2 to 5 were compressed
     assert our_state.compression_stats() == their_state.compression_stats()
     torch.testing.assert_close(our_state.q_memory_dict[0], their_state.q_memory_dict[0], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(our_state.error_dict[0], their_state.error_dict[0], rtol=1e-4, atol=1e-5)

@@ -212,7 +212,7 @@ def powersgd_shapes(params, compression: str | None) -> list[tuple[int, int, int
 def _compressed_shapes(params, compression: str | None) -> list[tuple[int, int, int]]:
     """Per parameter ``(n, m, r)`` where PowerSGD compresses its gradient, ``(0, 0, 0)`` where not."""
     from ddp_opt.compression.powersgd import parse_compression
-    from ddp_opt.compression.traced_powersgd import compressed_shape
+    from ddp_opt.compression.factors import compressed_shape
 
     spec = parse_compression(compression)
     return [(spec and compressed_shape(p, spec.rank)) or (0, 0, 0) for p in params]
@@ -220,12 +220,9 @@ def _compressed_shapes(params, compression: str | None) -> list[tuple[int, int, 
 
 def _power_iteration(grad, error, q) -> None:
     """One step of PowerSGD on one gradient matrix, ``error`` and ``q`` updated in place."""
-    from ddp_opt.compression.factors import orthogonalize, project, project_back
+    from ddp_opt.compression.factors import power_iteration
 
-    matrix = grad + error
-    p = orthogonalize(project(matrix, orthogonalize(q)))
-    q.copy_(project_back(matrix, p))
-    error.copy_(matrix - p @ q.t())
+    power_iteration(grad, error, q)
 
 
 def measure_powersgd_compute(shapes: Sequence[tuple[int, int, int]], device, repeats: int) -> float:

@@ -18,7 +18,8 @@ Algorithm
 
     1. Before ``start_powerSGD_iter``: the bucket divided by the world size and all-reduced.
     2. ``M = bucket + E`` (E per bucket index, zeros at first), a copy of M kept.
-    3. Each gradient whose matrix ``shape[0] x rest`` PowerSGD's rule compresses gets a P and
+    3. Each gradient whose matrix ``shape[0] x rest`` PowerSGD's rule compresses
+       (``factors.compressed_shape``, at PyTorch's default rate) gets a P and
        a Q, slices of the bucket's P and Q memories, laid out as the hook lays them: grouped by
        shape in first-seen order. The bucket's first compressed step draws each Q as the hook
        does (``torch.randn`` under ``fork_rng``, seeded from ``state.rng``), later ones keep it.
@@ -44,7 +45,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from .factors import orthogonalize, project, project_back
+from .factors import compressed_shape, orthogonalize, project, project_back
 
 __all__ = ["compress_bucket"]
 
@@ -66,21 +67,21 @@ def compress_bucket(state, bucket) -> torch.Tensor:
         error = state.error_dict[index] = torch.zeros_like(buffer)
     buffer.add_(error)
     before = buffer.clone()
-    by_shape: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(list)
+    by_shape: dict[tuple[int, int, int], list[torch.Tensor]] = defaultdict(list)
     plain = []
     for grad in bucket.gradients():
-        matrix = grad.view(grad.shape[0], -1)
-        n, m = matrix.shape
-        rank = min(n, m, state.matrix_approximation_rank)
-        state.total_numel_before_compression += n * m
-        if (n + m) * rank * state.min_compression_rate < n * m:
-            by_shape[(n, m)].append(matrix)
-            state.total_numel_after_compression += (n + m) * rank
-        else:
+        shape = compressed_shape(grad, state.matrix_approximation_rank)
+        state.total_numel_before_compression += grad.numel()
+        if shape is None:
             plain.append(grad)
-            state.total_numel_after_compression += n * m
+            state.total_numel_after_compression += grad.numel()
+        else:
+            n, m, rank = shape
+            by_shape[shape].append(grad.view(n, m))
+            state.total_numel_after_compression += (n + m) * rank
+    shapes = [shape for shape, group_ in by_shape.items() for _ in group_]
     matrices = [matrix for group_ in by_shape.values() for matrix in group_]
-    ps, qs = _memories(state, index, matrices, buffer)
+    ps, qs = _memories(state, index, shapes, buffer)
     for matrix, p, q in zip(matrices, ps, qs):
         q.copy_(orthogonalize(q))
         p.copy_(project(matrix, q))
@@ -106,11 +107,10 @@ def compress_bucket(state, bucket) -> torch.Tensor:
     return buffer
 
 
-def _memories(state, index: int, matrices: list[torch.Tensor], like: torch.Tensor
+def _memories(state, index: int, shapes: list[tuple[int, int, int]], like: torch.Tensor
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The bucket's P and Q memories, one slice per matrix; made, with each Q drawn as PyTorch's
-    hook draws it, at the bucket's first compressed step."""
-    shapes = [(*matrix.shape, min(*matrix.shape, state.matrix_approximation_rank)) for matrix in matrices]
+    """The bucket's P and Q memories, one slice per matrix of ``shapes`` (``(n, m, r)``); made, with
+    each Q drawn as PyTorch's hook draws it, at the bucket's first compressed step."""
     fresh = index not in state.p_memory_dict
     if fresh:
         state.p_memory_dict[index] = like.new_empty(sum(n * r for n, _, r in shapes))

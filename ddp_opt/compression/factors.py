@@ -1,5 +1,7 @@
-"""PowerSGD's products with its rank-r factors and its orthogonalisation, shared by the
-hook under DDP's reducer (``bucket_powersgd``) and the traced form (``traced_powersgd``).
+"""PowerSGD's rule for which gradients it compresses, its products with its rank-r factors,
+its orthogonalisation and one matrix's power iteration, shared by the hook under DDP's
+reducer (``bucket_powersgd``), the traced form (``traced_powersgd``), the cost model's
+timing of the hook and the benchmarks' limit.
 
 Note [Products with a rank-r factor]
     ``P = M Q`` and ``Q = M^T P`` take a gradient matrix M (n x m) and a factor of r
@@ -15,7 +17,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["orthogonalize", "project", "project_back"]
+__all__ = ["MIN_COMPRESSION_RATE", "compressed_shape", "orthogonalize", "power_iteration", "project",
+           "project_back"]
+
+MIN_COMPRESSION_RATE = 2  # PyTorch's PowerSGDState default: compress when (n + m) r * 2 < n m
+
+
+def compressed_shape(param: torch.Tensor, rank: int) -> tuple[int, int, int] | None:
+    """PyTorch's hook's rule: ``(rows, columns, rank used)`` of the matrix that ``param``'s gradient
+    is sent as P and Q of, or None where it is sent whole (fewer than 2 dimensions, or P and Q not
+    ``MIN_COMPRESSION_RATE`` times smaller than the matrix)."""
+    n = param.shape[0] if param.dim() else 1
+    m = param.numel() // max(n, 1)
+    r = min(n, m, rank)
+    return (n, m, r) if param.dim() >= 2 and (n + m) * r * MIN_COMPRESSION_RATE < n * m else None
 
 
 def project(matrix: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -42,3 +57,14 @@ def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
             col = col - (done * col).sum(dim=0, keepdim=True) * done
         cols.append(col / col.norm(dim=0, keepdim=True))
     return torch.cat(cols, dim=1)
+
+
+def power_iteration(grad: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:
+    """One step of PowerSGD's arithmetic on one gradient matrix, without its all-reduces, ``error``
+    and ``q`` updated in place: ``M = grad + E``, ``P = M orth(Q)``, ``orth(P)``, ``Q = M^T P``,
+    ``E = M - P Q^T``. What the cost model times as the hook's compute and the benchmarks' limit
+    as the compression's."""
+    matrix = grad + error
+    p = orthogonalize(project(matrix, orthogonalize(q)))
+    q.copy_(project_back(matrix, p))
+    error.copy_(matrix - p @ q.t())

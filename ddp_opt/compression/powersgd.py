@@ -58,7 +58,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from ..planning.cost import DEFAULT_PROBE_SIZES, best_seconds, broadcast_floats, fit_link
 from ..planning.solver import HookCompute
 from .bucket_powersgd import compress_bucket
-from .factors import orthogonalize, project, project_back
+from .factors import power_iteration, project, project_back
 
 log = logging.getLogger(__name__)
 
@@ -189,16 +189,6 @@ def link_probe(spec: PowerSGD, group: dist.ProcessGroup) -> Callable[[torch.Tens
     return probe
 
 
-def _power_iteration(matrix: torch.Tensor, error: torch.Tensor, q: torch.Tensor) -> None:
-    """One bucket's compute in :func:`powersgd_hook`, on one matrix, without its all-reduces:
-    error feedback, ``P = M Q``, orthogonalise P, ``Q = M^T P``, decompress, the new error
-    (Note [PowerSGD of a bucket])."""
-    matrix.add_(error)
-    p = orthogonalize(project(matrix, orthogonalize(q)))
-    q.copy_(project_back(matrix, p))
-    error.copy_(matrix - p @ q.t())
-
-
 def measure_hook_compute(spec: PowerSGD, device: torch.device | str = "cpu", *,
                          group: dist.ProcessGroup | None = None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES,
                          reps: int = 3) -> HookCompute:
@@ -215,7 +205,7 @@ def measure_hook_compute(spec: PowerSGD, device: torch.device | str = "cpu", *,
         error = torch.zeros_like(matrix)
         q = torch.randn(m, min(n, m, spec.rank), device=device)
         xs.append(size)
-        ys.append(best_seconds(lambda: _power_iteration(matrix, error, q), device, reps))
+        ys.append(best_seconds(lambda: power_iteration(matrix, error, q), device, reps))
     fit = fit_link(xs, ys)
     fixed_s, per_byte = broadcast_floats([fit.alpha_s, 1.0 / fit.bandwidth], group)
     log.info("ddp_opt measured PowerSGD's power iteration: %.3f ms + %.3f ms/MiB per bucket (rank 0's fit of %s)",

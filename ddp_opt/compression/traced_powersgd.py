@@ -48,12 +48,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_internals import add_python_reducer_hook, functional_all_reduce, is_ddp_ignored
 from ..planning.buckets import BucketCaps
-from .factors import orthogonalize, project, project_back
+from .factors import compressed_shape, orthogonalize, project, project_back
 from .powersgd import PowerSGD
 
-__all__ = ["MIN_COMPRESSION_RATE", "TracedPowerSGD", "attach", "compressed_shape"]
+__all__ = ["TracedPowerSGD", "attach"]
 
-MIN_COMPRESSION_RATE = 2  # PyTorch's PowerSGDState default: compress when (n + m) r * 2 < n m
 SEED = 0  # the first Q's, as PowerSGD.state's random_seed
 
 
@@ -204,16 +203,6 @@ class TracedPowerSGD:
             self.qs[index].copy_(q)
             grad.copy_(approx.view_as(grad))
         bucket[1] = None
-
-
-def compressed_shape(param: torch.Tensor, rank: int) -> tuple[int, int, int] | None:
-    """PyTorch's hook's rule: ``(rows, columns, rank used)`` of the matrix that ``param``'s gradient
-    is sent as P and Q of, or None where it is sent whole (fewer than 2 dimensions, or P and Q not
-    ``MIN_COMPRESSION_RATE`` times smaller than the matrix)."""
-    n = param.shape[0] if param.dim() else 1
-    m = param.numel() // max(n, 1)
-    r = min(n, m, rank)
-    return (n, m, r) if param.dim() >= 2 and (n + m) * r * MIN_COMPRESSION_RATE < n * m else None
 
 
 def _reduced_elsewhere(state: Any, grad_and_param: tuple[torch.Tensor, torch.nn.Parameter]) -> None:
