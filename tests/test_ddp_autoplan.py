@@ -323,6 +323,41 @@ def test_a_one_bucket_auto_plan_is_realigned_too(gloo, clean_dynamo):
     assert measure_alignment(ddp, compiled.buckets).fraction == 1.0
 
 
+def test_a_hook_on_backwards_own_cores_gets_one_bucket_where_the_dp_makes_more():
+    # Note [Cost-model bucket plan]: on the CPU a compressing hook preempts backward on its own core,
+    # which the model does not see; there "auto" makes one bucket.
+    from ddp_opt.planning.auto import solve_table
+    from ddp_opt.planning.solver import format_timeline
+
+    units = [UnitCost(1.0, 10**6), UnitCost(1.0, 10**6)]
+    link = LinkEstimate(0.1, 1e6)
+    apart = solve_table(units, link, 0.0, hook=HookCompute(0.01, 0.0))
+    shared = solve_table(units, link, 0.0, hook=HookCompute(0.01, 0.0, shares_cores=True))
+    assert apart.counts == (1, 1) and "one_bucket" not in apart.extra
+    assert shared.counts == (2,) and shared.extra["one_bucket"] is True
+    assert shared.finish_s == pytest.approx(simulate(units, [2], link, hook=HookCompute(0.01, 0.0)).finish_s)
+    assert "one bucket: the hook computes on backward's own cores" in format_timeline(shared)
+    assert "one bucket" not in format_timeline(apart)
+
+
+def test_compile_ddp_realigns_to_one_bucket_under_a_hook_on_backwards_cores(gloo, clean_dynamo):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_embd=128, n_head=2, vocab_size=1024)
+    buckets = {}
+    for shares in (False, True):
+        ddp = DDP(GPT(cfg))
+        cost = CostModel(LinkEstimate(1e-4, 1e6), DeviceRates(1e9, 1e9), gamma_s=0.0, min_bucket_bytes=0,
+                         hook=HookCompute(1e-5, 0.0, shares_cores=shares))
+        compiled = compile_ddp(ddp, backend="aot_eager", bucket_cap_mb="auto", link=cost)
+        for step in range(3):
+            x = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(step))
+            compiled(x, x)[1].backward()
+        buckets[shares] = len(compiled.buckets)
+    assert buckets[False] >= 2 and buckets[True] == 1, buckets
+    assert compiled.aligned_caps == (compiled.buckets[0].size,)  # DDP's reducer runs the one bucket
+    assert measure_alignment(ddp, compiled.buckets).fraction == 1.0
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_dp_with_a_pinned_first_bucket_finds_the_best_such_plan(seed):
     from ddp_opt.planning.solver import solve_robust

@@ -294,6 +294,7 @@ def test_the_auto_plan_counts_the_hooks_power_iteration_against_backward(gloo, s
         bucket_cap_mb="auto", compression="powersgd:4", strategy=strategy))
     if counted:
         assert model.hook.s_per_byte > 0  # a bigger bucket's power iteration takes longer
+        assert model.hook.shares_cores  # on the CPU: "auto" makes one bucket (Note [Cost-model bucket plan])
     else:
         assert model.hook == NO_HOOK_COMPUTE
     plain = resolve_cost_model(DDP(torch.nn.Linear(4, 2)), DDPCompileConfig(bucket_cap_mb="auto", strategy=strategy))

@@ -34,6 +34,8 @@ Algorithm
       while backward still runs, so each bucket sent delays the rest of backward:
       :func:`measure_hook_compute` times it alone (no collective) over the probe's sizes,
       and the plan counts it against every later bucket (Note [Cost-model bucket plan]).
+      On the CPU it shares backward's own cores, where more buckets measured slower than
+      one (Note [Cost-model bucket plan]): there ``"auto"`` makes one bucket.
       The traced strategy compresses each gradient inside backward as it is produced, the
       same work however the buckets fall, so it plans without it.
 
@@ -211,4 +213,4 @@ def measure_hook_compute(spec: PowerSGD, device: torch.device | str = "cpu", *,
     log.info("ddp_opt measured PowerSGD's power iteration: %.3f ms + %.3f ms/MiB per bucket (rank 0's fit of %s)",
              fixed_s * 1e3, per_byte * 2**20 * 1e3,
              ", ".join(f"{x // 1024} KiB {y * 1e3:.2f} ms" for x, y in zip(xs, ys)))
-    return HookCompute(fixed_s, per_byte)
+    return HookCompute(fixed_s, per_byte, shares_cores=device.type == "cpu")

@@ -44,8 +44,13 @@ def solve_table(table: Sequence[UnitCost], link: LinkEstimate, gamma_s: float, m
                 contention: float = 0.0, hook: HookCompute = NO_HOOK_COMPUTE) -> Timeline:
     """``solve_robust`` on a unit table (gradient-ready order), over chunks of at least
     ``min_bucket_bytes`` with the first chunk alone when that is > 0 (``plan_auto``);
-    the timeline is over ``table``'s units either way, ``extra["min_bucket_bytes"]`` set."""
-    if min_bucket_bytes > 0:
+    the timeline is over ``table``'s units either way, ``extra["min_bucket_bytes"]`` set. A hook
+    that computes on backward's own cores (``hook.shares_cores``) gets one bucket,
+    ``extra["one_bucket"]`` set (Note [Cost-model bucket plan])."""
+    if hook.shares_cores:
+        timeline = simulate(table, [len(table)], link, gamma_s, contention, hook)
+        timeline.extra["one_bucket"] = True
+    elif min_bucket_bytes > 0:
         chunks = chunk_units(table, min_bucket_bytes)
         best = solve_robust(_merge(table, chunks), link, gamma_s, first=1, contention=contention, hook=hook)
         counts, start = [], 0

@@ -28,6 +28,15 @@ Algorithm
       s_per_byte``: the same form as ``gamma`` and ``kappa``, added to them. The hook's
       compute also delays its own send; the link probe sends as the hook does, compute
       included, so that part is already in ``alpha`` and ``beta``.
+    - A hook that computes on the very cores backward runs on (``HookCompute.shares_cores``:
+      CPU buckets, one core per rank) gets one bucket from ``solve_table`` (``"auto"``), not
+      the DP's plan. An earlier bucket's hook there preempts backward, and each of its
+      collectives wakes a thread that waits for the core; none of that is in the model.
+      Measured (2 gloo ranks, GPT 4 x 256, split + PowerSGD rank 4, interleaved rounds):
+      the DP's plan of 2 or 3 buckets predicted 7 to 20 ms of exposed communication against
+      49 to 77 measured, and one bucket stepped in 0.94 to 0.98 of its time (medians of
+      per-round ratios) at 100 and 200 Mbit and at sequence 256 (docs/compression.md). On a
+      GPU the hook runs on its own stream: the DP plans.
     - Robustness (``solve_robust``, what ``"auto"`` uses): the backward estimate can be
       off by a constant factor, and where communication dominates the exact optimum is
       indifferent to a huge last bucket that a slower backward exposes. So the DP is
@@ -87,6 +96,7 @@ class HookCompute:
 
     fixed_s: float = 0.0
     s_per_byte: float = 0.0
+    shares_cores: bool = False  # it runs on backward's own cores (CPU buckets): "auto" makes one bucket
 
     def __post_init__(self) -> None:
         if not (self.fixed_s >= 0 and self.s_per_byte >= 0):
@@ -309,6 +319,8 @@ def format_timeline(t: Timeline, names: Sequence[str] | None = None) -> str:
         f"{t.link.bandwidth / 1e6:.4g} MB/s ({t.link.source}), {t.gamma_s * 1e3:.3g} ms per extra partition"
         + (f"; the hook computes {t.hook.fixed_s * 1e3:.3g} ms + {t.hook.s_per_byte * 2**20 * 1e3:.3g} ms/MiB per "
            "bucket" if t.hook != NO_HOOK_COMPUTE else "")
+        + ("; one bucket: the hook computes on backward's own cores (Note [Cost-model bucket plan])"
+           if t.extra.get("one_bucket") else "")
         + (f"; worst-case regret {t.extra['regret']:.3f} if backward takes {min(t.extra['scales']):g}x.."
            f"{max(t.extra['scales']):g}x the estimate" if "regret" in t.extra else "")
     )
