@@ -30,18 +30,19 @@ Algorithm
       included, so that part is already in ``alpha`` and ``beta``.
     - A hook that computes on the very cores backward runs on (``HookCompute.shares_cores``:
       CPU buckets, one core per rank) gets one bucket from ``solve_table`` (``"auto"``), not
-      the DP's plan. There the hook runs each bucket whole, its all-reduces blocking, on one
-      worker thread (Note [PowerSGD compression]): a bucket's hook starts only once the one
-      before has sent its last byte, while the model lets it compute as the earlier bytes
-      cross. A plan whose last bucket is small pays for it: in a profile of split at 100 Mbit
-      at a 3-bucket plan, the last bucket (the embeddings', ready as backward ends) began its
-      hook only when the previous bucket's 26 ms hook had ended. Measured (2 gloo ranks, GPT
-      4 x 256, split + PowerSGD rank 4, interleaved rounds): the DP's plans of 2 or 3 buckets
-      predicted 7 to 20 ms of exposed communication against 49 to 77 measured, and one bucket
-      stepped in 0.958 of their time at 200 Mbit (3 buckets; IQR 0.929 to 0.994), 0.938 at
-      100 Mbit and 0.976 at sequence 256 (2 buckets; IQRs 0.866 to 1.015, 0.891 to 1.028;
-      docs/compression.md). A model of the hooks in series could plan more buckets there;
-      until then, one. On a GPU the hook runs on its own stream: the DP plans.
+      the DP's plan. There the model's bucket times, from a probe that sends one matrix per
+      bucket with the ranks in step and nothing else running, came out 2 to 4 times shorter
+      than the hooks took in a step (a profile of split at 100 Mbit at a 3-bucket plan: 22
+      and 23 ms against 5.5 and 11.4 predicted for its 1 and 8 MiB buckets), and the hooks
+      run in series on one worker thread, so one that overruns delays the next (in another
+      profile the last bucket began only when the previous bucket's 26 ms hook ended).
+      Measured (2 gloo ranks, GPT 4 x 256, split + PowerSGD rank 4, interleaved rounds): the
+      DP's plans of 2 or 3 buckets predicted 7 to 20 ms of exposed communication against 49
+      to 77 measured, and one bucket stepped in 0.958 of their time at 200 Mbit (3 buckets;
+      IQR 0.929 to 0.994), 0.938 at 100 Mbit and 0.976 at sequence 256 (2 buckets; IQRs
+      0.866 to 1.015, 0.891 to 1.028; docs/compression.md). Timing the hook as it runs in a
+      step could plan more buckets there; until then, one. On a GPU the hook runs on its
+      own stream: the DP plans.
     - Robustness (``solve_robust``, what ``"auto"`` uses): the backward estimate can be
       off by a constant factor, and where communication dominates the exact optimum is
       indifferent to a huge last bucket that a slower backward exposes. So the DP is
