@@ -161,6 +161,46 @@ def test_the_hook_under_ddps_reducer_is_pytorchs_arithmetic_with_the_fast_produc
     torch.testing.assert_close(our_state.error_dict[0], their_state.error_dict[0], rtol=1e-4, atol=1e-5)
 
 
+class _Bucket:
+    """A GradBucket as the hook sees it: one flat buffer and its gradients as views of it."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        numel = sum(torch.Size(shape).numel() for shape in shapes)
+        self._buffer = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+        self._views, at = [], 0
+        for shape in shapes:
+            self._views.append(self._buffer[at:at + torch.Size(shape).numel()].view(shape))
+            at += self._views[-1].numel()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def test_the_bucket_hook_makes_no_copy_of_the_bucket(gloo):
+    # PyTorch's hook copies the whole bucket to take the error as copy - result; ours writes each
+    # gradient's error as it writes its result, so nothing as large as the bucket is allocated.
+    from ddp_opt.compression.bucket_powersgd import compress_bucket
+
+    state = parse_compression("powersgd:4:2").state(dist.group.WORLD)
+    bucket = _Bucket([(256, 512), (512,), (512, 256), (256,)])
+    for _ in range(3):  # two plain all-reduces, then the first compressed step makes the memories
+        compress_bucket(state, bucket)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        compress_bucket(state, bucket)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < bucket.buffer().nbytes // 4, (largest, bucket.buffer().nbytes)
+    assert state.error_dict[0].abs().max() > 0
+
+
 # --- settings and refusals, in process ---------------------------------------------------------
 
 
