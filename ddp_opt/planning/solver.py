@@ -40,9 +40,12 @@ Algorithm
       DP's plans of 2 or 3 buckets predicted 7 to 20 ms of exposed communication against 49
       to 77 measured, and one bucket stepped in 0.958 of their time at 200 Mbit (3 buckets;
       IQR 0.929 to 0.994), 0.938 at 100 Mbit and 0.976 at sequence 256 (2 buckets; IQRs
-      0.866 to 1.015, 0.891 to 1.028; docs/compression.md). Timing the hook as it runs in a
-      step could plan more buckets there; until then, one. On a GPU the hook runs on its
-      own stream: the DP plans.
+      0.866 to 1.015, 0.891 to 1.028; docs/compression.md). Nor did a schedule without the
+      worker thread win (tried on eager DDP, not kept): each bucket's stages on backward's own
+      thread as the next buckets close, as the traced strategy runs them, stepped at 4 MiB in
+      1.07 of one bucket's time with a 10 Gbit link, where there is no link time to hide, and
+      in 0.963 and 1.065 at 100 and 200 Mbit: on this CPU a bucket costs more than its overlap
+      saves. On a GPU the hook runs on its own stream: the DP plans.
     - Robustness (``solve_robust``, what ``"auto"`` uses): the backward estimate can be
       off by a constant factor, and where communication dominates the exact optimum is
       indifferent to a huge last bucket that a slower backward exposes. So the DP is
