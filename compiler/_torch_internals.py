@@ -186,11 +186,15 @@ def aot_counts() -> tuple[int, int]:
 
 def aot_cache_enabled() -> bool:
     """Whether AOTAutograd's local cache would serve a partition compiled without
-    ``fakify_first_call`` (its own checks: FX graph cache and autograd cache on)."""
-    # torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache.
+    ``fakify_first_call`` (its own checks: FX graph cache and autograd cache on, and caches not
+    force-disabled, as ``should_use_local_autograd_cache`` reads them)."""
+    # torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache and
+    # torch._inductor.config.force_disable_caches (an alias of torch.compiler.config's).
     from torch._functorch import config as functorch_config
 
-    return bool(torch._inductor.config.fx_graph_cache and functorch_config.enable_autograd_cache)
+    inductor = torch._inductor.config
+    return bool(inductor.fx_graph_cache and functorch_config.enable_autograd_cache
+                and not inductor.force_disable_caches)
 
 
 # --- compilation metrics and guard text (Note [Diagnosis]) ---------------------------------

@@ -4,8 +4,9 @@ records (the traced strategy's bucket fusion), in the rank's process only.
 Note [Graph caches off, kernel files kept]
     A graph served by Inductor's FX graph cache or AOTAutograd's cache (left by an earlier run on
     this machine) skips the passes, and records nothing: these tests turn the caches off with
-    ``force_disable_caches``, the switch a user would flip, so the product sees the configuration
-    of a user's default otherwise (its own cache checks read the two caches' flags, which stay on).
+    ``force_disable_caches``, the switch a user would flip, so the product sees what such a user's
+    run sees (the split strategy then compiles its partitions as with the caches off:
+    ``compiler.partition.aot_cache_enabled`` reads the switch, as AOTAutograd's own check does).
     That switch also gives every ``compile_fx`` a fresh, empty Inductor directory, so each C++ kernel
     was built by the C++ compiler again: in every graph, on every rank, in every run. The built
     kernel files are not what these tests check (the graphs, their order of collectives and the

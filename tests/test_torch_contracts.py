@@ -94,6 +94,11 @@ def test_aot_autograd_counters_and_cache_switches():
     torch.compile(lambda x: x.cos() * 2, backend="aot_eager")(torch.randn(3, requires_grad=True))
     assert cti.aot_counts()[0] > before[0]
     assert isinstance(cti.aot_cache_enabled(), bool)
+    with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        assert cti.aot_cache_enabled()
+        with torch._inductor.config.patch(force_disable_caches=True):  # as torch's own cache check reads it
+            assert not cti.aot_cache_enabled()
 
 
 def test_recompile_reason_text():
