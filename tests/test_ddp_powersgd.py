@@ -201,6 +201,17 @@ def test_the_bucket_hook_makes_no_copy_of_the_bucket(gloo):
     assert state.error_dict[0].abs().max() > 0
 
 
+def test_the_bucket_hook_refuses_gradients_outside_the_buckets_buffer(gloo):
+    from ddp_opt.compression.bucket_powersgd import compress_bucket
+
+    state = parse_compression("powersgd:4:2").state(dist.group.WORLD)
+    state.iter = state.start_powerSGD_iter
+    bucket = _Bucket([(256, 512), (256,)])
+    bucket._views = [view.clone() for view in bucket._views]  # not views of the buffer: nothing to write back to
+    with pytest.raises(RuntimeError, match="given a gradient that does not lie in the bucket's buffer.*This is a bug"):
+        compress_bucket(state, bucket)
+
+
 # --- settings and refusals, in process ---------------------------------------------------------
 
 

@@ -124,6 +124,10 @@ def _at(tensor: torch.Tensor, view: torch.Tensor, base: torch.Tensor) -> torch.T
     """The part of ``tensor`` (shaped as ``base``) at the place where ``view`` lies in ``base``, in ``view``'s
     shape."""
     offset = (view.data_ptr() - base.data_ptr()) // base.element_size()
+    if not 0 <= offset <= base.numel() - view.numel():  # DDP's GradBucket gives views of its buffer
+        raise RuntimeError("PowerSGD's bucket hook was given a gradient that does not lie in the bucket's buffer; "
+                           "it writes each result into the buffer it returns. This is a bug: please report it "
+                           "with your torch version.")
     return tensor.view(-1)[offset:offset + view.numel()].view(view.shape)
 
 
