@@ -30,14 +30,12 @@ Algorithm
        A bucket with no other gradients (or no matrix) skips that all-reduce, on every rank
        alike: the buckets are the same on every rank, and so is the collectives' order.
        Started first, that all-reduce's link time and the wait for the slower rank pass
-       under the P products (measured: 0.967 of the step with it issued after them, eager
-       DDP, one bucket, 100 Mbit, median of 40 interleaved rounds, losses bit-equal).
+       under the P products (measured faster than issuing it after them: docs/compression.md).
     5. ``E = M - result``, each gradient's slice of E written just before its result replaces
        M in the bucket. PyTorch's hook copies the whole bucket at step 2 to take E as ``copy -
        bucket`` at the end; no copy here, so the hook needs a bucket's bytes less (under a
-       one-bucket plan, all the gradients' bytes). Step time level with the copy (eager DDP,
-       one bucket, 2 ranks, 60 to 80 interleaved rounds: the step with the copy over the step
-       without, 0.995 to 1.007 at 200 Mbit, 1.005 and 1.016 at 100), losses bit-equal.
+       one-bucket plan, all the gradients' bytes), at the same step time and with the same
+       losses (measured: docs/compression.md).
 
     The state is PyTorch's ``PowerSGDState`` (its memories by bucket index, its step count,
     its compression counters), so realignment's ``forget_buckets`` and a user reading the

@@ -31,21 +31,14 @@ Algorithm
     - A hook that computes on the very cores backward runs on (``HookCompute.shares_cores``:
       CPU buckets, one core per rank) gets one bucket from ``solve_table`` (``"auto"``), not
       the DP's plan. There the model's bucket times, from a probe that sends one matrix per
-      bucket with the ranks in step and nothing else running, came out 2 to 4 times shorter
-      than the hooks took in a step (a profile of split at 100 Mbit at a 3-bucket plan: 22
-      and 23 ms against 5.5 and 11.4 predicted for its 1 and 8 MiB buckets), and the hooks
-      run in series on one worker thread, so one that overruns delays the next (in another
-      profile the last bucket began only when the previous bucket's 26 ms hook ended).
-      Measured (2 gloo ranks, GPT 4 x 256, split + PowerSGD rank 4, interleaved rounds): the
-      DP's plans of 2 or 3 buckets predicted 7 to 20 ms of exposed communication against 49
-      to 77 measured, and one bucket stepped in 0.958 of their time at 200 Mbit (3 buckets;
-      IQR 0.929 to 0.994), 0.938 at 100 Mbit and 0.976 at sequence 256 (2 buckets; IQRs
-      0.866 to 1.015, 0.891 to 1.028; docs/compression.md). Nor did a schedule without the
-      worker thread win (tried on eager DDP, not kept): each bucket's stages on backward's own
-      thread as the next buckets close, as the traced strategy runs them, stepped at 4 MiB in
-      1.07 of one bucket's time with a 10 Gbit link, where there is no link time to hide, and
-      in 0.963 and 1.065 at 100 and 200 Mbit: on this CPU a bucket costs more than its overlap
-      saves. On a GPU the hook runs on its own stream: the DP plans.
+      bucket with the ranks in step and nothing else running, come out several times shorter
+      than the hooks take in a step, and the hooks run in series on one worker thread, so one
+      that overruns delays the next: the DP's plans of 2 or 3 buckets measured slower than one
+      bucket. Running each bucket's stages on backward's own thread instead, as the traced
+      strategy does, did not win either: it cost more than one bucket even on a link with
+      nothing to hide, so on this CPU a bucket costs more than its overlap saves. The
+      profiles and the measured ratios are in docs/compression.md. On a GPU the hook runs on
+      its own stream: the DP plans.
     - Robustness (``solve_robust``, what ``"auto"`` uses): the backward estimate can be
       off by a constant factor, and where communication dominates the exact optimum is
       indifferent to a huge last bucket that a slower backward exposes. So the DP is
