@@ -31,8 +31,6 @@ Notes
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -40,8 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from compiler.link import LinkEstimate, best_seconds, broadcast_floats, fit_link, time_sizes
+
 from .._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example, size_hint
-from .solver import NO_HOOK_COMPUTE, HookCompute, LinkEstimate
+from .solver import NO_HOOK_COMPUTE, HookCompute
 
 log = logging.getLogger(__name__)
 
@@ -105,53 +105,9 @@ class CostModel:
 # --- measuring -------------------------------------------------------------------
 
 
-def fit_link(sizes: Sequence[int], seconds: Sequence[float], source: str = "measured") -> LinkEstimate:
-    """Least-squares fit of ``seconds = alpha + size / bandwidth``.
-
-    A negative intercept becomes 0; a slope <= 0 (sizes too small to see the
-    bandwidth) becomes 1 TB/s, i.e. latency-bound.
-    """
-    n = len(sizes)
-    if n < 2 or len(set(sizes)) < 2 or len(seconds) != n:
-        raise ValueError("fit_link needs timings of at least two different sizes")
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
-    alpha = my - slope * mx
-    bandwidth = 1.0 / slope if slope > 0 else 1e12
-    return LinkEstimate(max(alpha, 0.0), bandwidth, source)
-
-
 def _wait(handle: Any) -> None:
     if handle is not None and hasattr(handle, "wait"):
         handle.wait()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """The fastest of ``reps`` timed calls of ``fn`` on ``device`` (synchronised), after one untimed call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return max(min(times), 1e-9)
-
-
-def broadcast_floats(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
-    """Rank 0's values on every rank (identity without a multi-rank group)."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return values
-    box = [list(values)]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return [float(v) for v in box[0]]
 
 
 def measure_link(probe: Probe | None = None, *, group: dist.ProcessGroup | None = None,
@@ -173,19 +129,8 @@ def measure_link(probe: Probe | None = None, *, group: dist.ProcessGroup | None 
         def probe(t: torch.Tensor):  # noqa: E306
             return dist.all_reduce(t, group=group, async_op=True)
     bufs = {s: torch.zeros(max(1, s // 4), dtype=torch.float32, device=device) for s in sizes}
-    for _ in range(warmup):
-        _wait(probe(bufs[min(sizes)]))
-    xs, ys = [], []
-    for s in sizes:
-        times = []
-        for _ in range(reps):
-            _sync(device)
-            t0 = time.perf_counter()
-            _wait(probe(bufs[s]))
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        xs.append(s)
-        ys.append(statistics.median(times))
+    xs = list(sizes)
+    ys = time_sizes(lambda s: _wait(probe(bufs[s])), xs, device, reps=reps, warmup=warmup)
     fit = fit_link(xs, ys)
     alpha, bandwidth = broadcast_floats([fit.alpha_s, fit.bandwidth], group)
     est = LinkEstimate(alpha, bandwidth, "measured")

@@ -59,35 +59,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from compiler.link import LinkEstimate
+
 __all__ = [
     "HookCompute", "NO_HOOK_COMPUTE", "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust",
     "simulate", "format_timeline", "DEFAULT_SCALES",
 ]
-
-
-@dataclass(frozen=True)
-class LinkEstimate:
-    """A serial link: ``alpha_s`` seconds per all-reduce plus ``nbytes / bandwidth``.
-
-    Attributes:
-        alpha_s: latency per all-reduce, seconds.
-        bandwidth: bytes per second (of the buffer handed to the all-reduce).
-        source: where the numbers came from ("measured", "given", ...), for logs.
-    """
-
-    alpha_s: float
-    bandwidth: float
-    source: str = "given"
-
-    def __post_init__(self) -> None:
-        if not (self.alpha_s >= 0) or not (self.bandwidth > 0):
-            raise ValueError(
-                f"LinkEstimate(alpha_s={self.alpha_s!r}, bandwidth={self.bandwidth!r}): the latency must be >= 0 "
-                "seconds and the bandwidth > 0 bytes/s, e.g. LinkEstimate(1e-3, 100e6) for 1 ms and 100 MB/s."
-            )
-
-    def transfer_s(self, nbytes: int) -> float:
-        return self.alpha_s + nbytes / self.bandwidth
 
 
 @dataclass(frozen=True)
