@@ -94,6 +94,8 @@ def apply(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMes
             "can belong to one shard unit only. Apply once, to the unsharded model."
         )
     plan = plan_fsdp(model, config)  # fails on missing blocks before anything changes
+    if config.strategy == "traced":
+        return _apply_traced(model, config, mesh, plan, model_name)
     cc = config.compile
     backend = cc.resolve_backend() if cc else None
     mesh = mesh if mesh is not None else default_mesh(_device_type_of(model))
@@ -140,6 +142,32 @@ def apply(model: nn.Module, config: FSDPConfig | None = None, *, mesh: DeviceMes
                     "so the top frame runs eagerly; per-block compile (whole_model=False) is the recipe.")
         model.compile(backend=backend, fullgraph=False, dynamic=cc.dynamic)
     return plan
+
+
+def _apply_traced(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh | None, plan: FSDPPlan,
+                  model_name: str) -> FSDPPlan:
+    """``strategy="traced"``: refusals first (one line each, the fix included), then the
+    traced sharding and compile of ``fsdp_opt.traced``."""
+    from .traced import apply_traced, traced_refusal
+
+    why = traced_refusal(config, mesh)
+    if why is not None:
+        raise ValueError(f"fsdp_opt.apply: {why}")
+    if config.compile.cache_dir is not None:
+        raise ValueError("fsdp_opt.apply: strategy='traced' does not load or save a persistent compile cache "
+                         "(compile.cache_dir): its graphs compile at the first call. Drop cache_dir, or use "
+                         "strategy='per_block'.")
+    mesh = mesh if mesh is not None else default_mesh(_device_type_of(model))
+    modules = dict(model.named_modules())
+    blocks = [(name, modules[name]) for name in plan.block_names]
+    if config.checkpointing:
+        blocks = [(name, _checkpoint_wrap(model, name, block)) for name, block in blocks]
+    traced = apply_traced(model, config, mesh, blocks, model_name)
+    if _rank() == 0:
+        log.info("fsdp_opt: strategy traced, %d blocks, compile %s (the whole model, its collectives in the "
+                 "graph)\n%s", len(blocks), config.compile.backend, traced.table())
+    model.register_forward_pre_hook(functools.partial(_forward_guard, model_name), prepend=True)
+    return dataclasses.replace(plan, traced=traced)
 
 
 _PARAMETER = inspect.Parameter

@@ -12,7 +12,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from compiler import CompileOptions, SettingError, check_blocks_setting, not_compiled
 
-__all__ = ["FSDPCompileConfig", "FSDPConfig"]
+__all__ = ["FSDPCompileConfig", "FSDPConfig", "STRATEGIES"]
+
+# How fsdp_opt.apply compiles a sharded model: each block before fully_shard (FSDP2's hooks stay
+# eager around them), or the whole model with its all-gathers and reduce-scatters in the graph.
+STRATEGIES = ("per_block", "traced")
 
 # Why whole-model compile cannot be fullgraph under FSDP2; shared by the config
 # check here and the runtime checks in apply.py.
@@ -73,6 +77,11 @@ class FSDPConfig:
     """How a model is sharded and compiled by ``fsdp_opt.apply``.
 
     Attributes:
+        strategy: ``"per_block"`` (the default): each block compiled, then sharded by
+            FSDP2, whose hooks gather and reduce around the compiled blocks. ``"traced"``:
+            parameters stored as FSDP2 stores them (``Shard(0)`` DTensors), the whole
+            forward compiled in one graph with every all-gather and reduce-scatter inside
+            it, bucketed and ordered from the measured link (``fsdp_opt.traced``).
         blocks: ``"auto"`` (the children of the ModuleLists, ModuleDicts and
             Sequentials whose children are all one class, else repeated children of
             one class), the name of one ModuleList, ModuleDict or Sequential
@@ -94,6 +103,13 @@ class FSDPConfig:
         shard_unit_mb: group consecutive blocks into one shard unit until the
             unit's all-gather holds at least this many MiB of parameters; None
             makes every block its own unit. See Note [Shard unit grouping].
+            ``"auto"`` (the default): under ``per_block`` one unit per block (measured
+            the fastest there, docs/fsdp.md); under ``traced`` the units planned from the
+            measured link and block times (Note [Traced FSDP plan]).
+        memory_budget_mb: ``traced`` only: the most gathered parameter bytes alive at
+            once that the plan may use (more or bigger units in flight, units kept
+            from forward to backward); None: what FSDP2 holds, the two largest block
+            units and the root.
         checkpointing: wrap each block in activation checkpointing (recompute its
             activations in backward).
         replicate: FSDP2's replicate in place of ``fully_shard`` (what torchtitan runs for
@@ -102,6 +118,7 @@ class FSDPConfig:
             blocks compiled as with sharding. ``reshard_after_forward`` does not apply.
     """
 
+    strategy: str = "per_block"
     blocks: str | Sequence[str] = "auto"
     compile: FSDPCompileConfig | str | Callable | None = None
     # The sharding around the compiled blocks: the blocks are compiled before fully_shard, and
@@ -110,11 +127,19 @@ class FSDPConfig:
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = not_compiled(None, why="where FSDP keeps the shards between uses")
     prefetch: int = not_compiled(1, why="FSDP's hooks around the compiled blocks")
-    shard_unit_mb: float | None = not_compiled(None, why="FSDP's hooks around the compiled blocks")
+    shard_unit_mb: float | str | None = "auto"
     checkpointing: bool = False
     replicate: bool = not_compiled(False, why="FSDP's hooks around the compiled blocks")
+    memory_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise SettingError(
+                "strategy",
+                f"FSDPConfig.strategy={self.strategy!r} is not one of {list(STRATEGIES)}: 'per_block' compiles each "
+                "block before FSDP2 shards it; 'traced' compiles the whole model with FSDP's collectives inside "
+                "the graph. Use one of them (fsdp.strategy=per_block in the launcher)."
+            )
         if isinstance(self.compile, (str, bytes)) or (self.compile is not None and callable(self.compile)):
             object.__setattr__(self, "compile", FSDPCompileConfig(backend=self.compile))
         elif self.compile is not None and not isinstance(self.compile, FSDPCompileConfig):
@@ -139,11 +164,28 @@ class FSDPConfig:
                 "or 0 to leave FSDP2's implicit prefetching alone."
             )
         mb = self.shard_unit_mb
-        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not mb > 0):
+        if mb is not None and mb != "auto" and (isinstance(mb, (bool, str)) or not isinstance(mb, numbers.Real)
+                                                or not mb > 0):
             raise SettingError(
                 "shard_unit_mb",
                 f"FSDPConfig.shard_unit_mb={mb!r}: the target all-gather size of a shard unit must be a "
-                "positive number of MiB (e.g. 64). Set shard_unit_mb=None to make each block its own unit."
+                "positive number of MiB (e.g. 64), 'auto' (the default: the toolkit plans them), or None to "
+                "make each block its own unit."
+            )
+        budget = self.memory_budget_mb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
+                                   or not budget > 0):
+            raise SettingError(
+                "memory_budget_mb",
+                f"FSDPConfig.memory_budget_mb={budget!r}: the most gathered parameter MiB traced FSDP may hold at "
+                "once must be a positive number, or None for what FSDP2 holds (two block units and the root)."
+            )
+        if budget is not None and self.strategy != "traced":
+            raise SettingError(
+                "memory_budget_mb",
+                f"FSDPConfig(memory_budget_mb={budget!r}, strategy={self.strategy!r}): the budget bounds traced "
+                "FSDP's plan; per_block leaves prefetching to FSDP2's hooks. Set strategy='traced', or drop "
+                "memory_budget_mb."
             )
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise TypeError(

@@ -91,6 +91,8 @@ class FSDPPlan:
             ``FSDPCompileConfig(cache_dir=...)``, set by ``apply``; else None.
         share: the ``compiler.share.CompileShare`` of the mesh's ranks when the
             blocks are compiled on more than one rank, set by ``apply``; else None.
+        traced: under ``strategy="traced"``, the ``fsdp_opt.traced.TracedPlan`` (its units
+            replace ``units``, which then list the blocks one per unit); else None.
     """
 
     units: tuple[ShardUnit, ...]
@@ -98,13 +100,16 @@ class FSDPPlan:
     config: FSDPConfig
     compile_cache: Any = field(default=None, compare=False, repr=False)
     share: Any = field(default=None, compare=False, repr=False)
+    traced: Any = field(default=None, compare=False, repr=False)
 
     @property
     def block_names(self) -> list[str]:
         return [name for unit in self.units for name in unit.blocks]
 
     def table(self) -> str:
-        """The plan as a table (see :func:`format_units`)."""
+        """The plan as a table (see :func:`format_units`; traced: ``TracedPlan.table``)."""
+        if self.traced is not None:
+            return self.traced.table()
         return format_units(self.units, self.root_bytes)
 
 
@@ -166,7 +171,9 @@ def plan_fsdp(model: nn.Module, config: FSDPConfig | None = None) -> FSDPPlan:
     config = config or FSDPConfig()
     blocks = find_blocks(model, config.blocks)
     param_dtype = config.mp_policy.param_dtype if config.mp_policy is not None else None
-    units = plan_shard_units(blocks, config.shard_unit_mb, param_dtype=param_dtype)
+    # "auto": one unit per block under per_block (measured its fastest); traced replans its own units
+    mb = None if config.shard_unit_mb == "auto" else config.shard_unit_mb
+    units = plan_shard_units(blocks, mb, param_dtype=param_dtype)
     in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
     root_bytes, seen = 0, set()
     for p in model.parameters():

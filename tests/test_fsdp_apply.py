@@ -188,7 +188,8 @@ def test_an_unknown_keyword_names_every_setting_and_changes_nothing():
     model = _gpt()
     with pytest.raises(TypeError, match=r"^fsdp_opt.apply\(\) got an unexpected keyword argument 'prefech': it is not a "
                                         r"setting of fsdp_opt.apply, whose keywords are the fields of fsdp_opt.FSDPConfig "
-                                        r"\(blocks, compile, .*, replicate\), so nothing would read it\. Did you mean "
+                                        r"\(strategy, blocks, compile, .*, replicate, memory_budget_mb\), so nothing would "
+                                        r"read it\. Did you mean "
                                         r"prefetch=\?$"):
         fsdp_opt.apply(model, prefech=2)
     assert _unchanged(model)

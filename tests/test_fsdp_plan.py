@@ -279,7 +279,7 @@ def test_plan_of_gpt_and_its_table_lists_every_block():
     [
         (dict(prefetch=-1), r"prefetch=-1: the prefetch depth .* non-negative int.*0 to leave"),
         (dict(prefetch=True), r"prefetch=True"),
-        (dict(shard_unit_mb=0), r"shard_unit_mb=0: .* positive number of MiB.*shard_unit_mb=None"),
+        (dict(shard_unit_mb=0), r"shard_unit_mb=0: .* positive number of MiB.*'auto'.*or None to make each block its own unit"),
         (dict(shard_unit_mb="big"), r"shard_unit_mb='big'"),
         (dict(reshard_after_forward=1), r"reshard_after_forward=1: expected True, False, or an int"),
         (dict(blocks=()), r"non-empty sequence of module names"),
