@@ -12,6 +12,8 @@ from launch.checks.validate import validate
 from launch.config.schema import ConfigError, FSDPOptions
 from launch.observe.banner import describe
 from launch.runtime.parallel import fsdp_config
+from fsdp_opt import plan_fsdp
+from launch.models import GPT, GPTConfig
 from _torchrun import final_params as _final_params, metrics as _metrics, ok as _ok
 from _jobs import composed as _job
 
@@ -27,15 +29,31 @@ def test_fsdp_options_compose_and_reach_fsdp_config():
     assert (fc.shard_unit_mb, fc.prefetch, fc.reshard_after_forward, fc.checkpointing) == (4.0, 2, False, True)
     assert fc.mp_policy.param_dtype == torch.bfloat16 and fc.mp_policy.reduce_dtype == torch.float32
     assert fc.compile.backend == "aot_eager" and fc.compile.fullgraph is False
-    assert "fsdp       shard_unit_mb=4.0 prefetch=2" in describe(cfg)
+    assert "fsdp       strategy=per_block shard_unit_mb=4.0 prefetch=2" in describe(cfg)
 
 
-def test_fsdp_defaults_are_one_unit_per_block_and_eager_means_no_compile():
+def test_fsdp_defaults_are_per_block_with_auto_units_and_eager_means_no_compile():
     cfg = _job("parallel=fsdp", "compile=eager")
     assert cfg.fsdp == FSDPOptions()
     fc = fsdp_config(cfg.fsdp, cfg.compile)
-    assert fc.compile is None and fc.shard_unit_mb is None and fc.prefetch == 1 and fc.mp_policy is None
-    assert "one unit per block" in describe(cfg)
+    assert fc.compile is None and fc.shard_unit_mb == "auto" and fc.prefetch == 1 and fc.mp_policy is None
+    assert fc.strategy == "per_block"
+    assert "strategy=per_block shard_unit_mb=auto" in describe(cfg)
+    # per_block's auto is one shard unit per block (measured its fastest, docs/fsdp.md)
+    assert [u.blocks for u in plan_fsdp(GPT(GPTConfig(n_layer=2)), fc).units] == [("blocks.0",), ("blocks.1",)]
+
+
+def test_fsdp_strategy_traced_composes_and_a_misspelling_is_named():
+    cfg = _job("parallel=fsdp", "fsdp.strategy=traced", "fsdp.memory_budget_mb=8")
+    validate(cfg, world_size=2)
+    fc = fsdp_config(cfg.fsdp, cfg.compile)
+    assert (fc.strategy, fc.memory_budget_mb) == ("traced", 8.0)
+    with pytest.raises(ConfigError, match=r"fsdp\.strategy='trace' is not valid: per_block compiles each block.*"
+                                          r"fsdp\.strategy=traced"):
+        validate(_job("parallel=fsdp", "fsdp.strategy=trace"), world_size=2)
+    with pytest.raises(ConfigError, match=r"fsdp\.memory_budget_mb=8\.0 with fsdp\.strategy=per_block: .*"
+                                          r"Set fsdp\.strategy=traced, or drop fsdp\.memory_budget_mb"):
+        validate(_job("parallel=fsdp", "fsdp.memory_budget_mb=8"), world_size=2)
 
 
 @pytest.mark.parametrize("overrides,match", [

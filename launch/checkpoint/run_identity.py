@@ -73,6 +73,7 @@ RESUMABLE = frozenset({
     "train.lr", "train.weight_decay",  # applied to the loaded optimizer, with a line saying so
     "compile.", "ddp.", "parallel.dist_backend",  # how the same math is compiled, bucketed, communicated
     "fsdp.shard_unit_mb", "fsdp.prefetch", "fsdp.reshard_after_forward", "fsdp.checkpointing",
+    "fsdp.strategy", "fsdp.memory_budget_mb",  # traced and per_block save the same DTensors under the same names
     "diagnose", "diagnose_json",
     "log.", "profile.",  # what is written about the run, not what it computes
     "train.eval_every", "train.eval_batches",  # evaluation reads the model, it does not change it

@@ -128,9 +128,13 @@ def _compile_error(e: SettingError, c: CompileConfig, strategy: str) -> ConfigEr
 
 # The fsdp.* settings fsdp_opt.FSDPConfig checks, and how the launcher words a refusal.
 _FSDP_ERRORS = {
+    "strategy": "fsdp.strategy={!r} is not valid: per_block compiles each block before FSDP2 shards it; traced "
+                "compiles the whole model with FSDP's collectives inside the graph. Use fsdp.strategy=per_block (the "
+                "default) or fsdp.strategy=traced.",
     "shard_unit_mb": "fsdp.shard_unit_mb={!r} is not valid: it must be a positive size in MiB; consecutive blocks "
                      "are grouped into one shard unit until its all-gather holds that many MiB. Give a size, e.g. "
-                     "fsdp.shard_unit_mb=4, or fsdp.shard_unit_mb=null for one unit per block.",
+                     "fsdp.shard_unit_mb=4, fsdp.shard_unit_mb=auto (the default), or fsdp.shard_unit_mb=null for "
+                     "one unit per block.",
     "prefetch": "fsdp.prefetch={!r} is not valid: it is how many shard units ahead to all-gather, a non-negative "
                 "integer. Use fsdp.prefetch=1 (the default), or fsdp.prefetch=0 to leave FSDP2's implicit "
                 "prefetching alone.",
@@ -138,7 +142,7 @@ _FSDP_ERRORS = {
 
 
 def _fsdp_settings(f: FSDPOptions) -> None:
-    """``fsdp.shard_unit_mb`` and ``fsdp.prefetch`` through ``fsdp_opt.FSDPConfig``. Its
+    """``fsdp.strategy``, ``fsdp.shard_unit_mb`` and ``fsdp.prefetch`` through ``fsdp_opt.FSDPConfig``. Its
     ValueError does not name the field (fsdp_opt raises no SettingError), so each is
     checked by a config that sets only that field; the job builds the whole config
     (``launch.runtime.parallel.fsdp_config``) when it shards."""
@@ -147,3 +151,12 @@ def _fsdp_settings(f: FSDPOptions) -> None:
             fsdp_opt.FSDPConfig(**{name: getattr(f, name)})
         except ValueError:
             raise ConfigError(message.format(getattr(f, name))) from None
+    if f.memory_budget_mb is not None:
+        try:
+            fsdp_opt.FSDPConfig(strategy=f.strategy, memory_budget_mb=f.memory_budget_mb)
+        except ValueError:
+            raise ConfigError(
+                f"fsdp.memory_budget_mb={f.memory_budget_mb!r} with fsdp.strategy={f.strategy}: the budget bounds "
+                "how many gathered parameter MiB traced FSDP holds at once; it must be a positive number and needs "
+                "fsdp.strategy=traced. Set fsdp.strategy=traced, or drop fsdp.memory_budget_mb."
+            ) from None

@@ -193,9 +193,15 @@ class DDPConfig:
 class FSDPOptions:
     """``fsdp`` section (``parallel=fsdp`` only), passed to ``fsdp_opt.FSDPConfig``: ``fsdp.prefetch=1``."""
 
+    # per_block: each block compiled, FSDP2's hooks around them; traced: the whole model
+    # compiled with FSDP's all-gathers and reduce-scatters in the graph (fsdp_opt.traced).
+    strategy: str = "per_block"
     # Group consecutive blocks into one shard unit of at least this many MiB of
-    # all-gather; null: one unit per block.
-    shard_unit_mb: Optional[float] = None
+    # all-gather; null: one unit per block; auto: per_block one unit per block, traced
+    # planned from the measured link (a typed Union of float and str is not supported by OmegaConf 2.3).
+    shard_unit_mb: Optional[Any] = "auto"
+    # traced: the most gathered parameter MiB alive at once; null: what FSDP2 holds.
+    memory_budget_mb: Optional[float] = None
     # Shard units to all-gather ahead, in forward and backward; 0: FSDP2's implicit prefetch.
     prefetch: int = 1
     reshard_after_forward: bool = True  # free gathered parameters after forward (gather again in backward)
@@ -206,6 +212,13 @@ class FSDPOptions:
     mixed_precision: str = "none"
     # fp32 | bf16: the dtype gradients are reduce-scattered in (FSDP2's MixedPrecisionPolicy.reduce_dtype).
     reduce_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        # `Any` lets every word through: a size is a float (4 and 4.0 are one setting); a word other than
+        # auto is left for fsdp_opt.FSDPConfig to refuse with the launcher's message (validate).
+        mb = self.shard_unit_mb
+        if isinstance(mb, int) and not isinstance(mb, bool):
+            self.shard_unit_mb = float(mb)
 
 
 @dataclass

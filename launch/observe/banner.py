@@ -60,7 +60,7 @@ def describe(cfg: JobConfig) -> str:
 
 def _describe_fsdp(f: FSDPOptions) -> str:
     units = f"shard_unit_mb={f.shard_unit_mb}" if f.shard_unit_mb is not None else "one unit per block"
-    return (f"{units} prefetch={f.prefetch} reshard_after_forward={f.reshard_after_forward} "
+    return (f"strategy={f.strategy} {units} prefetch={f.prefetch} reshard_after_forward={f.reshard_after_forward} "
             f"checkpointing={f.checkpointing} mixed_precision={f.mixed_precision}")
 
 
