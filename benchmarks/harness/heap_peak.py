@@ -58,9 +58,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import torch
+
+from .device import peak_bytes, reset_peak
+from .report import print0
+
 log = logging.getLogger(__name__)
 
-__all__ = ["SHIM_SOURCE", "HEAP_SHIM_ENV", "build_shim", "preload_env", "HeapPeak"]
+__all__ = ["SHIM_SOURCE", "HEAP_SHIM_ENV", "build_shim", "preload_env", "HeapPeak", "HeapWindow"]
 
 HEAP_SHIM_ENV = "BENCH_HEAP_SHIM"  # the shim's path, for the ranks to find what LD_PRELOAD loaded
 
@@ -231,8 +236,6 @@ class HeapPeak:
     def counts_tensors(self) -> bool:
         """Whether this torch's tensors pass through the shim's ``c10::alloc_cpu`` (a libc10 that
         calls it directly, not through its PLT, would bypass it): a 1 MiB tensor is made and looked for."""
-        import torch
-
         before = self.tensor_live()
         probe = torch.empty(2**20, dtype=torch.uint8)
         seen = self.tensor_live() - before
@@ -242,3 +245,40 @@ class HeapPeak:
     def reset(self) -> None:
         """Start new peak windows (heap and tensor bytes) at the live bytes now."""
         self._lib.heap_shim_reset()
+
+
+class HeapWindow:
+    """Peak-memory windows: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the preloaded
+    shim's live tensor bytes, its whole heap beside (Note [Live heap bytes]); nothing without either."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        heap = HeapPeak.from_env() if device.type == "cpu" else None
+        self.heap = heap if heap is not None and heap.counts_tensors() else None
+        if heap is not None and self.heap is None:
+            print0(f"no peak memory: torch {torch.__version__}'s CPU tensors bypass the shim's c10::alloc_cpu "
+                   "(its libc10 does not call it through the PLT); peak_mib is null")
+
+    @property
+    def measures(self) -> bool:
+        return self.device.type == "cuda" or self.heap is not None
+
+    def open(self) -> int | None:
+        """Start a window; the bytes live at its start."""
+        if self.heap is not None:
+            self.heap.reset()
+            return self.heap.tensor_live()
+        reset_peak(self.device)
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def peak(self) -> int | None:
+        return self.heap.tensor_peak() if self.heap is not None else peak_bytes(self.device)
+
+    def heap_peak(self) -> int | None:
+        """The window's peak of the whole heap (CPU only): the tensors and all else the process mallocs."""
+        return self.heap.peak() if self.heap is not None else None
+
+    def live(self) -> int | None:
+        if self.heap is not None:
+            return self.heap.tensor_live()
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None

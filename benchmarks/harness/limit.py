@@ -48,7 +48,17 @@ FSDP2 (every unit resharded after forward): all-gather every parameter for forwa
 again for backward, reduce-scatter every gradient, one link and one device, so
 ``step >= max(fwd + bwd, 2 ag + rs, fwd + rs) + opt``, with ``ag``/``rs`` one flat
 collective of all parameter bytes, fwd and bwd from an unsharded copy without
-communication, opt the fastest FSDP mode's sharded step. With ``reduce_dtype=bf16``
+communication, opt the fastest FSDP mode's sharded step. Each collective is timed as one
+collective of all the bytes and as ``CHUNKS`` collectives of a part each, issued back to back,
+and the faster counts: over the shaped links a single transfer started on an idle link was
+measured slower than the same bytes in a stream of smaller ones (at 100 Mbit one all-gather of
+6.3 MiB took 352 ms, a traced step's forward moved them in 288 ms), and a bound a real step
+beats is no bound. ``rs`` is also the faster of gloo's ``reduce_scatter_tensor`` and an
+``all_to_all_single`` whose received rows each rank sums: gloo's reduce-scatter carries every
+byte of the buffer (as long as an all-reduce, twice an all-gather), while a reduce-scatter need
+only move the bytes other ranks own, as an all-gather does; the row records which
+(``limit_reduce_scatter_via``). Rows measured before 2026-11-28 timed one
+``reduce_scatter_tensor`` and one all-gather only. With ``reduce_dtype=bf16``
 ``rs`` is in bf16; FSDP2's replicate gathers nothing, so its limit is DDP's. Each row's
 best peer reduces the same way (sharded or replicated, same dtype).
 
@@ -119,7 +129,8 @@ class FSDPLimitParts:
     bwd_s: float
     opt_s: float
     ag_s: float  # one all-gather of every parameter
-    rs_s: float  # one reduce-scatter of every gradient
+    rs_s: float  # one reduce-scatter of every gradient, the fastest way measured
+    rs_via: str = "reduce_scatter_tensor"  # that way
 
     @property
     def limit_s(self) -> float:
@@ -128,7 +139,7 @@ class FSDPLimitParts:
     def columns(self) -> dict:
         return {"limit_ms": self.limit_s * 1e3, "limit_fwd_ms": self.fwd_s * 1e3, "limit_bwd_ms": self.bwd_s * 1e3,
                 "limit_opt_ms": self.opt_s * 1e3, "limit_allgather_ms": self.ag_s * 1e3,
-                "limit_reduce_scatter_ms": self.rs_s * 1e3,
+                "limit_reduce_scatter_ms": self.rs_s * 1e3, "limit_reduce_scatter_via": self.rs_via,
                 "link_bound": 2 * self.ag_s + self.rs_s > self.fwd_s + self.bwd_s}
 
 
@@ -295,24 +306,58 @@ def measure_powersgd_in_backward(model, batch, compression: str, device, repeats
     return median(times[1:])
 
 
+CHUNKS = (1, 8)  # the limit's collectives: all bytes in one, or in this many back to back; the faster counts
+
+
 def measure_fsdp_comm(nbytes: int, device, repeats: int, rs_dtypes: Sequence[str] = ("fp32",)
-                      ) -> tuple[float, dict[str, float]]:
-    """Median seconds of one ``all_gather_into_tensor`` of ``nbytes`` of float32 (the whole,
-    gathered size) on the default group, and of one ``reduce_scatter_tensor`` of the same
-    elements in each of ``rs_dtypes`` (``WIRE_BYTES`` names), by dtype."""
+                      ) -> tuple[float, dict[str, float], dict[str, str]]:
+    """Median seconds (the fastest way of those tried) to all-gather ``nbytes`` of float32 (the whole,
+    gathered size) on the default group, and to reduce-scatter the same elements in each of
+    ``rs_dtypes`` (``WIRE_BYTES`` names), by dtype; and how the fastest reduce-scatter was made, by
+    dtype. Tried (Note [Physical limit of a step]): one collective of all the bytes or ``CHUNKS`` of them
+    issued back to back, and for the reduce-scatter ``reduce_scatter_tensor`` or an
+    ``all_to_all_single`` whose received rows each rank sums."""
     import torch
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    shard = max(nbytes // 4 // world, 1)
-    full = torch.zeros(shard * world, dtype=torch.float32, device=device)
-    part = torch.zeros(shard, dtype=torch.float32, device=device)
-    ag = _timed(lambda: dist.all_gather_into_tensor(full, part), full.device, repeats)
-    rs = {}
+
+    def chunked(make, chunks: int, dtype) -> float:
+        """``chunks`` collectives of ``nbytes / chunks`` each, issued together, all awaited."""
+        shard = max(nbytes // 4 // world // chunks, 1)
+        bufs = [make(torch.zeros(shard * world, dtype=dtype, device=device), shard) for _ in range(chunks)]
+
+        def run() -> None:
+            for work in [start() for start, _ in bufs]:
+                work.wait()
+            for _, finish in bufs:
+                finish()
+
+        return _timed(run, torch.device(device), repeats)
+
+    def all_gather(full, shard):
+        part = full[:shard].clone()
+        return (lambda: dist.all_gather_into_tensor(full, part, async_op=True)), (lambda: None)
+
+    def reduce_scatter(full, shard):
+        out = full[:shard].clone()
+        return (lambda: dist.reduce_scatter_tensor(out, full, async_op=True)), (lambda: None)
+
+    def all_to_all(full, shard):
+        received = torch.empty_like(full)
+        return (lambda: dist.all_to_all_single(received, full, async_op=True)), \
+            (lambda: received.view(world, -1).sum(0))
+
+    ag = min(chunked(all_gather, k, torch.float32) for k in CHUNKS)
+    rs, via = {}, {}
     for dtype in rs_dtypes:
-        grads, out = full.to(_torch_dtype(dtype)), part.to(_torch_dtype(dtype))
-        rs[dtype] = _timed(lambda: dist.reduce_scatter_tensor(out, grads), full.device, repeats)
-    return ag, rs
+        timed = {}
+        for name, make in (("reduce_scatter_tensor", reduce_scatter), ("all_to_all_single + sum", all_to_all)):
+            for k in CHUNKS:
+                timed[name if k == 1 else f"{name}, {k} back to back"] = chunked(make, k, _torch_dtype(dtype))
+        via[dtype] = min(timed, key=timed.__getitem__)
+        rs[dtype] = timed[via[dtype]]
+    return ag, rs, via
 
 
 def against_peers(rows: Sequence[dict], default_cap: float = 25.0) -> list[dict]:

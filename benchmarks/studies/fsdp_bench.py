@@ -86,7 +86,8 @@ from ..harness.limit import FSDP_PEER_MODES, FSDPLimitParts, LimitParts, add_lim
 from ..harness.report import print0
 from ..harness.stats import median
 
-__all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "compute_runners", "run_fsdp"]
+__all__ = ["FSDPMode", "FSDP_MODES", "FSDPBenchConfig", "FSDPRunner", "build_runner", "compute_runners", "run_fsdp",
+           "run_fsdp_memory"]
 
 MiB = 2**20
 BASELINE = "per_block"  # the mode the ratio column (ratio_vs_per_block) divides by, round by round
@@ -103,12 +104,18 @@ class FSDPMode:
     reduce_dtype: str = "fp32"  # "bf16": gradients reduced in bf16 (MixedPrecisionPolicy.reduce_dtype)
     replicate: bool = False  # FSDP2's replicate: nothing sharded, each unit's gradients all-reduced
     whole: bool = False  # torch.compile of the whole wrapped model in place of per-block compile
+    strategy: str = "per_block"  # fsdp_opt's strategy: "traced" compiles the whole model, collectives inside
 
     def apply_kwargs(self, cfg: FSDPBenchConfig) -> dict:
         """``fsdp_opt.apply`` keywords of this mode."""
         compile = None
         if self.compiled:
             compile = fsdp_opt.FSDPCompileConfig(backend=cfg.backend, whole_model=True) if self.whole else cfg.backend
+        if self.strategy == "traced":  # its units and prefetch planned from the link (shard_unit_mb="auto")
+            kwargs = dict(compile=cfg.backend, strategy="traced")
+            if self.reduce_dtype == "bf16":
+                kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+            return kwargs
         kwargs = dict(compile=compile, prefetch=cfg.prefetch if self.grouped else 0, replicate=self.replicate)
         if self.grouped:
             kwargs["shard_unit_mb"] = cfg.shard_unit_mb
@@ -122,6 +129,8 @@ FSDP_MODES: ModeTable[FSDPMode] = ModeTable([
     FSDPMode("per_block", "each block compiled, one shard unit per block, FSDP2's implicit prefetch", compiled=True),
     FSDPMode("grouped", "per-block compile, blocks grouped into shard units, explicit prefetch", compiled=True,
              grouped=True),
+    FSDPMode("traced", "the whole model compiled with FSDP's all-gathers and reduce-scatters in the graph, units "
+             "planned from the link (strategy='traced')", compiled=True, strategy="traced"),
     FSDPMode("eager_bf16", "eager, gradients reduce-scattered in bf16", compiled=False, reduce_dtype="bf16"),
     FSDPMode("per_block_bf16", "per_block, gradients reduce-scattered in bf16", compiled=True, reduce_dtype="bf16"),
     FSDPMode("grouped_bf16", "grouped, gradients reduce-scattered in bf16", compiled=True, grouped=True,
@@ -254,12 +263,7 @@ def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | Non
         "peak_mem_kind": "cuda max_memory_allocated" if cuda else "process RSS high-water mark (all modes)",
         "peak_mib": max_peak_mib(gathered, r.label),
         "loss_max_abs_diff": max_loss_diff(gathered, r.label, reference),
-        "units": len(r.plan.units),
-        # extras
-        "unit_mib": [round(u.size / MiB, 3) for u in r.plan.units],
-        "root_mib": round(r.plan.root_bytes / MiB, 3),
-        "prefetch": r.plan.config.prefetch,
-        "shard_unit_mb": r.plan.config.shard_unit_mb,
+        **_unit_columns(r.plan),
         "compile_s": compile_seconds(r.first_step_s[0], steps.median_s, r.mode.compiled),
         "first_step_s": r.first_step_s[0],
         "mode_order": order,
@@ -274,6 +278,22 @@ def _row(r: FSDPRunner, cfg: FSDPBenchConfig, order: int, base: FSDPRunner | Non
         **job_columns(cfg),
         "param_mib": sum(u.size for u in r.plan.units) / MiB + r.plan.root_bytes / MiB,
     }
+
+
+def _unit_columns(plan: fsdp_opt.FSDPPlan) -> dict:
+    """The units a mode ran with: FSDP2's shard units, or traced FSDP's planned units (the root apart),
+    with the units kept gathered from forward to backward."""
+    traced = plan.traced
+    if traced is None:
+        return {"units": len(plan.units), "unit_mib": [round(u.size / MiB, 3) for u in plan.units],
+                "root_mib": round(plan.root_bytes / MiB, 3), "prefetch": plan.config.prefetch,
+                "shard_unit_mb": plan.config.shard_unit_mb}
+    blocks = traced.units[1:]
+    return {"units": len(blocks), "unit_mib": [round(u.nbytes / MiB, 3) for u in blocks],
+            "root_mib": round(traced.units[0].nbytes / MiB, 3), "prefetch": traced.prefetch,
+            "shard_unit_mb": plan.config.shard_unit_mb, "kept_units": [u.name for u in blocks if not u.resharded],
+            "plan_predicted_ms": traced.predicted_s * 1e3 if traced.predicted_s is not None else None,
+            "plan": traced.table()}
 
 
 def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
@@ -302,7 +322,8 @@ def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
             print0(f"physical limit, replicate {parts.limit_s * 1e3:.1f} ms = fwd {fwd_s * 1e3:.1f} + max(bwd "
                    f"{bwd_s * 1e3:.1f}, all-reduce {parts.comm_s * 1e3:.1f}) + opt {opt_s * 1e3:.1f}")
         else:
-            parts = {dtype: FSDPLimitParts(fwd_s=fwd_s, bwd_s=bwd_s, opt_s=opt_s, ag_s=comm["all_gather"], rs_s=rs_s)
+            parts = {dtype: FSDPLimitParts(fwd_s=fwd_s, bwd_s=bwd_s, opt_s=opt_s, ag_s=comm["all_gather"], rs_s=rs_s,
+                                           rs_via=comm["reduce_scatter_via"][dtype])
                      for dtype, rs_s in comm["reduce_scatter"].items()}
             for dtype, p in parts.items():
                 print0(f"physical limit, {dtype} {p.limit_s * 1e3:.1f} ms = max(fwd {fwd_s * 1e3:.1f} + bwd "
@@ -310,6 +331,34 @@ def run_fsdp(cfg: FSDPBenchConfig) -> list[dict]:
                        f"fwd + reduce-scatter) + opt {opt_s * 1e3:.1f} ({nbytes / MiB:.1f} MiB of parameters)")
         add_limit_columns([row for row in rows if row["replicate"] == replicated], parts, FSDP_PEER_MODES)
     return rows
+
+
+def run_fsdp_memory(cfg: FSDPBenchConfig, mode: str) -> dict | None:
+    """Mode ``mode`` alone in each rank's process: the most live tensor bytes over each of ``cfg.rounds``
+    steps (forward, backward, optimizer step, zero_grad) after its compiling step and ``cfg.warmup``
+    steps (Note [Interleaved FSDP benchmark]); rank 0 gets the columns, the most over ranks and steps."""
+    from ..harness.heap_peak import HeapWindow
+
+    torch.compiler.reset()
+    heap = HeapWindow(cfg.torch_device)
+    runner = build_runner(mode, cfg)
+    peaks, heap_peaks = [], []
+    for step in range(1 + cfg.warmup + cfg.rounds):
+        heap.open()
+        run_step(runner, cfg)
+        if step > cfg.warmup and heap.measures:
+            peaks.append(heap.peak())
+            heap_peaks.append(heap.heap_peak())
+    mine = {"peak_mib": max(peaks) / MiB if peaks else None,
+            "heap_mib": max(h for h in heap_peaks) / MiB if heap_peaks and None not in heap_peaks else None}
+    gathered = gather_rank0(mine)
+    if gathered is None:
+        return None
+    per_rank = [g["peak_mib"] for g in gathered]
+    return {"peak_mib": max(per_rank) if None not in per_rank else None, "peak_mem_mib_per_rank": per_rank,
+            "peak_heap_mib": max((g["heap_mib"] for g in gathered if g["heap_mib"] is not None), default=None),
+            "peak_mem_kind": ("cuda max_memory_allocated" if cfg.device == "cuda" else "live tensor bytes")
+            + f", the mode alone in its process, {cfg.rounds} steps", "memory_rounds": cfg.rounds}
 
 
 def _measure_links(cfg: FSDPBenchConfig, nbytes: int) -> dict:
@@ -321,7 +370,8 @@ def _measure_links(cfg: FSDPBenchConfig, nbytes: int) -> dict:
     dtypes = sorted({m.reduce_dtype for m in modes if not m.replicate}, reverse=True)  # fp32 first
     out = {}
     if dtypes:
-        out["all_gather"], out["reduce_scatter"] = measure_fsdp_comm(nbytes, cfg.torch_device, repeats, dtypes)
+        out["all_gather"], out["reduce_scatter"], out["reduce_scatter_via"] = measure_fsdp_comm(
+            nbytes, cfg.torch_device, repeats, dtypes)
     if any(m.replicate for m in modes):
         out["all_reduce"] = measure_comm(nbytes, cfg.torch_device, lambda n: 0.0, repeats)
     return out

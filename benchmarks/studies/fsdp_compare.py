@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,8 +60,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"Markdown file whose {START} ... {END} section is rewritten from the rows")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="with --readme: write the section from these row files (one table each), no run")
+    p.add_argument("--memory-rounds", type=int, default=None,
+                   help="after the timed job, one job per mode alone in its processes over the same link, measuring "
+                        "the peak of live tensor bytes per rank over this many steps (on the CPU through a preloaded "
+                        "malloc shim, Note [Live heap bytes]); default 0: no memory jobs, the timed job's "
+                        "per-process figure")
+    p.add_argument("--job-memory", default=None, help=argparse.SUPPRESS)  # a memory job's mode (set by the launcher)
+    p.add_argument("--job-part", default=None, help=argparse.SUPPRESS)  # where a memory job writes its columns
     args = p.parse_args(argv)
     fill_defaults(args, QUICK if args.quick else DEFAULTS)
+    if args.memory_rounds is None:
+        args.memory_rounds = 0
     if args.from_json and not args.readme:
         p.error("--from-json only renders rows into --readme, and no --readme was given; give --readme docs/fsdp.md too")
     return args if args.from_json else check_device(p, check_net(p, args))  # rendering needs no device
@@ -116,6 +126,8 @@ def _limit_text(rows: Sequence[dict]) -> str:
             texts.append(f"{head}{compute} + max(bwd {r['limit_bwd_ms']:.1f}, all-reduce {r['limit_comm_ms']:.1f}) + {opt}")
         else:
             rs = f"reduce-scatter{' in ' + kind if named else ''} {r['limit_reduce_scatter_ms']:.1f}"
+            if str(r.get("limit_reduce_scatter_via", "")).startswith("all_to_all"):
+                rs += " (an all-to-all and a sum, faster here than gloo's reduce_scatter_tensor)"
             texts.append(f"{head}max({compute} + bwd {r['limit_bwd_ms']:.1f}, 2 x all-gather "
                          f"{r['limit_allgather_ms']:.1f} + {rs}, fwd + reduce-scatter) + {opt}")
     peers = sorted({r["best_peer"] for r in rows if r.get("best_peer")})
@@ -139,10 +151,16 @@ def results_markdown(rows: Sequence[dict], describe: bool = True) -> str:
         return "(no rows)"
     r0 = rows[0]
     kind = r0.get("peak_mem_kind", "")
-    mem = ("peak MiB/rank = `torch.cuda.max_memory_allocated` per rank over the measured steps"
-           if kind.startswith("cuda") else
-           "peak MiB/rank = each rank's process RSS high-water mark (`ru_maxrss`) at the end of the job, "
-           "the same for every mode (all modes share the process; CPU has no per-mode allocator counter)")
+    if kind.startswith("live tensor bytes"):
+        mem = ("peak MiB/rank = the most CPU tensor bytes live at once in each rank over a step (forward, backward, "
+               "optimizer step), counted by a malloc shim preloaded into the ranks (Note [Live heap bytes] in "
+               "`benchmarks.harness.heap_peak`), each mode alone in its processes over the same link after the timed "
+               f"rounds ({r0.get('memory_rounds', '?')} steps after its compiling step and one more)")
+    elif kind.startswith("cuda"):
+        mem = "peak MiB/rank = `torch.cuda.max_memory_allocated` per rank over the measured steps"
+    else:
+        mem = ("peak MiB/rank = each rank's process RSS high-water mark (`ru_maxrss`) at the end of the job, "
+               "the same for every mode (all modes share the process; CPU has no per-mode allocator counter)")
     text = (
         f"FSDP2 over plain {r0.get('transport', 'gloo').split()[0]} (the simulated link of the DDP benchmark is a DDP comm "
         + (f"hook and does not apply to FSDP; here two nodes joined by a link shaped to {r0['net'].split(':')[1]}), "
@@ -197,10 +215,16 @@ def _config(args: argparse.Namespace):
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .fsdp_bench import FSDP_MODES, run_fsdp
+    from .fsdp_bench import FSDP_MODES, run_fsdp, run_fsdp_memory
     from ..harness.plot import plot_rows
 
     cfg = _config(args)
+    if args.job_memory is not None:
+        with process_group(cfg.device, f"fsdp_compare memory [{args.job_memory}]"):
+            columns = run_fsdp_memory(cfg, args.job_memory)
+            if columns is not None:
+                Path(args.job_part).write_text(json.dumps(columns))
+        return 0
     with process_group(cfg.device, "fsdp_compare"):
         print0(f"fsdp_compare: {dist.get_world_size()} ranks over {dist.get_backend()}, backend {cfg.backend}, "
                f"{cfg.warmup} warmup + {cfg.rounds} measured rounds, modes {list(cfg.modes)}, "
@@ -227,8 +251,72 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"updated {args.readme}")
         return 0
     _config(args)  # fail before launching anything
-    return here_or_relaunched("benchmarks.studies.fsdp_compare", argv, args.nproc, COMMAND_ENV, lambda: _worker(args),
-                              net=args.net)
+    from ..harness.torchrun import inside_torchrun
+
+    if inside_torchrun() or args.job_memory is not None or args.memory_rounds == 0:
+        return here_or_relaunched("benchmarks.studies.fsdp_compare", argv, args.nproc, COMMAND_ENV,
+                                  lambda: _worker(args), net=args.net)
+    return _timed_then_memory(args, argv)
+
+
+def _timed_then_memory(args: argparse.Namespace, argv: list[str]) -> int:
+    """The timed job, then one memory job per mode over the same link (``--memory-rounds``), whose
+    columns replace the rows' peak memory; the JSON and the page's section are written again."""
+    import shutil
+    import tempfile
+
+    from ..harness.heap_peak import build_shim, preload_env
+    from ..harness.report import write_json
+
+    folder = Path(tempfile.mkdtemp(prefix="fsdp-memory-"))  # private (0700): the rows, the shim, the parts
+    try:
+        rows_path = args.json or str(folder / "rows.json")
+        timed = _without(argv, "--readme") + ([] if args.json else ["--json", rows_path])
+        code = here_or_relaunched("benchmarks.studies.fsdp_compare", timed, args.nproc, COMMAND_ENV,
+                                  lambda: 0, net=args.net)
+        if code != 0 or not Path(rows_path).exists():
+            return code or 1
+        rows = json.loads(Path(rows_path).read_text())
+        env = preload_env(build_shim(folder) if args.device == "cpu" else None, {})
+        for row in rows:
+            part = folder / f"{row['mode']}.json"
+            job = [*_without(_without(argv, "--readme"), "--json"), "--modes", row["mode"], "--job-memory",
+                   row["mode"], "--job-part", str(part), "--steps", str(args.memory_rounds), "--warmup", "1"]
+            old = dict(os.environ)
+            os.environ.update(env)
+            try:
+                code = here_or_relaunched("benchmarks.studies.fsdp_compare", job, args.nproc, COMMAND_ENV,
+                                          lambda: 0, net=args.net)
+            finally:
+                os.environ.clear()
+                os.environ.update(old)
+            if code != 0 or not part.exists():
+                print(f"fsdp_compare: the memory job of {row['mode']} failed (exit {code}); its row keeps the "
+                      "timed job's memory columns", file=sys.stderr)
+                continue
+            row["peak_mem_shared"] = row.get("peak_mem_mib_per_rank")
+            row.update(json.loads(part.read_text()))
+        write_json(rows, rows_path)
+        print(format_table(rows), flush=True)
+        if args.readme:
+            update_readme([rows], args.readme, [args.json] if args.json else ())
+            print(f"updated {args.readme}")
+        return 0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from ddp_opt import compile_ddp
 
 from ..harness.core import GPTJob, Runner, first_steps, gather_rank0, job_columns, max_loss_diff, max_peak_mib, \
     measure_rounds, measuring, step_stats
-from ..harness.device import clock, peak_bytes, reset_peak
-from ..harness.heap_peak import HeapPeak
+from ..harness.device import clock
+from ..harness.heap_peak import HeapWindow
 from ..harness.limit import measure_comm
 from ..harness.report import print0
 from ..harness.stats import median
@@ -109,43 +109,6 @@ class InBackwardRunner(Runner):
             return [round(b.size / MiB, 3) for b in reversed(self.fn.buckets)] or None
         fused = self.fn.traced.fused if self.fn.traced is not None else None
         return [round(b / MiB, 3) for b in fused[0]] if fused else None
-
-
-class HeapWindow:
-    """Peak-memory windows: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the preloaded
-    shim's live tensor bytes, its whole heap beside (Note [Live heap bytes]); nothing without either."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        heap = HeapPeak.from_env() if device.type == "cpu" else None
-        self.heap = heap if heap is not None and heap.counts_tensors() else None
-        if heap is not None and self.heap is None:
-            print0(f"no peak memory: torch {torch.__version__}'s CPU tensors bypass the shim's c10::alloc_cpu "
-                   "(its libc10 does not call it through the PLT); peak_mib is null")
-
-    @property
-    def measures(self) -> bool:
-        return self.device.type == "cuda" or self.heap is not None
-
-    def open(self) -> int | None:
-        """Start a window; the bytes live at its start."""
-        if self.heap is not None:
-            self.heap.reset()
-            return self.heap.tensor_live()
-        reset_peak(self.device)
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-
-    def peak(self) -> int | None:
-        return self.heap.tensor_peak() if self.heap is not None else peak_bytes(self.device)
-
-    def heap_peak(self) -> int | None:
-        """The window's peak of the whole heap (CPU only): the tensors and all else the process mallocs."""
-        return self.heap.peak() if self.heap is not None else None
-
-    def live(self) -> int | None:
-        if self.heap is not None:
-            return self.heap.tensor_live()
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
 
 
 def _step(r: InBackwardRunner, cfg: InBackwardJob, heap: HeapWindow, *, sync: bool = True
