@@ -153,21 +153,25 @@ def _apply_traced(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh | None,
     why = traced_refusal(config, mesh)
     if why is not None:
         raise ValueError(f"fsdp_opt.apply: {why}")
-    if config.compile.cache_dir is not None:
-        raise ValueError("fsdp_opt.apply: strategy='traced' does not load or save a persistent compile cache "
-                         "(compile.cache_dir): its graphs compile at the first call. Drop cache_dir, or use "
-                         "strategy='per_block'.")
+    cc = config.compile
     mesh = mesh if mesh is not None else default_mesh(_device_type_of(model))
+    if cc.cache_dir is not None:  # before the first compile, and before the parameters become DTensors
+        plan = dataclasses.replace(plan, compile_cache=open_cache(model, cc.cache_dir, _cache_settings(config),
+                                                                  world_size=mesh.size()))
+    share = share_for_group(dist.get_process_group_ranks(mesh.get_group()), timeout_s=cc.share_timeout_s,
+                            name="fsdp_traced") if cc.share else None
     modules = dict(model.named_modules())
     blocks = [(name, modules[name]) for name in plan.block_names]
     if config.checkpointing:
         blocks = [(name, _checkpoint_wrap(model, name, block)) for name, block in blocks]
-    traced = apply_traced(model, config, mesh, blocks, model_name)
+    # Note [Backend wrapping order]: the shared compile around the traced backend, no transform of ours
+    wrap = (lambda backend: build_backend(backend, share=share)) if share is not None else None
+    traced = apply_traced(model, config, mesh, blocks, model_name, wrap_backend=wrap)
     if _rank() == 0:
         log.info("fsdp_opt: strategy traced, %d blocks, compile %s (the whole model, its collectives in the "
                  "graph)\n%s", len(blocks), config.compile.backend, traced.table())
     model.register_forward_pre_hook(functools.partial(_forward_guard, model_name), prepend=True)
-    return dataclasses.replace(plan, traced=traced)
+    return dataclasses.replace(plan, traced=traced, share=share)
 
 
 _PARAMETER = inspect.Parameter

@@ -79,6 +79,7 @@ def _scenario(rank: int, name: str, backend: str) -> dict:
     out["resharded"] = [u.resharded for u in plan.traced.units]
     out["names"] = sorted(n for n, _ in model.named_parameters()) == sorted(n for n, _ in ref.named_parameters())
     out["placement"] = {str(p.placements) for p in model.parameters()}
+    out["share"] = plan.share.stats.as_dict() if plan.share is not None else None
     return out
 
 
@@ -185,7 +186,12 @@ def test_a_checkpoint_saved_under_traced_resumes_under_per_block_and_the_reverse
 
 
 @pytest.mark.slow
-def test_traced_with_inductor_trains_as_eager_fsdp2(run_ranks):
+def test_traced_with_inductor_trains_as_eager_fsdp2_and_the_ranks_share_the_compile(run_ranks):
     results = run_ranks(_train, ["fp32"], "inductor", timeout=900)
     # Inductor's fused kernels round differently from eager's: within a few float32 ulps of the loss
     _check(results, "fp32", 1e-4, 1e-4)
+    # One rank compiled each graph (the forward, with its backward; again at the synchronising micro-batch),
+    # the other loaded it (Note [Shared compile]): the two graphs of gradient accumulation, one each way
+    # or both one way, but never compiled twice.
+    shares = [r["fp32"]["share"] for r in results]
+    assert sum(s["compiled"] for s in shares) == 2 and sum(s["loaded"] for s in shares) == 2, shares

@@ -134,3 +134,39 @@ def test_killed_fsdp_run_resumes_from_sharded_checkpoint_to_same_losses_and_para
     for name in ref_p:
         torch.testing.assert_close(got_p[name], ref_p[name], rtol=1e-6, atol=1e-7,
                                    msg=lambda m, name=name: f"final parameter {name} differs: {m}")
+
+
+@pytest.mark.slow
+def test_traced_trains_as_per_block_and_per_block_resumes_the_traced_checkpoint(reference, tmp_path, torchrun):
+    # The reference job under fsdp.strategy=traced (the whole model compiled, its collectives in the graph):
+    # the same losses step by step; then per_block resumes the traced run's step-4 checkpoint (the same DTensors
+    # under the same names) to the reference's losses and final parameters.
+    ref_dir, _ = reference
+    common = [*SMALL, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}"]
+    traced = torchrun(tmp_path, *common, "fsdp.strategy=traced", "hydra.run.dir=traced")
+    _ok(traced)
+    assert "fsdp_opt: strategy traced, 2 blocks, compile aot_eager" in traced.stdout
+    assert "forward graph collectives:" in traced.stdout and "backward graph collectives:" in traced.stdout
+    ref, got = _metrics(ref_dir / "run"), _metrics(tmp_path / "traced")
+    assert got["config"]["fsdp"]["strategy"] == "traced"
+    for (step, loss), (_, want) in zip(got["losses"], ref["losses"], strict=True):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, step=step: f"traced's loss differs from per_block's at step {step}: {m}")
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / f"step_{STEPS:06d}")  # the newest left is step 4, written by traced
+    resumed = torchrun(tmp_path, *common, "fsdp.strategy=per_block", "train.resume=true", "hydra.run.dir=resumed")
+    _ok(resumed)
+    assert "resumed from checkpoints/step_000004 at step 4" in resumed.stdout
+    again = _metrics(tmp_path / "resumed")
+    ref_losses = dict(ref["losses"])
+    assert [s for s, _ in again["losses"]] == [5, 6]
+    for step, loss in again["losses"]:
+        torch.testing.assert_close(loss, ref_losses[step], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, step=step: f"resumed loss differs at step {step}: {m}")
+    ref_p = _final_params(ref_dir / "checkpoints" / f"step_{STEPS:06d}")
+    got_p = _final_params(tmp_path / "checkpoints" / f"step_{STEPS:06d}")
+    assert ref_p.keys() == got_p.keys()
+    for name in ref_p:
+        torch.testing.assert_close(got_p[name], ref_p[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"final parameter {name} differs: {m}")
