@@ -177,3 +177,10 @@ def test_with_more_in_flight_the_waits_move_later():
     assert _names(gm).index("wait0") > _names(gm).index("next1")
     with pytest.raises(ValueError, match="reduce_inflight=0: at least the reduction being issued"):
         plan_schedule(_two_reductions(), reduce_inflight=0)
+
+
+def test_a_memory_budget_above_the_peak_lets_the_gather_go_ahead():
+    gm = _forward_graph(activation=0)
+    schedule = plan_schedule(gm, prefetch=1, extra_bytes=64)  # one gathered unit's bytes (16 float32)
+    apply_schedule(gm, schedule)
+    assert schedule.placements[1].issued_before == "mm0"

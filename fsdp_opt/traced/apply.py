@@ -4,6 +4,7 @@ strategy="traced")``). One function holds the order; the parts are in this packa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import replace
@@ -61,7 +62,7 @@ def traced_refusal(config: FSDPConfig, mesh: DeviceMesh | None) -> str | None:
 
 
 def apply_traced(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, blocks: Sequence[tuple[str, nn.Module]],
-                 model_name: str) -> TracedPlan:
+                 model_name: str, wrap_backend: Callable[[Callable], Callable] | None = None) -> TracedPlan:
     """Shard ``model`` in place and make its forward the compiled traced forward.
 
     The order: the parameters are sharded (``shard_model``) into one unit per block and
@@ -69,6 +70,9 @@ def apply_traced(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, blocks:
     link is measured now and the units are planned at the first call, from the block
     times of an eager forward of the real batch (Note [Traced FSDP plan]); the forward
     is compiled whole at the first call.
+
+    Args:
+        wrap_backend: wraps the traced backend (the shared compile, Note [Backend wrapping order]).
 
     Returns:
         The plan; its units may change at the first call (auto), and its table shows each
@@ -103,10 +107,13 @@ def apply_traced(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, blocks:
     if not config.reshard_after_forward:
         plan.units = [replace(u, resharded=False) for u in plan.units]
 
+    extra = max(0, plan.budget_bytes - _budget_bytes(dataclasses.replace(config, memory_budget_mb=None), unit_bytes))
     backend = traced_backend(cc.backend, prefetch=plan.prefetch, reduce_inflight=plan.reduce_inflight,
-                             resharded=lambda: [u.resharded for u in plan.units],
+                             resharded=lambda: [u.resharded for u in plan.units], extra_bytes=extra,
                              on_schedule=functools.partial(_record, plan), mode=cc.mode, options=cc.options,
                              dynamic=cc.dynamic)
+    if wrap_backend is not None:
+        backend = wrap_backend(backend)
     original_forward = model.forward
 
     def traced_forward(sync: bool, carries: list[torch.Tensor] | None, shards: list[torch.Tensor], *args: Any,

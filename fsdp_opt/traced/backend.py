@@ -34,7 +34,7 @@ GRAPH_COMPILERS = ("aot_eager", "inductor")  # what traced FSDP compiles its gra
 
 
 def traced_backend(compiler: str, *, prefetch: int, reduce_inflight: int, resharded: Callable[[], Sequence[bool]] | None,
-                   on_schedule: Callable[[str, Schedule], None], mode: str | None = None,
+                   on_schedule: Callable[[str, Schedule], None], extra_bytes: int = 0, mode: str | None = None,
                    options: dict | None = None, dynamic: bool | None = None) -> Callable:
     """A dynamo backend ``(gm, example_inputs) -> callable`` for the whole traced model.
 
@@ -42,6 +42,7 @@ def traced_backend(compiler: str, *, prefetch: int, reduce_inflight: int, reshar
         compiler: ``"aot_eager"`` or ``"inductor"``.
         prefetch: all-gathers issued this many units ahead (Note [Traced FSDP schedule]).
         reduce_inflight: reductions issued before the oldest one is awaited.
+        extra_bytes: how far prefetching may raise a graph's just-in-time peak memory.
         resharded: gives, per unit, whether backward gathers it again (read when a joint graph
             is partitioned); None: every unit.
         on_schedule: called with ``"forward"``, ``"backward"`` or ``"inference"`` and each
@@ -53,7 +54,8 @@ def traced_backend(compiler: str, *, prefetch: int, reduce_inflight: int, reshar
     counter = itertools.count()
 
     def scheduled(kind: str, gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
-        schedule = plan_schedule(gm, prefetch, reduce_inflight, inputs_freed=kind == "backward")
+        schedule = plan_schedule(gm, prefetch, reduce_inflight, inputs_freed=kind == "backward",
+                                 extra_bytes=extra_bytes)
         apply_schedule(gm, schedule)
         on_schedule(kind, schedule)
         if compiler == "aot_eager":

@@ -309,8 +309,8 @@ def live_bytes(order: Sequence[fx.Node], inputs_freed: bool) -> list[int]:
     return out
 
 
-def plan_schedule(gm: fx.GraphModule, prefetch: int = 1, reduce_inflight: int = 1, inputs_freed: bool = False
-                  ) -> Schedule:
+def plan_schedule(gm: fx.GraphModule, prefetch: int = 1, reduce_inflight: int = 1, inputs_freed: bool = False,
+                  extra_bytes: int = 0) -> Schedule:
     """The node order of Note [Traced FSDP schedule] for ``gm``; nothing is changed.
 
     Args:
@@ -319,6 +319,8 @@ def plan_schedule(gm: fx.GraphModule, prefetch: int = 1, reduce_inflight: int = 
         reduce_inflight: reductions in flight at most.
         inputs_freed: whether the graph frees its inputs after their last use (a boxed backward),
             for the memory the prefetch may not raise.
+        extra_bytes: how far prefetching may raise the graph's just-in-time peak (a memory budget
+            above FSDP2's footprint, ``FSDPConfig.memory_budget_mb``); 0 by default.
     """
     if reduce_inflight < 1:
         raise ValueError(f"reduce_inflight={reduce_inflight}: at least the reduction being issued is in flight")
@@ -340,7 +342,7 @@ def plan_schedule(gm: fx.GraphModule, prefetch: int = 1, reduce_inflight: int = 
         earlier += [c.gathers[j][0] for j in range(max(0, k - prefetch), k)]
         for anchor in earlier:  # the earliest anchor the memory allows
             a = 0 if anchor is None else at[anchor]
-            if a < here and max(live[a:here]) + size <= peak:
+            if a < here and max(live[a:here]) + size <= peak + extra_bytes:
                 for i in range(a, here):
                     live[i] += size
                 issue_at[start] = anchor
