@@ -124,7 +124,7 @@ def apply_traced(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, blocks:
         return out
 
     def first_call(*args: Any, **kwargs: Any) -> None:
-        if auto:
+        if auto and plan.keep_units:  # within FSDP2's footprint one unit per block is the only choice
             _plan_from_first_batch(plan, state, model, blocks, original_forward, args, kwargs, device, group)
         state.compiled = torch.compile(traced_forward, backend=backend, fullgraph=True, dynamic=cc.dynamic)
 
@@ -178,13 +178,26 @@ def _plan_from_first_batch(plan: TracedPlan, state: TracedState, model: nn.Modul
                            blocks: Sequence[tuple[str, nn.Module]], forward: Callable[..., Any], args: tuple,
                            kwargs: dict, device: torch.device, group: dist.ProcessGroup) -> None:
     """Time an eager forward of the first batch, block by block, and plan the units from
-    it and the measured link (Note [Traced FSDP plan])."""
+    it and the measured link (Note [Traced FSDP plan]). The root is gathered throughout, each
+    block only while it runs (unit ``i + 1`` is block ``i``: one unit per block until now)."""
+    shards = state.shards()
+    gathered: list[Any] = [None] * len(state.params)
+
+    def enter(i: int) -> None:
+        state.gather_unit(i + 1, gathered, True, None, shards)
+
+    def leave(i: int) -> None:
+        for index in state.units[i + 1]:
+            gathered[index] = None
+
     with torch.no_grad():
-        state.gathered = state.gather(True, None, state.shards())
-    try:
-        total, block_s = time_blocks([m for _, m in blocks], lambda: forward(*args, **kwargs), device, group)
-    finally:
-        state.gathered = None
+        state.gather_unit(0, gathered, True, None, shards)
+        state.gathered = gathered
+        try:
+            total, block_s = time_blocks([m for _, m in blocks], lambda: forward(*args, **kwargs), device, group,
+                                         enter, leave)
+        finally:
+            state.gathered = None
     root_s = max(total - sum(block_s), 0.0)
     root = replace(plan.units[0], fwd_s=root_s, bwd_s=2 * root_s)
     singles = [replace(u, fwd_s=s, bwd_s=2 * s) for u, s in zip(plan.units[1:], block_s)]

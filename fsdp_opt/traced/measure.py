@@ -57,10 +57,12 @@ def measure_collectives(group: dist.ProcessGroup, device: torch.device, sizes: S
 
 
 def time_blocks(blocks: Sequence[nn.Module], run: Callable[[], Any], device: torch.device,
-                group: dist.ProcessGroup) -> tuple[float, list[float]]:
-    """Seconds of one eager forward (``run()``) and of each block's forward inside it,
-    rank 0's on every rank. The caller makes ``run`` gather the parameters first, so the
-    block times hold no collective."""
+                group: dist.ProcessGroup, enter: Callable[[int], None], leave: Callable[[int], None]
+                ) -> tuple[float, list[float]]:
+    """Seconds of one eager forward (``run()``) and of each block's forward inside it, rank
+    0's on every rank. ``enter(i)`` runs before block ``i``'s clock starts (it gathers the
+    block's parameters), ``leave(i)`` after it stops (it frees them): the block times hold no
+    collective, and no more than one block is gathered at a time."""
     starts: dict[int, float] = {}
     seconds = [0.0] * len(blocks)
     handles = []
@@ -71,12 +73,14 @@ def time_blocks(blocks: Sequence[nn.Module], run: Callable[[], Any], device: tor
 
     for i, block in enumerate(blocks):
         def pre(module: nn.Module, args: Any, i: int = i) -> None:
+            enter(i)
             sync()
             starts[i] = time.perf_counter()
 
         def post(module: nn.Module, args: Any, out: Any, i: int = i) -> None:
             sync()
             seconds[i] += time.perf_counter() - starts[i]
+            leave(i)
 
         handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
     try:

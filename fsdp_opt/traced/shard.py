@@ -95,15 +95,20 @@ class TracedState:
                ) -> list[torch.Tensor]:
         """Every parameter gathered, unit by unit (traced inside the compiled forward)."""
         full: list[Any] = [None] * len(self.params)
-        for u, (indices, layout) in enumerate(zip(self.units, self.layouts)):
-            if not indices:
-                continue
-            with annotate_unit(u):
-                outs = UnitGather.apply(layout, sync, None if carries is None else carries[u],
-                                        *[shards[i] for i in indices])
-            for i, out in zip(indices, outs):
-                full[i] = out
+        for u in range(len(self.units)):
+            self.gather_unit(u, full, sync, None if carries is None else carries[u], shards)
         return full
+
+    def gather_unit(self, u: int, into: list[Any], sync: bool, carry: torch.Tensor | None,
+                    shards: Sequence[torch.Tensor]) -> None:
+        """Unit ``u``'s parameters gathered into their places in ``into``."""
+        indices, layout = self.units[u], self.layouts[u]
+        if not indices:
+            return
+        with annotate_unit(u):
+            outs = UnitGather.apply(layout, sync, carry, *[shards[i] for i in indices])
+        for i, out in zip(indices, outs):
+            into[i] = out
 
     def carries_for_call(self, sync: bool) -> list[torch.Tensor] | None:
         """The carries the next compiled call takes: leaves to accumulate into when not
