@@ -1,6 +1,6 @@
 """The traced FSDP plan: which blocks share a unit, which units stay gathered between
-forward and backward, how far ahead to gather; made from the measured link and the
-measured forward of each block, within a memory budget (Note [Traced FSDP plan]).
+forward and backward, how gradients are reduced; made from the measured link and, with a
+memory budget, the measured forward of each block (Note [Traced FSDP plan]).
 
 Note [Traced FSDP plan]
 
@@ -13,29 +13,33 @@ Background
     units and its root at a time.
 
 Algorithm
-    - Measured once per job (rank 0's numbers, broadcast): the link, as
-      ``t = alpha + bytes / rate`` fitted separately for ``all_gather_into_tensor`` and
-      ``reduce_scatter_tensor`` over a sweep of sizes on the mesh's group; at the first
-      call, each block's forward seconds, timed on an eager forward of the real batch
-      (backward counted as twice forward).
-    - Candidates: ``g`` consecutive blocks per unit (``g = 1 .. blocks``, the last unit
-      taking what is left), and ``k = 0 .. units`` of the last units kept gathered. The
-      root (parameters outside the blocks) is always kept, as FSDP2 keeps its root.
-    - Each candidate's step is simulated on one serial link and one compute stream: in
-      forward, unit ``i``'s all-gather is issued when unit ``i - prefetch`` starts and
-      awaited when unit ``i`` starts; in backward, a resharded unit's all-gather is issued
-      when the unit ``prefetch`` before it (in backward order) starts, and each unit's
-      reduce-scatter when its backward ends; the link serves collectives in issue order.
-    - Budget: the gathered bytes alive at once, simulated alongside (the units in flight
-      or in use, the kept units from their forward to their backward, the root), at
-      most ``memory_budget`` (default: what FSDP2 holds, the two largest block units and
-      the root). The fastest candidate within the budget wins; ties go to the smaller
+    - Measured once per job at ``apply`` (rank 0's numbers, broadcast): the link, as
+      ``t = alpha + bytes / rate`` fitted separately for ``all_gather_into_tensor``,
+      ``reduce_scatter_tensor`` and ``all_to_all_single`` with a sum over a sweep of sizes
+      on the mesh's group. The faster of the two reductions at a unit's size reduces every
+      unit (Note [Unit gather]).
+    - Within FSDP2's footprint (no ``memory_budget_mb``) that is the whole plan: one unit
+      per block, the root kept, each block gathered again in backward. A bigger unit, or
+      one kept from forward to backward, holds more gathered bytes than FSDP2 does.
+    - With a budget: at the first call each block's forward is timed on an eager forward
+      of the real batch, one block gathered at a time (backward counted as twice
+      forward); candidates are ``g`` consecutive blocks per unit (``g = 1 .. blocks``, the
+      last unit taking what is left) and ``k = 0 .. units`` of the last units kept
+      gathered. Each candidate's step is simulated on one serial link and one compute
+      stream: in forward, unit ``i``'s all-gather is issued when unit ``i - prefetch``
+      starts and awaited when unit ``i`` starts; in backward, a resharded unit's
+      all-gather is issued when the unit ``prefetch`` before it (in backward order)
+      starts, and each unit's reduction when its backward ends; the link serves
+      collectives in issue order. The gathered bytes alive at once are simulated alongside
+      (the units in flight or in use, the kept units from their forward to their backward,
+      the root); the fastest candidate within the budget wins, ties going to the smaller
       footprint.
+    - Where each collective is issued and awaited in the graphs is the schedule's (Note
+      [Traced FSDP schedule]), which holds prefetching to the graph's own memory.
 
 Notes
     - With a link too fast to measure (slope <= 0), latency decides: one block per unit.
-    - ``shard_unit_mb`` as a number fixes the grouping as ``plan_shard_units`` does;
-      the budget then only decides which units are kept.
+    - ``shard_unit_mb`` as a number fixes the grouping as ``plan_shard_units`` does.
 """
 
 from __future__ import annotations
