@@ -1,11 +1,12 @@
-"""The two test tiers and the guard that keeps them apart (Note [Test tiers]).
+"""The test tiers, the guard that keeps them apart, and how the slow tier shares two workers
+(Note [Test tiers]).
 
 Note [Test tiers]
 ~~~~~~~~~~~~~~~~~
 ``pytest -m "not slow"`` is the fast tier: a test starts no process and compiles nothing
 with Inductor, so the tier runs in two xdist workers (``-n 2``) in a few minutes on two
-cores. Everything else is marked ``slow`` and runs in one process: those tests start ranks
-and torchrun jobs that use both cores, and some wait out timeouts. Two hooks keep the tiers so:
+cores. Everything else is marked ``slow``: those tests start ranks and torchrun jobs, or
+compile with Inductor. Two hooks keep the tiers so:
 
 * at collection, a test that asks for a fixture that spawns processes
   (``SPAWNING_FIXTURES``) is marked ``slow`` by that alone;
@@ -17,6 +18,32 @@ and torchrun jobs that use both cores, and some wait out timeouts. Two hooks kee
 
 The guard records the first offence and fails the test after it ran, so a test that
 catches the error still fails.
+
+The slow tier runs in two steps. Most of its tests wait more than they compute (process
+starts, rendezvous, barriers, timeouts: one process used about a third of two cores), so
+``pytest -m "slow and not alone" -n 2 --dist loadfile --no-loadscope-reorder`` runs them in
+two workers, and ``pytest -m alone`` then runs the rest one at a time. A test is ``alone``
+where a second worker beside it would change what it checks: it loads the machine on
+purpose (the ``busy_machine`` fixture, ``ALONE_FIXTURES``: marked at collection), it makes
+network namespaces or a shaped link (one list of namespaces for the machine), or its
+outcome depends on which of two wall-clock limits is reached first (a peer's silence
+against the process group's timeout), which a loaded machine may reorder. ``alone``
+implies ``slow``. In the two workers:
+
+* each file's tests run in one worker (``--dist loadfile``), so a module fixture's job (the
+  zoo's two ranks, the step gate's undisturbed run) runs once; ``reference_run``, the one session fixture that
+  runs a job, runs once for both workers (a lock in their shared base folder);
+* the collection puts the files of ``LONGEST_FIRST`` first, in that order (the longest
+  files of the last measured run), and xdist hands the files out in collection order
+  (``--no-loadscope-reorder``) to whichever worker is free: the long ones start first and
+  the short ones fill in, so neither worker is left with a long tail. Refresh the list
+  from ``--durations`` or a junit file when a file's time changes much.
+
+(``--dist loadgroup`` would let a file's tests spread over both workers, but with pytest 9.2
+and pytest-xdist 3.8 it ignores ``xdist_group`` marks: pytest-dev/pytest-xdist#1386.)
+
+Tests in two workers must not share a port (``_dist.free_port``, ``torchrun --standalone``),
+a fixed folder (``tmp_path``) or a timing; a new test that cannot keep to that is ``alone``.
 """
 
 from __future__ import annotations
@@ -31,6 +58,26 @@ from unittest import mock
 import pytest
 
 SPAWNING_FIXTURES = frozenset({"run_ranks", "torchrun"})
+ALONE_FIXTURES = frozenset({"busy_machine"})
+# The slow tier's longest files first (tests/ on torch 2.15, two workers, 2026-11-29); see the Note.
+LONGEST_FIRST = (
+    "test_ddp_zoo.py",
+    "test_bench_fsdp_compare.py",
+    "test_bench_optimizer_in_backward.py",
+    "test_compile_cache_modes.py",
+    "test_in_backward_traced.py",
+    "test_compile_share_ranks.py",
+    "test_compile_cache.py",
+    "test_fsdp_traced_ranks.py",
+    "test_ddp_traced.py",
+    "test_launch_torchrun.py",
+    "test_launch_reliability_runs.py",
+    "test_ddp_multirank.py",
+    "test_launch_optimizer_in_backward.py",
+    "test_ddp_step_gate.py",
+    "test_launch_elastic.py",
+    "test_bench_ddp_compare.py",
+)
 
 
 def mark_spawning_tests(items: list[pytest.Item]) -> None:
@@ -38,6 +85,23 @@ def mark_spawning_tests(items: list[pytest.Item]) -> None:
     for item in items:
         if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def mark_alone_tests(items: list[pytest.Item]) -> None:
+    """Mark ``alone`` every test that requests an ``ALONE_FIXTURES`` fixture, and ``slow``
+    every ``alone`` test."""
+    for item in items:
+        if ALONE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.alone)
+        if item.get_closest_marker("alone") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: the files of ``LONGEST_FIRST`` first, in its order; the
+    others after, as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 class SpawnInFastTier(BaseException):

@@ -19,8 +19,11 @@ import _dist
 import _tiers
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects
 def pytest_collection_modifyitems(config, items):
     _tiers.mark_spawning_tests(items)
+    _tiers.mark_alone_tests(items)
+    _tiers.longest_first(items)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -119,13 +122,28 @@ def torchrun():
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory, torchrun):
     """The folder of one uninterrupted 2-rank run of the main job (``_jobs.REFERENCE_RUN``),
-    run once per test session: ``run/metrics.json`` and ``checkpoints/step_00000{2,4,6,8}``.
-    The yardstick of the resume tests; copy what a test changes."""
+    run once per test session, also where xdist runs the session in two workers (the first to
+    ask runs it in their shared base folder, under a lock the other waits on):
+    ``run/metrics.json`` and ``checkpoints/step_00000{2,4,6,8}``. The yardstick of the resume
+    tests; copy what a test changes."""
+    import fcntl
+    import os
+    import shutil
+
     from _jobs import REFERENCE_RUN
     from _torchrun import ok
 
-    cwd = tmp_path_factory.mktemp("reference_run")
-    ok(torchrun(cwd, *REFERENCE_RUN, "hydra.run.dir=run"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's base folder; each worker's is inside it
+    cwd = base / "reference_run"
+    with open(base / "reference_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (cwd / "done").exists():  # not run yet, or it failed in the other worker
+            shutil.rmtree(cwd, ignore_errors=True)
+            cwd.mkdir()
+            ok(torchrun(cwd, *REFERENCE_RUN, "hydra.run.dir=run"))
+            (cwd / "done").touch()
     return cwd
 
 

@@ -137,6 +137,7 @@ def _rank(rank: int, port: int, out_dir: str, fault: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # liveness (2 s of silence) must end the wait before the store's timeout (4 s)
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_rank_killed_or_stopped_in_its_first_compile_ends_the_survivor_within_the_group_timeout(tmp_path, fault):
     import os

@@ -1,6 +1,6 @@
 """The documentation: the MkDocs site builds with no warning, the README stays a short
-front page, no page grows past 400 lines, and every generated table is what its
-committed JSON renders (``benchmarks.render.pages``)."""
+front page whose test commands are the ones CI runs, no page grows past 400 lines, and
+every generated table is what its committed JSON renders (``benchmarks.render.pages``)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,21 @@ def test_the_readme_is_a_short_front_page_with_no_generated_block():
     assert commands[1].startswith("python -m pytest -q")
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (REPO / link).exists(), link
+
+
+def _test_commands(page: Path) -> list[str]:
+    block = re.search(r"## Tests\n\n```bash\n(.*?)```", page.read_text(), re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines()]
+
+
+def test_ci_runs_the_readmes_test_commands_in_their_order():
+    commands = _test_commands(REPO / "README.md")
+    assert [c.split(" -m ")[2].split(" -")[0] for c in commands] == ['"not slow"', '"slow and not alone"', "alone"]
+    assert _test_commands(REPO / "docs" / "getting-started.md") == commands
+    ci = (REPO / ".ci" / "run").read_text()
+    at = ci.index(". .venv/bin/activate")  # the current release's environment: the whole suite
+    for command in commands:  # each on a line of its own (set -e ends the run at a failing one), flags may follow
+        at = ci.index(f"\n{command} ", at) + 1
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO / "docs")))

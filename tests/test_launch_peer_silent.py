@@ -186,6 +186,7 @@ def _end(pid: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the watchdog's silence limit and the collective's timeout are both train.timeout_s
 @pytest.mark.parametrize("sig,said", [
     ("STOP", r"rank 1 stopped answering \d+s ago \(no heartbeat; its process is stopped: SIGSTOP or a debugger\) "
              r"while rank 0 waited for it in step 3; .*train\.timeout_s=8"),

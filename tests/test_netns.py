@@ -31,8 +31,10 @@ def netns_here():
 
 
 def needs_netns(test):
-    """A test that makes namespaces: it starts ip and tc, so it is in the slow tier."""
-    return pytest.mark.slow(pytest.mark.usefixtures("netns_here")(test))
+    """A test that makes namespaces: it starts ip and tc, so it is in the slow tier; it runs alone
+    (Note [Test tiers]): the machine has one list of namespaces, which these tests compare before
+    and after, and a shaped link's rate is what the node pair gets."""
+    return pytest.mark.alone(pytest.mark.slow(pytest.mark.usefixtures("netns_here")(test)))
 
 
 def _ours() -> list[str]:

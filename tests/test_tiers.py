@@ -61,3 +61,26 @@ def test_tests_asking_for_spawning_fixtures_are_marked_slow():
     _tiers.mark_spawning_tests([ranks, job, plain])
     assert [m.name for m in ranks.marks] == ["slow"] and [m.name for m in job.marks] == ["slow"]
     assert plain.marks == []
+
+
+def _marked(fixturenames=(), marks=(), path="tests/test_x.py"):
+    item = _item(fixturenames=fixturenames)
+    item.marks.extend(marks)
+    item.get_closest_marker = lambda name: next((m for m in item.marks if m.name == name), None)
+    item.path = SimpleNamespace(name=path.rsplit("/", 1)[-1])
+    return item
+
+
+def test_a_test_loading_the_machine_runs_alone_and_every_alone_test_is_slow():
+    busy, marked, plain = (_marked(fixturenames=["busy_machine"]), _marked(marks=[pytest.mark.alone.mark]),
+                           _marked(fixturenames=["tmp_path"]))
+    _tiers.mark_alone_tests([busy, marked, plain])
+    assert [m.name for m in busy.marks] == ["alone", "slow"] and [m.name for m in marked.marks] == ["alone", "slow"]
+    assert plain.marks == []
+
+
+def test_the_longest_files_come_first_in_their_order_and_the_others_keep_theirs():
+    first, second = _tiers.LONGEST_FIRST[:2]
+    items = [_marked(path=p) for p in ("tests/test_a.py", f"tests/{second}", "tests/test_b.py", f"tests/{first}")]
+    _tiers.longest_first(items)
+    assert [i.path.name for i in items] == [first, second, "test_a.py", "test_b.py"]
