@@ -64,6 +64,25 @@ def kill_at(spec: str):
     return fault
 
 
+# A stopped rank cannot act on the SIGTERM torchrun sends it once a peer has failed; torchrun SIGKILLs it 30 s
+# later, a wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT does not shorten on this path (torch 2.13 to 2.15). This watcher,
+# started before the rank stops itself, SIGKILLs it as soon as that SIGTERM is pending, as torchrun would after
+# the wait; it ends with the rank, or after 10 minutes.
+_SIGKILL_ON_PENDING_SIGTERM = """
+import os, signal, sys, time
+pid, bit, deadline = int(sys.argv[1]), 1 << (signal.SIGTERM - 1), time.monotonic() + 600
+while time.monotonic() < deadline:
+    try:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    except (FileNotFoundError, ProcessLookupError):
+        break
+    if (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & bit:
+        os.kill(pid, signal.SIGKILL)
+        break
+    time.sleep(0.1)
+"""
+
+
 def _in_backward(job: Job, spec: str, step: int, sig: str) -> None:
     """SIG``sig`` to this process when backward computes the first parameter's gradient, once."""
     first = next(job.wrapped.module.parameters())
@@ -73,6 +92,11 @@ def _in_backward(job: Job, spec: str, step: int, sig: str) -> None:
         handle.remove()
         print(f"[rank {job.env.rank}] fault {spec}: SIG{sig} in backward at step {step} (pid {os.getpid()})",
               file=sys.stderr, flush=True)
+        if sig == "STOP":
+            import subprocess
+
+            subprocess.Popen([sys.executable, "-c", _SIGKILL_ON_PENDING_SIGTERM, str(os.getpid())],
+                             start_new_session=True)
         os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
         return grad
 
