@@ -1,6 +1,7 @@
 """The persistent compile cache (Note [Compile cache]): entries that are stale,
 foreign or corrupt are ignored with one warning, writes are atomic, and a warm
-restart in a new process is served from the cache (one small inductor test)."""
+restart in a new process is served from the cache (small inductor jobs, after one cold run
+that the restart tests share)."""
 
 import copy
 import dataclasses
@@ -223,12 +224,28 @@ def test_compile_ddp_ignores_a_corrupt_entry_recompiles_and_overwrites_it(tmp_pa
         assert CompileCache(tmp_path, compiled.compile_cache.key)._check()[0] == "ok"
 
 
-# -- one inductor test: a warm restart in a new process ------------------------------------------
+# -- inductor: restarts in new processes, from one cold run -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory):
+    """One cold run of the job, its Inductor cache under cache_dir/inductor as the launcher puts it:
+    (its folder, its result). The restart tests each start from a copy of that folder."""
+    folder = tmp_path_factory.mktemp("cold")
+    return folder, _run_job(folder / "cache", folder / "cache" / "inductor")
+
+
+def _copy_of(cold_run, tmp_path):
+    import shutil
+
+    folder, cold = cold_run
+    shutil.copytree(folder / "cache", tmp_path / "cache", symlinks=True)
+    return tmp_path / "cache", cold
 
 
 @pytest.mark.slow
-def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_cache(tmp_path):
-    cold = _run_job(tmp_path / "cache", tmp_path / "inductor_cold")
+def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_cache(tmp_path, cold_run):
+    cache, cold = _copy_of(cold_run, tmp_path)
     assert cold["load"] == "missing" and cold["saved"] and cold["partitions"] >= 2
     assert cold["aot"].get("autograd_cache_hit", 0) == 0
     assert cold["aot"].get("autograd_cache_bypass", 0) == 0  # split partitions are cacheable
@@ -236,7 +253,7 @@ def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_ca
     # A fresh Inductor cache dir: every hit below comes from the compile-cache file, and
     # every C++ kernel too (Note [Kernels in the compile cache]); then a new shape compiles
     # new graphs after the load, and they are saved into the entry.
-    warm = _run_job(tmp_path / "cache", tmp_path / "inductor_warm", then_seq=8)
+    warm = _run_job(cache, tmp_path / "inductor_warm", then_seq=8)
     assert warm["load"] == "loaded" and not warm["saved"]  # the first save found nothing new
     assert warm["installed"] == cold["so_files"]
     assert warm["aot"].get("autograd_cache_hit", 0) == warm["partitions"] == cold["partitions"]
@@ -245,7 +262,7 @@ def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_ca
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-5)
     assert warm["losses"] == pytest.approx(cold["eager_losses"], rel=1e-4)
     # Both shapes from the entry, in another fresh dir: no miss, no C++ kernel built.
-    again = _run_job(tmp_path / "cache", tmp_path / "inductor_again", then_seq=8)
+    again = _run_job(cache, tmp_path / "inductor_again", then_seq=8)
     assert again["load"] == "loaded" and again["aot"].get("autograd_cache_miss", 0) == 0
     assert again["aot"].get("autograd_cache_hit", 0) == warm["aot"]["autograd_cache_hit"] + warm["aot"]["autograd_cache_miss"]
     assert again["so_files"] == again["installed"] == warm["so_files"], "a C++ kernel was rebuilt"
@@ -253,12 +270,12 @@ def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_ca
 
 
 @pytest.mark.slow
-def test_a_restart_with_damaged_kernels_in_the_cache_rebuilds_them_and_stays_compiled(tmp_path):
+def test_a_restart_with_damaged_kernels_in_the_cache_rebuilds_them_and_stays_compiled(tmp_path, cold_run):
     # Inductor's cache under cache_dir/inductor, as the launcher puts it (Note [Damaged cache artifacts]).
     from compiler.artifacts import damaged_kernels
 
-    cache, inductor = tmp_path / "cache", tmp_path / "cache" / "inductor"
-    cold = _run_job(cache, inductor)
+    cache, cold = _copy_of(cold_run, tmp_path)
+    inductor = cache / "inductor"
     kernels = sorted(inductor.rglob("*.so"))
     assert cold["statuses"] == ["compiled"] * cold["partitions"] and kernels
     for path in kernels:  # a copy cut short: each file keeps its first 100 bytes
