@@ -18,8 +18,9 @@ import pytest
 
 import _dist
 
+STEPS = 100  # the node is killed once step 20 is printed: 80 steps and 16 checkpoints (seconds) before the run ends
 SMALL = ["compile.backend=aot_eager", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
-         "train.batch_size=4", "train.seq_len=32", "train.steps=300", "train.checkpoint_every=5",
+         "train.batch_size=4", "train.seq_len=32", f"train.steps={STEPS}", "train.checkpoint_every=5",
          "train.timeout_s=20"]  # the survivor's step gate gives the silent peer up after 20 s (Note [Peer liveness])
 
 
@@ -32,7 +33,10 @@ def test_an_elastic_job_that_loses_a_node_resumes_its_checkpoint_on_the_ranks_le
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-             "--rdzv-conf", f"last_call_timeout=10,is_host={host}", "--max-restarts", "1", "-m", "launch.train", *SMALL,
+             # keep-alives every second, a node dead after 3 missed: the restart's rendezvous gives the killed node up
+             # after 3 s, not torch's default 15 s (5 s x 3)
+             "--rdzv-conf", f"last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={host}",
+             "--max-restarts", "1", "-m", "launch.train", *SMALL,
              f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={name}"],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -46,7 +50,8 @@ def test_an_elastic_job_that_loses_a_node_resumes_its_checkpoint_on_the_ranks_le
             time.sleep(1)  # the second joins inside the first one's last call: one round of 2 nodes
 
         def steps_done() -> int:
-            found = [int(m.group(1)) for n in lines for ln in list(lines[n]) if (m := re.match(r"step +(\d+)/300", ln))]
+            found = [int(m.group(1)) for n in lines for ln in list(lines[n])
+                     if (m := re.match(rf"step +(\d+)/{STEPS}", ln))]
             return max(found, default=0)
 
         deadline = time.monotonic() + 180
@@ -70,4 +75,4 @@ def test_an_elastic_job_that_loses_a_node_resumes_its_checkpoint_on_the_ranks_le
             "the global batch, 4 per rank (was 2)") in out
     resumed = int(re.search(r"resumed from .*step_(\d+) \(step \d+\)", out).group(1))
     assert resumed >= 5 and resumed % 5 == 0  # a checkpoint written by the 2-rank job, not a fresh start
-    assert re.search(rf"done: steps {resumed + 1}\.\.300, final loss \d", out), out[-2000:]
+    assert re.search(rf"done: steps {resumed + 1}\.\.{STEPS}, final loss \d", out), out[-2000:]
