@@ -65,6 +65,18 @@ def _computes(piece: fx.GraphModule) -> bool:
                and not is_collective_start(n) and not is_wait(n) for n in piece.graph.nodes)
 
 
+def _canonical_names(piece: fx.GraphModule) -> None:
+    """Name the piece's nodes by position, so that the pieces of identical blocks have identical
+    code and the graph compiler's cache (keyed by the code) compiles one and serves the others."""
+    for i, node in enumerate(piece.graph.nodes):
+        if node.op == "placeholder":
+            node._rename(f"arg{i}")
+            node.target = node.name  # the argument's name in the generated signature
+        elif node.op != "output":
+            node._rename(f"v{i}")
+    piece.recompile()
+
+
 class _Compiled(torch.nn.Module):
     """A compiled piece in the outer graph: called with positional tensors, as the outer
     graph calls a child; the compiled code takes them as one list."""
@@ -103,6 +115,7 @@ def compile_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_
             continue
         fakes = [vals[p.name] for p in piece.graph.find_nodes(op="placeholder")]
         unwrap = ensure_tuple_output(piece)
+        _canonical_names(piece)
         setattr(split.gm, name, _Compiled(compile_piece(piece, fakes), unwrap))
         compiled += 1
     log.debug("fsdp_opt traced: %d of %d pieces compiled between the collectives", compiled,
