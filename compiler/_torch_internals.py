@@ -53,6 +53,25 @@ def warn_feature_off_once(feature: str, missing: list[str], consequence: str) ->
     )
 
 
+# --- compiling a module in place ----------------------------------------------------------
+
+
+def compile_call_in_place(module: torch.nn.Module, compile_call: Any) -> Any:
+    """Have ``module(...)`` run ``compile_call(call)``'s result from now on, where ``call`` runs what
+    ``module(...)`` ran before (its hooks and its forward); the module object, its class, its
+    ``forward`` and its state-dict keys are unchanged. Returns what ``compile_call`` made."""
+    # Module._call_impl: the hooks and forward that Module.__call__ runs; Module._compiled_call_impl: what
+    # __call__ (_wrapped_call_impl) runs instead when set, as Module.compile() sets it. Module.__getstate__
+    # drops it, so a copy (copy.deepcopy) or a pickle of the module is the uncompiled module.
+    module._compiled_call_impl = compile_call(module._call_impl)
+    return module._compiled_call_impl
+
+
+def compiled_call(module: torch.nn.Module) -> Any:
+    """What :func:`compile_call_in_place` (or ``Module.compile``) set on ``module``, else None."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
 # --- backends -----------------------------------------------------------------------
 
 

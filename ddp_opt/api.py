@@ -234,10 +234,10 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
     if is_compiled(inner):
         raise RuntimeError(
             f"compile_ddp: the module inside this DDP ({type(ddp_model.module).__name__}) is already compiled "
-            "(torch.compile(model), module.compile() or an earlier compile_ddp call). Compiling it again would "
-            "nest two compilers. Call compile_ddp once, on a DDP model whose module is not compiled; or, to "
-            "compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) with "
-            "ddp_opt.compile_for_ddp(model) and drop compile_ddp."
+            "(torch.compile(model), module.compile(), compile_for_ddp(model) or an earlier compile_ddp call). "
+            "Compiling it again would nest two compilers. Call compile_ddp once, on a DDP model whose module is "
+            "not compiled; or, to compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) "
+            "with ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
     hook = registered_hook_name(ddp_model)
     own = own_hook_for(ddp_model, config)

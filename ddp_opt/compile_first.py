@@ -11,23 +11,35 @@ Background
     needs the DDP module up front, so that order would need four changed lines.
 
 Algorithm
-    ``compile_for_ddp(model)`` is ``torch.compile(model)`` with a backend that
-    waits for its first graph to learn which DDP module it runs under (DDP's
-    forward marks itself active, as PyTorch's splitter reads it too). For the
-    first DDP module seen, it builds what ``compile_ddp`` builds: the splitter
-    with that module's caps (first-bucket cap and ``bucket_cap_mb_list``
-    included), shared compile and the compile barrier over its group, and a
-    :class:`CompiledDDP` whose before/after steps run as forward hooks on the
-    DDP module, so bucket realignment happens at the same call as under
-    ``compile_ddp``. A graph compiled with no DDP forward running (the model
-    called outside DDP) is compiled whole, as ``torch.compile`` would. PyTorch's
-    splitter is kept out for each call of the compiled module.
+    ``compile_for_ddp(model)`` compiles ``model`` in place, as ``model.compile()`` would,
+    with a backend that waits for its first graph to learn which DDP module it runs
+    under (DDP's forward marks itself active, as PyTorch's splitter reads it too). For
+    the first DDP module seen, it builds what ``compile_ddp`` builds: the splitter
+    with that module's caps (first-bucket cap and ``bucket_cap_mb_list`` included),
+    shared compile and the compile barrier over its group, and a
+    :class:`CompiledDDP` whose before/after steps run as forward hooks on the DDP
+    module, so bucket realignment happens at the same call as under ``compile_ddp``.
+    A graph compiled with no DDP forward running (the model called outside DDP) is
+    compiled whole, as ``torch.compile`` would. Each call of the model runs with
+    PyTorch's splitter switched off, around the compiled call, before dynamo meets
+    the frame (it decides on its splitter there).
 
 Notes
+    - In place, not a wrapper: the object returned is ``model``, with its class, its
+      ``forward`` (and signature) and its state-dict keys (no ``_orig_mod.``). So
+      frameworks treat it as the user's module: Lightning's checkpoints, Accelerate's
+      ``unwrap_model`` and ``save_state``, the HF Trainer's column check (it reads
+      ``forward``'s signature) all see what they see uncompiled; none of them unwraps
+      or re-wraps it (they look for torch.compile's ``OptimizedModule``), so nothing
+      drops the switch above. ``model.forward(x)`` called directly runs uncompiled,
+      and a copy (``copy.deepcopy``) is uncompiled, as after ``model.compile()``.
+    - The compiled frame is a function of ours, with a code object per model, that
+      calls the module's own call (hooks and forward): dynamo does not start a frame
+      inside ``torch.nn`` (``Module.compile`` on ``nn.Sequential`` compiles nothing on
+      torch 2.13), and counts its recompile limit per code object.
     - Settings that need the DDP module before the first forward (the cost
       model's link measurement, the compile cache, regional compile, the traced
       strategy) are ``compile_ddp``'s only; they are refused here with that advice.
-    - Parameters are named as in the uncompiled model (no ``_orig_mod.``).
 """
 
 from __future__ import annotations
@@ -43,12 +55,13 @@ from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import SettingError
+from compiler._torch_internals import compile_call_in_place, compiled_call
 from compiler.share import share_for_group
 from compiler.step_gate import gate_for_group
 
-from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, no_builtin_ddp_splitter,
-                               python_comm_hooks, registered_hook_name)
-from .api import in_backward_for, keep_builtin_splitter_out, own_hook_for
+from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, is_compiled,
+                               no_builtin_ddp_splitter, python_comm_hooks, registered_hook_name)
+from .api import in_backward_for, own_hook_for
 from .in_backward.split import grads_in_buckets
 from .compiled import CompiledDDP
 from .compression.hooks import hook_conflict
@@ -78,15 +91,22 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
             ``wrap_backend``) and ``torch.compile``'s. The step gate (Note [Step gate]) starts at the second synchronised step.
 
     Returns:
-        The compiled module (``torch.compile``'s ``OptimizedModule``): wrap it in DDP and train.
+        ``model`` itself, compiled in place: its class, ``forward`` and state-dict keys unchanged.
+        Wrap it in DDP and train.
 
     Raises:
         SettingError: a setting only ``compile_ddp`` supports, or a bad value.
+        TypeError: a DDP module, or a module ``torch.compile`` or ``Module.compile`` compiled already.
     """
     if isinstance(model, DistributedDataParallel):
         raise TypeError(
             "compile_for_ddp(model) compiles a model before DDP wraps it, and got a DistributedDataParallel "
             "module. For a model already wrapped, call ddp_opt.compile_ddp(ddp_model) instead.")
+    if is_compiled(model) and _backend_of(model) is None:
+        raise TypeError(
+            f"compile_for_ddp(model): the {type(model).__name__} given is already compiled (torch.compile(model) or "
+            "model.compile()), and compiling it again would nest two compilers. Pass the uncompiled model: "
+            "compile_for_ddp(model) takes the place of torch.compile(model).")
     if config is not None and settings:
         raise ValueError(
             f"compile_for_ddp(config=..., {', '.join(sorted(settings))}=...): a DDPCompileConfig carries every "
@@ -105,46 +125,43 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
             "DDP wraps it meets its DDP module only then. Wrap first and call "
             "compile_ddp(DistributedDataParallel(model), ...) to use it, or drop it here.")
     backend = _DeferredBackend(model, config)
-    # A plain function as the backend: importing Lightning wraps torch.compile to deep-copy the keywords
-    # of each call on a module, and the backend holds the model (a copy would double its memory).
-    compiled = torch.compile(model, backend=lambda gm, example_inputs: backend(gm, example_inputs),
-                             dynamic=config.dynamic, fullgraph=config.fullgraph, **dict(config.torch_compile_kwargs))
-    keep_builtin_splitter_out(compiled)
-    # Lightning's from_compiled (and any wrapper like it) keeps only dynamo_ctx and re-wraps the
-    # module's methods with it, dropping the hooks above: the context keeps the splitter out too.
-    compiled.dynamo_ctx = _SplitterOutContext(compiled.dynamo_ctx)
-    compiled._ddp_opt_backend = backend
-    return compiled
+    compile_call_in_place(model, functools.partial(_splitter_out_call, backend, config))
+    return model
 
 
-class _SplitterOutContext:
-    """``torch.compile``'s context for :func:`compile_for_ddp`'s module, whose wrapped functions
-    run with PyTorch's DDP splitter switched off (Note [Compile before wrap]); every other
-    attribute is the context's own."""
+def _splitter_out_call(backend: _DeferredBackend, config: DDPCompileConfig, call_impl: Callable) -> Callable:
+    """What the model's ``__call__`` runs once compiled in place (Note [Compile before wrap]):
+    ``call_impl`` (the module's hooks and forward) compiled with ``backend``, called with
+    PyTorch's DDP splitter switched off."""
 
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
+    def call(*args: Any, **kwargs: Any) -> Any:  # the frame dynamo compiles: ours, so not skipped as torch.nn's
+        return call_impl(*args, **kwargs)
 
-    def __call__(self, fn: Callable) -> Callable:
-        compiled_fn = self.ctx(fn)
+    # A code object of its own: dynamo keeps compiled code, and counts recompiles against its limit, per code
+    # object, so models sharing one would share that limit (the 9th model of another shape ran uncompiled).
+    call.__code__ = call.__code__.replace()
+    compiled = torch.compile(call, backend=backend, dynamic=config.dynamic, fullgraph=config.fullgraph,
+                             **dict(config.torch_compile_kwargs))
 
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with no_builtin_ddp_splitter():
-                return compiled_fn(*args, **kwargs)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with no_builtin_ddp_splitter():
+            return compiled(*args, **kwargs)
 
-        return run
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["ctx"], name)
+    run.ddp_opt_backend = backend
+    return run
 
 
-def compiled_ddp_of(compiled: nn.Module) -> CompiledDDP | None:
-    """What :func:`compile_for_ddp` built for the DDP module it runs under (its ``buckets``,
+def _backend_of(model: nn.Module) -> _DeferredBackend | None:
+    backend = getattr(compiled_call(model), "ddp_opt_backend", None)
+    return backend if isinstance(backend, _DeferredBackend) else None
+
+
+def compiled_ddp_of(model: nn.Module) -> CompiledDDP | None:
+    """What :func:`compile_for_ddp` built for the DDP module ``model`` runs under (its ``buckets``,
     ``aligned_caps``, ``realignment``, ``share``), once the first forward under DDP compiled;
-    None before, or for a module ``compile_for_ddp`` did not return."""
-    backend = getattr(compiled, "_ddp_opt_backend", None)
-    return backend.controller if isinstance(backend, _DeferredBackend) else None
+    None before, or for a module ``compile_for_ddp`` did not compile."""
+    backend = _backend_of(model)
+    return backend.controller if backend is not None else None
 
 
 class _DeferredBackend:
@@ -169,9 +186,9 @@ class _DeferredBackend:
                 "compile_for_ddp: a graph captured under DDP reached this backend with PyTorch's own DDP splitter "
                 "switched on (torch._dynamo.config.optimize_ddp), so PyTorch split it at its own bucket caps first "
                 "and this graph is one of its pieces: the plan is PyTorch's, not ddp_opt's, and DDP's buckets are "
-                "not realigned with it. Something called the model through torch.compile's context without the "
-                "module compile_for_ddp returned (a wrapper that keeps only its dynamo_ctx). Call the module "
-                "compile_for_ddp returned, or wrap in DDP first and call compile_ddp(ddp_model); under Lightning "
+                "not realigned with it. Something ran the model's graphs with this backend outside the call "
+                "compile_for_ddp set on the model, which switches PyTorch's splitter off. Call the model itself "
+                "(model(x), as DDP does), or wrap in DDP first and call compile_ddp(ddp_model); under Lightning "
                 "use ddp_opt.frameworks.lightning's strategy.", stacklevel=2)
         if self.ddp_model is None:
             self._attach(ddp_model)

@@ -268,12 +268,16 @@ def test_the_optimizer_in_backward_is_refused_as_lightning_clips_after_backward(
         CompiledDDPStrategy(backend="aot_eager", optimizer=optimizer)
 
 
-def test_a_module_compiled_by_lightnings_recipe_is_refused():
-    strategy = CompiledDDPStrategy(backend="aot_eager")
-    strategy.connect(from_compiled(torch.compile(_Regression(), backend="eager")))
-    with pytest.raises(RuntimeError, match=r"_Regression given to trainer.fit is already compiled .* Pass the "
-                                           r"uncompiled module .* or use strategy='ddp'"):
-        strategy.configure_ddp()
+def test_a_module_compiled_by_lightnings_recipe_or_in_place_is_refused():
+    from ddp_opt import compile_for_ddp
+
+    for compiled in (from_compiled(torch.compile(_Regression(), backend="eager")),
+                     compile_for_ddp(_Regression(), backend="aot_eager")):
+        strategy = CompiledDDPStrategy(backend="aot_eager")
+        strategy.connect(compiled)
+        with pytest.raises(RuntimeError, match=r"_Regression given to trainer.fit is already compiled .* Pass the "
+                                               r"uncompiled module .* or use strategy='ddp'"):
+            strategy.configure_ddp()
 
 
 def test_lightning_internals_the_strategy_uses_are_still_there():

@@ -3,6 +3,7 @@ package): if a torch upgrade changes what one relies on, it fails here, by name,
 instead of somewhere deep in a training run. ``compiler``'s here; ``ddp_opt``'s and
 ``fsdp_opt``'s in ``tests/test_torch_contracts_ddp.py``."""
 
+import copy
 import inspect
 
 import pytest
@@ -28,6 +29,21 @@ def _captured(fn, *args):
 
 
 # --- compiler -------------------------------------------------------------------------
+
+
+def test_a_call_compiled_in_place():
+    # Module.__call__ runs _compiled_call_impl when set, in place of _call_impl (hooks and forward); copies drop it.
+    model, seen = nn.Linear(2, 2), []
+    model.register_forward_pre_hook(lambda module, args: seen.append("hook"))
+
+    def compile_call(call_impl):
+        return lambda *args: seen.append("compiled") or call_impl(*args)
+
+    made = cti.compile_call_in_place(model, compile_call)
+    assert cti.compiled_call(model) is made and "forward" not in vars(model)
+    model(torch.randn(1, 2))
+    assert seen == ["compiled", "hook"]
+    assert cti.compiled_call(copy.deepcopy(model)) is None and cti.compiled_call(nn.Linear(2, 2)) is None
 
 
 def test_backend_and_mode_registries():

@@ -105,6 +105,9 @@ def test_compiled_module_markers_and_splitter_switch():
     by_method.compile(backend="eager")
     by_forward.forward = torch.compile(by_forward.forward, backend="eager")
     assert [dti.is_compiled(m) for m in (plain, by_method, by_forward)] == [False, True, True]
+    in_place = nn.Linear(2, 2)
+    cti.compile_call_in_place(in_place, lambda call_impl: call_impl)  # as compile_for_ddp compiles
+    assert dti.is_compiled(in_place)
     with dti.no_builtin_ddp_splitter():
         assert torch._dynamo.config.optimize_ddp is False
         assert not dti.builtin_splitter_on()

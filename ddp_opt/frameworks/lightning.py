@@ -32,7 +32,8 @@ Algorithm
 Notes
     Lightning internals used, pinned by ``tests/test_framework_lightning.py``:
     ``DDPStrategy._setup_model`` (called) and ``LightningModule._compiler_ctx`` (a module
-    given already compiled is refused: two nested compilers).
+    given already compiled is refused: two nested compilers; so is one compiled in place,
+    by ``compile_for_ddp`` or ``module.compile()``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from .._torch_internals import is_compiled
 from ..api import compile_ddp
 from ..compiled import CompiledDDP
 from ..config import DDPCompileConfig
@@ -171,7 +173,8 @@ class CompiledDDPStrategy(DDPStrategy):
 
 
 def _refuse_compiled(module: pl.LightningModule) -> None:
-    if getattr(module, "_compiler_ctx", None) is not None:
+    # from_compiled marks Lightning's recipe with _compiler_ctx; compile_for_ddp and module.compile() compile in place.
+    if getattr(module, "_compiler_ctx", None) is not None or is_compiled(module):
         raise RuntimeError(
             f"CompiledDDPStrategy: the {type(module).__name__} given to trainer.fit is already compiled "
             "(torch.compile(model) or compile_for_ddp(model)), and the strategy compiles it itself once DDP wraps "
