@@ -1,16 +1,15 @@
 """The main job: train a compiled DDP (or FSDP, or plain) model.
 
-    torchrun --standalone --nproc-per-node 2 -m launch.train [overrides]
-    python -m launch.train [overrides]                       # one process
+    torchrun --standalone --nproc-per-node 2 -m launch.train [overrides]   # or distcompile-train (launch.launcher)
+    python -m launch.train [overrides]                                      # one process
 
-:func:`train` reads as its four phases: :func:`setup` builds the model, the
-wrapping, the optimizer and the data; :func:`warm_up` compiles every input shape
-first; :func:`loop` trains; :func:`report` prints the summary and returns the
-metrics. :func:`run` validates the config and holds the process group around it.
-:func:`main` is the entry point, a thin Hydra shell (``launch.config.shell``):
-compose, convert to :class:`JobConfig`, call :func:`run`, turn a
-:class:`ConfigError` into one message on stderr and exit code 2. Tests call
-:func:`run` directly.
+:func:`train` reads as its four phases: :func:`setup` builds the model, the wrapping, the
+optimizer and the data; :func:`warm_up` compiles every input shape first; :func:`loop`
+trains; :func:`report` prints the summary and returns the metrics. :func:`run` validates
+the config and holds the process group around it. :func:`main` is the entry point, a thin
+Hydra shell (``launch.config.shell``): compose, convert to :class:`JobConfig`, call
+:func:`run`, turn a :class:`ConfigError` into one message on stderr and exit code 2.
+Tests call :func:`run` directly.
 
 The loop calls each of ``step_callbacks`` at the start of every step, with the
 job and the step: the hook point for what a test (or a user's entry module, as
@@ -57,6 +56,7 @@ from .runtime.precision import grad_scaler
 from .runtime.preempt import Preempted, Preemption
 from .runtime.recompiles import CompileCounter
 from .runtime.watchdog import PeerWatchdog
+from .runtime.worker_error import keep_stderr_tail
 from .step.evaluate import Evaluator, build_evaluator
 from .step.optim import OptimizerStep, wrap_with_optimizer
 from .step.schedule import Schedule
@@ -69,8 +69,7 @@ StepCallback = Callable[["Job", int], None]
 
 @dataclass
 class Job:
-    """One run, handed from phase to phase: what :func:`setup` built and what the
-    loop measured (``tally``)."""
+    """One run, handed from phase to phase: what :func:`setup` built and what the loop measured (``tally``)."""
 
     cfg: JobConfig
     env: DistEnv
@@ -145,9 +144,10 @@ def run(cfg: JobConfig, output_dir: str | None = None, *,
 
 
 def main(step_callbacks: Sequence[StepCallback] = ()) -> None:
-    """Entry point of ``python -m launch.train``: the Hydra shell (``launch.config.shell``)
-    around :func:`run`, ``step_callbacks`` passed on (``tests/_fault_job.py`` installs some);
-    ends the process with the shell's exit code (Note [Reliable exit] in ``launch.runtime.dist``)."""
+    """Entry point of ``python -m launch.train``: the Hydra shell (``launch.config.shell``) around :func:`run`,
+    ``step_callbacks`` passed on (``tests/_fault_job.py`` installs some); ends the process with the shell's exit
+    code (Note [Reliable exit] in ``launch.runtime.dist``; under torchrun, Note [A failed rank's last line])."""
+    keep_stderr_tail()
     exit_now(shell.main(run, step_callbacks))
 
 

@@ -1,15 +1,18 @@
-"""Every ``launch.train`` command the README and the docs show, as a user would type it.
+"""Every ``launch.train`` and ``distcompile-train`` command the README and the docs show, as a
+user would type it.
 
 Each command line in a fenced block is parsed as the shell would (``\\`` continuations
 joined, comments dropped, torchrun's ``--nproc-per-node`` and ``--nnodes`` giving the
 world size) and run through the launcher's own shell in this process
 (``launch.config.shell.run_cli``: the argv check, Hydra's composition, the typed
-config) into the job's validation, for that world size, instead of training. Where the
+config) into the job's validation, for that world size, instead of training; a
+``distcompile-train`` command runs through ``launch.launcher.launch`` up to the point where
+it would start the ranks. Where the
 page shows the command failing (``error: ...`` and the exit code after it) the same
 message and code must come back; otherwise it must pass validation. The outputs the
 pages show were copied from real runs; this keeps the commands themselves true as the
 settings change. torchrun exits 1 when a worker fails, whatever the worker's code, so a
-failing torchrun command shows 1 where its worker exits 2.
+failing torchrun command shows 1 where its worker exits 2; ``distcompile-train`` exits 2.
 
 A command that resumes (``train.resume=true``) follows a run that wrote the checkpoint;
 it is validated with ``train.resume=false``, and with ``true`` the only refusal allowed is
@@ -30,14 +33,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import launch.launcher as launcher
 from launch import prepare_data
 from launch.checks.validate import validate
 from launch.config.shell import run_cli
+from launch.runtime.elastic import split_argv
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # a shell line that runs the job: python or torchrun first (after a prompt, variables or `;`)
-COMMAND = re.compile(r"(^|; )(\$ )?(\w+=\S+ )*(python|torchrun)\b.*-m launch\.train\b")
+COMMAND = re.compile(r"(^|; )(\$ )?(\w+=\S+ )*((python|torchrun)\b.*-m launch\.train\b|distcompile-train\b)")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Shown:
     world_size: int
     error: str | None
     code: int | None
+    launcher: bool = False  # distcompile-train: the launcher checks in its own process
 
 
 def _world_size(tokens: list[str]) -> int:
@@ -70,17 +76,22 @@ def _parse(where: str, line: str, output: list[str]) -> Shown | None:
     lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|>")
     lexer.whitespace_split, lexer.commenters = True, "#"
     tokens = list(lexer)
-    start = next(i for i in range(len(tokens)) if tokens[i] in ("python", "torchrun"))
+    start = next(i for i in range(len(tokens)) if tokens[i] in ("python", "torchrun", "distcompile-train"))
     tokens = tokens[start:]
-    at = tokens.index("launch.train")
-    args = tokens[at + 1:]
-    args = args[:args.index(";")] if ";" in args else args
+    tokens = tokens[:tokens.index(";")] if ";" in tokens else tokens
+    launcher_line = tokens[0] == "distcompile-train"
+    if launcher_line:
+        flags, args = split_argv(tokens[1:])
+        tokens, at = ["torchrun", *flags], len(flags) + 1
+    else:  # torchrun ... -m launch.train, or torchrun ... --no-python distcompile-train (the worker entry point)
+        at = tokens.index("launch.train") if "launch.train" in tokens else tokens.index("distcompile-train")
+        args = tokens[at + 1:]
     if "-m" in args:  # a multirun through a Hydra launcher plugin (see the module docstring)
         return None
     shown = [o for o in output if o.strip() and not o.startswith("(")]
     error = shown[0] if shown and shown[0].startswith("error:") else None
     code = int(shown[-1]) if error and "echo $?" in line and shown[-1].strip().isdigit() else None
-    return Shown(where, line, tuple(args), _world_size(tokens[:at]), error, code)
+    return Shown(where, line, tuple(args), _world_size(tokens[:at]), error, code, launcher_line)
 
 
 def shown_commands() -> list[Shown]:
@@ -110,6 +121,7 @@ def test_the_pages_show_the_commands_this_test_checks():
     where = {c.where for c in COMMANDS}
     assert {"README.md", "docs/main-job.md", "docs/reliability.md", "docs/training.md", "docs/gpu.md"} <= where
     assert sum(c.error is not None for c in COMMANDS) >= 6
+    assert sum(c.launcher and c.error is not None for c in COMMANDS) >= 4  # the launcher's own refusals
     assert max(c.world_size for c in COMMANDS) == 16  # the two-node example: 2 x 8
 
 
@@ -133,30 +145,35 @@ _MACHINE = (re.compile(r"a rank here has about [\d,.]+ GiB \(MemAvailable [\d,.]
 NO_CHECKPOINT = "train.resume=true but there is no checkpoint in train.checkpoint_dir="
 
 
-def _validated(shown: Shown, argv: list[str], folder: Path, capfd) -> tuple[int, str]:
+def _validated(shown: Shown, argv: list[str], folder: Path, capfd, monkeypatch) -> tuple[int, str]:
     def validate_only(cfg, output_dir, **_):
         validate(cfg, shown.world_size)
 
     if not any(a.startswith("hydra.run.dir=") for a in argv):
         argv = [*argv, f"hydra.run.dir={folder / 'run'}"]
     capfd.readouterr()
-    code = run_cli(argv, validate_only)
+    if shown.launcher:
+        flags, _ = split_argv(shlex.split(shown.line.split(";")[0])[1:])
+        monkeypatch.setattr(launcher, "run_agent", lambda args: 0)  # up to starting the ranks
+        code = launcher.launch([*flags, *argv])
+    else:
+        code = run_cli(argv, validate_only)
     return code, _MACHINE[0].sub(_MACHINE[1], capfd.readouterr().err)
 
 
 @pytest.mark.parametrize("shown", COMMANDS, ids=lambda c: f"{c.where}:{' '.join(c.overrides)[:60]}")
-def test_a_shown_command_passes_validation_or_fails_as_shown(shown, user_folder, capfd):
+def test_a_shown_command_passes_validation_or_fails_as_shown(shown, user_folder, capfd, monkeypatch):
     argv = list(shown.overrides)
     if "train.resume=true" in argv:
-        code, err = _validated(shown, argv, user_folder, capfd)
+        code, err = _validated(shown, argv, user_folder, capfd, monkeypatch)
         assert code == 2 and NO_CHECKPOINT in err, err
         argv[argv.index("train.resume=true")] = "train.resume=false"
-    code, err = _validated(shown, argv, user_folder, capfd)
+    code, err = _validated(shown, argv, user_folder, capfd, monkeypatch)
     if shown.error is None:
         assert code == 0, f"{shown.where}: `{shown.line}` no longer validates:\n{err}"
         return
     assert code == 2, err
     if shown.code is not None:
-        assert shown.code == (1 if shown.line.startswith("torchrun") else 2)
+        assert shown.code == (1 if shown.line.startswith("torchrun") else 2)  # distcompile-train: 2
     expected = _MACHINE[0].sub(_MACHINE[1], shown.error)
     assert expected in err, f"{shown.where} shows:\n{expected}\nthe launcher says:\n{err}"

@@ -34,14 +34,16 @@ from typing import Sequence
 from .location import CONFIG_DIR, searchpath_override
 from .schema import JobConfig
 
-__all__ = ["check_argv", "GROUPS_DIR"]
+__all__ = ["check_argv", "hydra_flags", "GROUPS_DIR"]
 
 GROUPS_DIR = CONFIG_DIR
 _FLAGS = {"--config-path": "path", "-cp": "path", "--config-dir": "dir", "-cd": "dir", "--config-name": "name",
           "-cn": "name"}
 
 
-def _flags(argv: Sequence[str]) -> dict[str, str]:
+def hydra_flags(argv: Sequence[str]) -> dict[str, str]:
+    """Hydra's config flags in ``argv``: ``path`` (``--config-path``), ``dir`` (``--config-dir``) and
+    ``name`` (``--config-name``), each as given (``--flag value`` or ``--flag=value``)."""
     out, i = {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -135,7 +137,7 @@ def check_argv(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """``argv`` as Hydra should see it (with the job's configs on the search path after a
     ``--config-path``), and the one message for a mistake found in it, or None."""
     argv = _verbose_flag(list(argv))
-    flags = _flags(argv)
+    flags = hydra_flags(argv)
     groups, keys = _known_names()
     own = Path(flags.get("dir") or flags.get("path") or GROUPS_DIR)  # a config folder of one's own: its groups too
     if own.is_dir() and own != GROUPS_DIR:

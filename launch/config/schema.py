@@ -345,7 +345,8 @@ def to_job_config(dcfg: Any) -> JobConfig:
     try:
         cfg = OmegaConf.to_object(dcfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key or 'config'}: {e.msg}. Set it on the command line, e.g. {e.full_key}=...") from None
+        first = (e.msg or type(e).__name__).splitlines()[0]  # OmegaConf adds full_key and the types on more lines
+        raise ConfigError(f"{e.full_key or 'config'}: {first}. Set it on the command line, e.g. {e.full_key}=...") from None
     assert isinstance(cfg, JobConfig), type(cfg)
     return cfg
 

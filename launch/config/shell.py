@@ -1,8 +1,9 @@
 """The Hydra shell of ``python -m launch.train``: compose the config, convert it to a
 ``JobConfig``, call the job's ``run`` (``launch.train.run``, handed in by
-``launch.train.main``), turn a ``ConfigError`` into one message and exit code 2
-(``launch.config.bad_input``). The exit code goes back to the caller, which ends the
-process with it (Note [Reliable exit] in ``launch.runtime.dist``)."""
+``launch.train.main``), turn a ``ConfigError`` (a value Hydra cannot compose too:
+``launch.config.compose``) into one message and exit code 2 (``launch.config.bad_input``).
+The exit code goes back to the caller, which ends the process with it (Note [Reliable
+exit] in ``launch.runtime.dist``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from .argv import check_argv
 from .bad_input import CONFIG_ERROR_EXIT, config_error_reported_before, report_config_error
+from .compose import compose
 from .location import CONFIG_DIR
 from .schema import ConfigError, register_configs, to_job_config
 
@@ -44,6 +46,11 @@ def run_cli(argv: Sequence[str], run: RunJob, step_callbacks: Sequence[Any] = ()
     argv, problem = check_argv(argv)  # Note [Command line before Hydra]
     if problem is not None:
         return report_config_error(problem)
+    if not any(a in ("-m", "--multirun") for a in argv):  # a sweep composes one config per job, in Hydra
+        try:
+            compose(argv)  # a value Hydra cannot take, in one line: Note [Hydra's errors in our words]
+        except ConfigError as e:
+            return report_config_error(str(e))
     register_configs()
     codes: list[int] = []  # one exit code per task Hydra ran; none when it could not compose the config
 

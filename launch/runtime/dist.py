@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from ..config.schema import ParallelConfig
 from .agent import die_with_agent
+from .worker_error import write_error_file
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,10 @@ def configure_logging(rank: int) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Flush everything and end the process; see Note [Reliable exit]."""
+    """Flush everything and end the process; see Note [Reliable exit]. A torchrun worker ending
+    with a non-zero code first leaves its last lines in its error file (Note [A failed rank's last
+    line] in ``launch.runtime.worker_error``)."""
+    write_error_file(code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
