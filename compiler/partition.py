@@ -67,12 +67,15 @@ FALLBACKS = ("warn", "raise")
 
 @dataclass
 class PartitionRecord:
-    """What happened to one partition. ``status``: pending, compiled or eager."""
+    """What happened to one partition. ``status``: pending, compiled or eager. ``shared``: another
+    rank claimed its compile (Note [Shared compile]); this rank loads it once published (or
+    compiles it itself if the publication fails), so ``compile_s`` is the wait-free hand-off."""
 
     index: int
     name: str
     status: str = "pending"
     compile_s: float = 0.0
+    shared: bool = False
     error: str | None = None
     # A damaged cached kernel the compile failed on, and what was removed
     # (Note [Damaged cache artifacts]).
@@ -120,6 +123,7 @@ class LazyPartition(torch.nn.Module):
         later = getattr(self._fn, "failure_callbacks", None)
         if later is not None:
             later.append(self._fall_back)
+            self.record.shared = True
         self.record.compile_s = time.perf_counter() - t0
 
     def _fall_back(self, e: Exception) -> Callable[..., Any]:
@@ -297,11 +301,12 @@ class _FirstCallRunner(fx.Interpreter):
             log.debug("compiling partition %d/%d (%s)", mod.record.index + 1, self.total, mod.record.name)
             with compiling(f"partition {mod.record.index + 1}/{self.total} ({mod.record.name})"):
                 mod.compile(list(args))
-            log.info(
-                "partition %d/%d %s in %.1fs (%.1fs elapsed)",
-                mod.record.index + 1, self.total, mod.record.status, mod.record.compile_s,
-                time.perf_counter() - self.t_start,
-            )
+            if mod.record.shared:
+                log.info("partition %d/%d is compiled by another rank: loaded from the shared compile (%.1fs elapsed)",
+                         mod.record.index + 1, self.total, time.perf_counter() - self.t_start)
+            else:
+                log.info("partition %d/%d %s in %.1fs (%.1fs elapsed)", mod.record.index + 1, self.total,
+                         mod.record.status, mod.record.compile_s, time.perf_counter() - self.t_start)
             aot_after, hits_after = _ti.aot_counts()
             went_through_aot, cache_hit = aot_after != aot_before, hits_after != hits_before
             with self.fake_mode, mock.patch.object(self.fake_mode, "allow_non_fake_inputs", True):

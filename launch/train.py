@@ -163,7 +163,7 @@ def train(cfg: JobConfig, env: DistEnv, step_callbacks: Sequence[StepCallback] =
             loop(job)
         except (Preempted, NonFinite) as e:  # every rank stops at the same step: the steps so far are reported
             with contextlib.suppress(Exception):  # never in place of the reason the run stopped
-                e.metrics = job.observer.finish(job.tally, report(job))
+                e.metrics = job.observer.finish(job.tally, report(job, stopped=e))
             raise
         save_compile_cache(job.wrapped)  # graphs compiled after the first step (a new shape) are kept too
         return job.observer.finish(job.tally, report(job))
@@ -292,11 +292,13 @@ def _save(job: Job, step: int) -> str:
     return path
 
 
-def report(job: Job) -> dict[str, Any]:
-    """Print what DDP and the compiler did and the summary lines; return the metrics."""
+def report(job: Job, stopped: Preempted | NonFinite | None = None) -> dict[str, Any]:
+    """Print what DDP and the compiler did and the summary lines; return the metrics. A run
+    ``stopped`` early says where and why, and a stop for a non-finite value (mid-step, before
+    the step's end) leaves out what that step would have measured: the buckets' alignment."""
     cfg, env, tally, wrapped = job.cfg, job.env, job.tally, job.wrapped
     summary = tally.summary(job.counter.snapshot() if job.counter is not None else None)
-    alignment = wrapped.alignment()
+    alignment = wrapped.alignment() if not isinstance(stopped, NonFinite) else None
     for line in ddp_lines(wrapped, alignment):
         print0(line)
     prediction = wrapped.prediction()
@@ -329,6 +331,7 @@ def report(job: Job) -> dict[str, Any]:
         "alignment": alignment.fraction if alignment is not None else None,
         "bucket_plan_prediction": prediction.as_dict() if prediction is not None else None,
         "config": asdict(cfg),
+        "stopped_at": _stop_record(stopped),
     }
     for line in summary_lines(metrics, tally):
         print0(line)
@@ -336,6 +339,16 @@ def report(job: Job) -> dict[str, Any]:
 
 
 # --- helpers of the phases -----------------------------------------------------------
+
+
+def _stop_record(stopped: Preempted | NonFinite | None) -> dict[str, Any] | None:
+    """Where and why the run stopped early, for the summary and metrics.json: ``after``, the
+    step the run stopped after (every rank finished it), or ``at``, the step it stopped in."""
+    if isinstance(stopped, Preempted):
+        return {"after": stopped.step, "why": "SIGTERM/SIGINT (preemption)"}
+    if isinstance(stopped, NonFinite):
+        return {"at": stopped.step, "why": stopped.what or str(stopped)}
+    return None
 
 
 def _static_shapes_for_padding(cfg: JobConfig) -> JobConfig:

@@ -80,6 +80,33 @@ def test_compile_partitions_compiles_each_with_fake_inputs_in_order():
     assert len(calls) == 3  # real calls reuse the compiled partitions
 
 
+def test_a_partition_another_rank_compiles_is_logged_as_loaded_not_compiled(caplog):
+    # compile.share hands back a Pending for a compile another rank claimed (Note [Shared compile])
+    class Claimed:
+        def __init__(self, gm):
+            self.gm, self.failure_callbacks = gm, []
+
+        def __call__(self, *args):
+            return self.gm(*args)
+
+    def backend(gm, example_inputs):
+        owned = any(n.op == "call_module" and n.target == "b" for n in gm.graph.nodes)
+        return Claimed(gm) if owned else gm.forward
+
+    model = ThreeStage()
+    split = split_graph(fx.symbolic_trace(model), _by_module_prefix)
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.INFO, logger="compiler.partition"):
+        records = compile_partitions(split, backend, [x])
+    assert [r.shared for r in records] == [False, True, False]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("partition 1/3 compiled in ") for line in lines), lines
+    assert any(line.startswith("partition 2/3 is compiled by another rank: loaded from the shared compile (")
+               for line in lines), lines
+    assert not any(line.startswith("partition 2/3 compiled") for line in lines)
+    torch.testing.assert_close(split.gm(x), model(x))
+
+
 def _fails_on_partition(bad_target: str):
     def backend(gm, example_inputs):
         if any(n.op == "call_module" and n.target == bad_target for n in gm.graph.nodes):

@@ -43,6 +43,13 @@ def test_the_bucket_table_is_one_line_per_bucket_and_verbose_lists_every_paramet
     assert partition_table(SimpleNamespace(buckets=lambda: [], partition_records=lambda: [])) is None
 
 
+def test_a_partition_another_rank_compiled_is_counted_as_loaded_not_compiled_in_0s():
+    records = [PartitionRecord(0, "submod_0", "compiled", 18.0), PartitionRecord(1, "submod_1", "compiled", 0.0,
+                                                                                 shared=True)]
+    assert partition_table(_wrapped(records)).splitlines()[5] == (
+        "partitions: 2/2 compiled, 1 on this rank in 18.0s and 1 loaded from another rank's compile")
+
+
 def test_dash_v_is_log_verbose_beside_the_other_overrides():
     argv, problem = check_argv(["compile=aot_eager", "-v", "--config-name", "config"])
     assert problem is None and argv == ["compile=aot_eager", "log.verbose=true", "--config-name", "config"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,15 +74,26 @@ def test_bad_nonfinite_settings_are_refused_up_front(field, value, needle):
 # --- on_nonfinite=stop ------------------------------------------------------------------
 
 
-def test_stop_ends_the_run_at_the_first_nan_and_keeps_the_finite_checkpoints(tmp_path):
-    # The case: inf from step 5, checkpoint_every=2, keep_last=2.
-    cfg = _job(tmp_path, steps=10, checkpoint_every=2, keep_last=2)
+def test_stop_ends_the_run_at_the_first_nan_and_keeps_the_finite_checkpoints(tmp_path, capsys):
+    # The case: inf from step 5, checkpoint_every=2, keep_last=2; compiled (aot_eager), so that a run to its end
+    # reports the buckets' alignment.
+    cfg = replace(_job(tmp_path, steps=10, checkpoint_every=2, keep_last=2), compile=CompileConfig(backend="aot_eager"))
     with pytest.raises(NonFinite, match=r"^the loss at step 5 is nan, not finite, .*lower train\.lr.*"
                                         r"train\.on_nonfinite=skip.*the last finite checkpoint, \S+step_000004, is "
-                                        r"kept: resume from it with train\.resume=true"):
+                                        r"kept: resume from it with train\.resume=true") as stop:
         run(cfg, step_callbacks=[_inf_weights_from(5)])
     assert _published(tmp_path) == ["step_000002", "step_000004"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_000004"
+    # The summary says where and why it stopped, and the last finite loss; not "done", nor a figure the stop
+    # interrupted (the buckets' alignment, read after the stop).
+    out = capsys.readouterr().out.splitlines()
+    (summary,) = [line for line in out if line.startswith(("done:", "stopped"))]
+    last_finite = [loss for step, loss in stop.value.metrics["losses"] if step == 4][0]
+    assert summary.startswith(f"stopped at step 5 of 1..10: the loss is nan; last finite loss {last_finite:.4f} at "
+                              "step 4, median step "), summary
+    assert not any(line.startswith("alignment:") for line in out)
+    assert stop.value.metrics["stopped_at"] == {"at": 5, "why": "the loss is nan"}
+    assert stop.value.metrics["alignment"] is None
 
 
 def test_a_nan_at_step_1_promises_no_checkpoint_that_does_not_exist(tmp_path):
@@ -208,9 +220,14 @@ def test_a_preempted_run_and_its_torchrun_restart_leave_one_metrics_json_with_ev
     assert [(a["attempt"], [s for s, _ in a["losses"]]) for a in final["earlier_attempts"]] == [(0, [1, 2, 3])]
 
 
-def test_a_signal_without_checkpoints_says_nothing_was_saved(tmp_path):
-    with pytest.raises(Preempted, match=r"no checkpoint saved \(train\.checkpoint_every=0\)"):
+def test_a_signal_without_checkpoints_says_nothing_was_saved(tmp_path, capsys):
+    with pytest.raises(Preempted, match=r"no checkpoint saved \(train\.checkpoint_every=0\)") as stop:
         run(_job(tmp_path), step_callbacks=[_signal_at(2, signal.SIGTERM)])
+    # the summary says where it stopped and why; step 2 ran to its end, so its loss is the final one
+    (summary,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("done:", "stopped"))]
+    final = stop.value.metrics["losses"][-1]
+    assert final[0] == 2 and summary.startswith(
+        f"stopped after step 2 of 1..6: SIGTERM/SIGINT (preemption); final loss {final[1]:.4f}, median step "), summary
 
 
 def test_cli_bad_on_nonfinite_exits_2_with_one_message(launch_cli):

@@ -126,6 +126,10 @@ def _partitions_line(records: list) -> str:
     """The partitions' compile outcome in one line: how many compiled, in how long, and
     each one that runs eagerly by name."""
     compiled = [r for r in records if r.status == "compiled"]
+    here = [r for r in compiled if not getattr(r, "shared", False)]
     eager = [r.name for r in records if r.status == "eager"]
-    return (f"partitions: {len(compiled)}/{len(records)} compiled in {sum(r.compile_s for r in compiled):.1f}s"
+    loaded = len(compiled) - len(here)
+    return (f"partitions: {len(compiled)}/{len(records)} compiled"
+            + (f", {len(here)} on this rank in {sum(r.compile_s for r in here):.1f}s and {loaded} loaded from another "
+               f"rank's compile" if loaded else f" in {sum(r.compile_s for r in here):.1f}s")
             + (f"; eager (failed to compile): {', '.join(eager)}" if eager else ""))

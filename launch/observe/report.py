@@ -189,12 +189,27 @@ def summary_lines(metrics: dict[str, Any], tally: Tally, load: MachineLoad | Non
                  f"tokens/s with padding (padding waste {100 * metrics['padding_waste']:.1f}%)")
     recompiles = metrics["recompiles"] if metrics["recompiles"] is not None else "n/a"
     lines.append(
-        f"done: steps {metrics['start_step'] + 1}..{metrics['steps']}, final loss {metrics['final_loss']:.4f}, "
+        f"{_progress(metrics)}, "
         f"median step {metrics['median_step_ms']:.1f} ms, {metrics['real_tokens_per_s'] or 0:,.0f} real tokens/s, "
         f"recompiles {recompiles}, first step {metrics['first_step_s'] or 0:.1f}s, wall {metrics['wall_s']:.1f}s"
     )
     spread = spread_line(tally.step_ms, "step times (after the first)", load)
     return lines + ([spread] if spread else [])
+
+
+def _progress(metrics: dict[str, Any]) -> str:
+    """The summary's first words: the steps run and the final loss, or where the run stopped,
+    why, and the last loss that was finite (metrics["stopped_at"], ``launch.train._stop_record``)."""
+    first, last = metrics["start_step"] + 1, metrics["steps"]
+    stop = metrics.get("stopped_at")
+    if not stop:
+        return f"done: steps {first}..{last}, final loss {metrics['final_loss']:.4f}"
+    if "after" in stop:
+        return (f"stopped after step {stop['after']} of {first}..{last}: {stop['why']}; final loss "
+                f"{metrics['final_loss']:.4f}")
+    finite = [(s, v) for s, v in metrics.get("losses") or [] if s < stop["at"] and math.isfinite(v)]
+    loss = f"last finite loss {finite[-1][1]:.4f} at step {finite[-1][0]}" if finite else "no finite loss before it"
+    return f"stopped at step {stop['at']} of {first}..{last}: {stop['why']}; {loss}"
 
 
 def write_json(path: str, data: Any, what: str) -> None:

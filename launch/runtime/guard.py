@@ -50,9 +50,14 @@ class OnNonfinite(str, Enum):
 
 
 class NonFinite(RuntimeError):
-    """The loss or the model stopped being finite; the message is one line saying what to try."""
+    """The loss or the model stopped being finite at ``step``; the message is one line saying
+    what to try, ``what`` in a few words (the summary's stop line)."""
 
     exit_code = EXIT_NONFINITE
+
+    def __init__(self, message: str, step: int | None = None, what: str = "") -> None:
+        super().__init__(message)
+        self.step, self.what = step, what
 
 
 _TRY = "lower train.lr, use train.precision=fp32 or check the data"
@@ -71,16 +76,17 @@ def nonfinite_loss(step: int, loss: float, skipped_in_a_row: int = 0, last_check
     if skipped_in_a_row:
         return NonFinite(f"the loss was not finite for {skipped_in_a_row} steps in a row, up to step {step} "
                          f"(train.max_consecutive_skips={skipped_in_a_row}): the run has diverged and skipping "
-                         f"does not bring it back. Try to {_TRY}; {_resume(last_checkpoint)}.")
+                         f"does not bring it back. Try to {_TRY}; {_resume(last_checkpoint)}.",
+                         step, f"the loss was not finite for {skipped_in_a_row} steps in a row")
     return NonFinite(f"the {what} at step {step} is {loss}, not finite, so the run stopped before it could save a "
                      f"non-finite model (train.on_nonfinite=stop). Try to {_TRY}, or set train.on_nonfinite=skip "
-                     f"to skip such steps; {_resume(last_checkpoint)}.")
+                     f"to skip such steps; {_resume(last_checkpoint)}.", step, f"the {what} is {loss}")
 
 
 def nonfinite_model(step: int, last_checkpoint: str | None = None) -> NonFinite:
     """The error for parameters that are not finite when saving after ``step``."""
     return NonFinite(f"the model's parameters after step {step} are not finite, so checkpoint step {step} was not "
-                     f"saved. Try to {_TRY}; {_resume(last_checkpoint)}.")
+                     f"saved. Try to {_TRY}; {_resume(last_checkpoint)}.", step, "the parameters are not finite")
 
 
 def all_finite(value: torch.Tensor) -> bool:
