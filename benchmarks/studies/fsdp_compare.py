@@ -77,7 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _cells(r: dict) -> list[str]:
-    peak = "/".join(f"{m:.0f}" for m in r["peak_mem_mib_per_rank"]) if r.get("peak_mem_mib_per_rank") else "-"
+    digits = ".1f" if str(r.get("peak_mem_kind", "")).startswith("live") else ".0f"  # live bytes: tens of MiB
+    peak = "/".join(f"{m:{digits}}" for m in r["peak_mem_mib_per_rank"]) if r.get("peak_mem_mib_per_rank") else "-"
     units = f"{r['units']} ({_unit_sizes(r.get('unit_mib') or [])})"
     ratio = with_iqr(r.get("ratio_vs_per_block"), r.get("ratio_q1"), r.get("ratio_q3"))
     peer = with_iqr(r.get("ratio_vs_best_peer"), r.get("ratio_vs_best_peer_q1"), r.get("ratio_vs_best_peer_q3"))
@@ -126,14 +127,18 @@ def _limit_text(rows: Sequence[dict]) -> str:
             texts.append(f"{head}{compute} + max(bwd {r['limit_bwd_ms']:.1f}, all-reduce {r['limit_comm_ms']:.1f}) + {opt}")
         else:
             rs = f"reduce-scatter{' in ' + kind if named else ''} {r['limit_reduce_scatter_ms']:.1f}"
-            if str(r.get("limit_reduce_scatter_via", "")).startswith("all_to_all"):
+            via = str(r.get("limit_reduce_scatter_via", ""))
+            if via.startswith("all_to_all"):
                 rs += " (an all-to-all and a sum, faster here than gloo's reduce_scatter_tensor)"
             texts.append(f"{head}max({compute} + bwd {r['limit_bwd_ms']:.1f}, 2 x all-gather "
                          f"{r['limit_allgather_ms']:.1f} + {rs}, fwd + reduce-scatter) + {opt}")
     peers = sorted({r["best_peer"] for r in rows if r.get("best_peer")})
+    split = any(r.get("limit_reduce_scatter_via") for r in kinds.values())  # rows since the limit also tries 8 parts
+    bytes_text = ("all the parameter bytes over the same link, each the faster of one collective of all the bytes and "
+                  "8 of an eighth each, back to back" if split else "all the parameter bytes over the same link")
     return (f" Physical limit{'s' if named else ''} {'; '.join(texts)}: fwd and bwd of an unsharded copy with no "
-            "communication, one all-gather and one reduce-scatter (replicate: one all-reduce) of all the parameter "
-            "bytes over the same link, the fastest optimizer step of the modes that reduce that way "
+            "communication, one all-gather and one reduce-scatter (replicate: one all-reduce) of "
+            f"{bytes_text}, the fastest optimizer step of the modes that reduce that way "
             "(Note [Physical limit of a step] in `benchmarks.harness.limit`); step / limit = 1.0 is a perfect step. "
             "Best peer = the fastest "
             "peer that reduces the same way (sharded or replicate, in the same dtype; here "
