@@ -33,27 +33,28 @@ def test_the_traced_mode_reports_the_fused_all_reduces_of_the_synchronised_backw
 
 def test_every_ddp_mode_is_registered_and_describes_itself():
     assert DDP_MODES.names == ("eager", "builtin", "nosplit", "ours", "ours_nogate", "regional", "compiled_autograd",
-                               "ours_traced", "eager_bf16", "builtin_bf16", "compiled_autograd_bf16", "ours_bf16",
-                               "ours_traced_bf16", "eager_powersgd", "ours_powersgd", "ours_traced_powersgd")
+                               "ours_traced", "ours_traced_oib", "eager_bf16", "builtin_bf16", "compiled_autograd_bf16",
+                               "ours_bf16", "ours_traced_bf16", "eager_powersgd", "ours_powersgd", "ours_traced_powersgd")
     for name in DDP_MODES.names:
         assert DDP_MODES[name].name == name and DDP_MODES[name].summary
         assert DDP_MODES.describe([name]) == f"  {name}: {DDP_MODES[name].summary}"
     assert [n for n in DDP_MODES.names if not DDP_MODES[n].compiled] == ["eager", "eager_bf16", "eager_powersgd"]
-    assert [n for n in DDP_MODES.names if DDP_MODES[n].plans_auto] == ["ours", "ours_nogate", "ours_traced",
-                                                                       "ours_bf16", "ours_traced_bf16", "ours_powersgd",
-                                                                       "ours_traced_powersgd"]
+    assert [n for n in DDP_MODES.names if DDP_MODES[n].plans_auto] == [
+        "ours", "ours_nogate", "ours_traced", "ours_traced_oib", "ours_bf16", "ours_traced_bf16", "ours_powersgd",
+        "ours_traced_powersgd"]
     caps = (1.0, 4.0, "auto")
     assert {n: DDP_MODES[n].sweep_caps(caps) for n in DDP_MODES.names} == {
         "eager": [DEFAULT_CAP], "builtin": [1.0, 4.0], "nosplit": [DEFAULT_CAP], "ours": [1.0, 4.0, "auto"],
-        "ours_nogate": [1.0, 4.0, "auto"], "regional": [], "compiled_autograd": [1.0, 4.0], "ours_traced": [1.0, 4.0, "auto"],
-        "eager_bf16": [DEFAULT_CAP], "builtin_bf16": [1.0, 4.0], "compiled_autograd_bf16": [1.0, 4.0],
+        "ours_nogate": [1.0, 4.0, "auto"], "regional": [], "compiled_autograd": [1.0, 4.0],
+        "ours_traced": [1.0, 4.0, "auto"], "ours_traced_oib": ["auto"], "eager_bf16": [DEFAULT_CAP],
+        "builtin_bf16": [1.0, 4.0], "compiled_autograd_bf16": [1.0, 4.0],
         "ours_bf16": [1.0, 4.0, "auto"], "ours_traced_bf16": [1.0, 4.0, "auto"],
         "eager_powersgd": [1.0, 4.0, DEFAULT_CAP], "ours_powersgd": [1.0, 4.0, "auto"],
         "ours_traced_powersgd": [1.0, 4.0, "auto"]}
     # The bf16 and PowerSGD modes send through their own hook, not the simulated link's.
     assert [n for n in DDP_MODES.names if not DDP_MODES[n].takes_hook] == [
-        "compiled_autograd", "ours_traced", "eager_bf16", "builtin_bf16", "compiled_autograd_bf16", "ours_bf16",
-        "ours_traced_bf16", "eager_powersgd", "ours_powersgd", "ours_traced_powersgd"]
+        "compiled_autograd", "ours_traced", "ours_traced_oib", "eager_bf16", "builtin_bf16", "compiled_autograd_bf16",
+        "ours_bf16", "ours_traced_bf16", "eager_powersgd", "ours_powersgd", "ours_traced_powersgd"]
     assert [n for n in DDP_MODES.names if DDP_MODES[n].compression] == ["eager_powersgd", "ours_powersgd",
                                                                          "ours_traced_powersgd"]
     assert [n for n in DDP_MODES.names if DDP_MODES[n].reduce_dtype == "bf16"] == [
@@ -62,7 +63,8 @@ def test_every_ddp_mode_is_registered_and_describes_itself():
 
 def test_an_unknown_mode_names_the_valid_ones():
     with pytest.raises(ValueError, match="valid modes are eager, builtin, nosplit, ours, ours_nogate, regional, "
-                                         "compiled_autograd, ours_traced, eager_bf16, .*, ours_traced_powersgd. Leave "
+                                         "compiled_autograd, ours_traced, ours_traced_oib, eager_bf16, .*, "
+                                         "ours_traced_powersgd. Leave "
                                          "--modes out"):
         DDP_MODES["fast"]
     with pytest.raises(ValueError, match="valid modes are eager, per_block, grouped"):
@@ -89,7 +91,8 @@ def test_config_errors_say_how_to_fix_them():
         FSDPBenchConfig(rounds=0)
     with pytest.raises(ValueError, match="--shard-unit-mb must be > 0.*--prefetch 0 for FSDP2's implicit prefetch"):
         FSDPBenchConfig(shard_unit_mb=0)
-    with pytest.raises(ValueError, match="cap 'auto' is compile_ddp's cost-model plan.*only ours, ours_nogate, ours_traced, ours_bf16, "
+    with pytest.raises(ValueError, match="cap 'auto' is compile_ddp's cost-model plan.*only ours, ours_nogate, ours_traced, "
+                                         "ours_traced_oib, ours_bf16, "
                                          "ours_traced_bf16, ours_powersgd, ours_traced_powersgd plan"):
         build_runner("builtin", BenchConfig(), "auto", link=None)  # refused before anything is built
     assert (FSDPBenchConfig().layers, BenchConfig().layers) == (8, 4)  # each family keeps its own model

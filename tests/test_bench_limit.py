@@ -29,6 +29,15 @@ def test_limit_takes_the_fastest_compute_of_any_mode():
         limit_parts([], comm_s=0.04)
 
 
+def test_the_limits_optimizer_step_is_of_the_modes_that_step_after_backward():
+    # under the optimizer in backward the step after backward finds no gradients: its 0.1 ms is no optimizer step
+    rows = [_row("eager", "eager", [100, 110, 120], fwd=12, bwd=30, opt=3),
+            {**_row("ours_traced_oib", "ours_traced_oib@auto", [80, 90, 85], fwd=10, bwd=25, opt=0.1),
+             "optimizer_in_backward": True}]
+    parts = limit_parts(rows, comm_s=0.040)
+    assert (parts.fwd_s, parts.bwd_s, parts.opt_s) == pytest.approx((0.010, 0.025, 0.003))
+
+
 def test_rows_get_step_over_limit_and_the_ratio_to_the_fastest_peer():
     rows = [_row("eager", "eager", [120, 130, 140], 10, 20, 2),
             _row("builtin", "builtin@1", [100, 100, 100], 10, 20, 2),

@@ -146,13 +146,16 @@ class FSDPLimitParts:
 def limit_parts(rows: Sequence[dict], comm_s: float, compress_s: float = 0.0,
                 compress_alone_s: float = 0.0) -> LimitParts:
     """The limit of the rows' job: the fastest forward, backward and optimizer step of any
-    row (their ``fwd_ms``, ``bwd_ms``, ``opt_ms`` medians), the measured ``comm_s`` and, for
+    row (their ``fwd_ms``, ``bwd_ms``, ``opt_ms`` medians; the optimizer step only of rows
+    that step after backward: under the optimizer in backward the step after backward finds
+    no gradients, and the update's time is inside backward), the measured ``comm_s`` and, for
     compressed gradients, the measured ``compress_s`` (``measure_powersgd_in_backward``; beside
     it ``compress_alone_s``, ``measure_powersgd_compute``)."""
     if not rows:
         raise ValueError("limit_parts needs the rows of at least one mode: the limit takes their fastest compute.")
+    stepping = [r for r in rows if not r.get("optimizer_in_backward")] or rows
     return LimitParts(fwd_s=min(r["fwd_ms"] for r in rows) / 1e3, bwd_s=min(r["bwd_ms"] for r in rows) / 1e3,
-                      opt_s=min(r["opt_ms"] for r in rows) / 1e3, comm_s=comm_s, compress_s=compress_s,
+                      opt_s=min(r["opt_ms"] for r in stepping) / 1e3, comm_s=comm_s, compress_s=compress_s,
                       compress_alone_s=compress_alone_s)
 
 

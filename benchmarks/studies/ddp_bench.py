@@ -278,6 +278,7 @@ def row_for(r: DDPRunner, cfg: BenchConfig, cap_mb: float | str, order: int, bas
         "fwd_ms": median(r.nosync_fwd_s) * 1e3,
         "bwd_ms": median([fb - f for fb, f in zip(r.nosync_fb_s, r.nosync_fwd_s)]) * 1e3,
         "opt_ms": median(r.opt_s) * 1e3,
+        "optimizer_in_backward": r.mode.in_backward,  # its opt_ms is the empty step after backward
         "sync_fb_ms": sync_fb * 1e3,
         "comm_ms": comm * 1e3 if cfg.link.enabled else None,  # the simulated link's charge; None without one
         "exposed_comm_ms": exposed * 1e3,

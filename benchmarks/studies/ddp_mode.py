@@ -55,6 +55,7 @@ class DDPMode:
     takes_hook: ClassVar[bool] = True  # its gradients go through DDP's reducer, and so the simulated link
     reduce_dtype: ClassVar[str] = "fp32"  # what its gradients cross the link in
     compression: ClassVar[str | None] = None  # how they are compressed ("powersgd:R:START"); None: not
+    in_backward: ClassVar[bool] = False  # the optimizer steps inside backward (compile_ddp(..., optimizer=opt))
 
     def construct(self) -> ContextManager:
         """What the mode's DDP model is made inside."""

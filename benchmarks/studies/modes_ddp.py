@@ -193,6 +193,21 @@ class OursTraced(Ours):
         return None
 
 
+class OursTracedInBackward(OursTraced):
+    name = "ours_traced_oib"
+    summary = ("compile_ddp(ddp, strategy='traced', optimizer=opt): traced, each bucket's optimizer step inside the "
+               "compiled backward after its all-reduce (the step after backward finds no gradients)")
+    in_backward = True
+
+    def wrap(self, r: DDPRunner, backend: str, cap: float | str, link: SimulatedLink, cost_model: Any) -> None:
+        more = dict(bucket_cap_mb="auto", link=cost_model) if cap == "auto" else {}
+        r.fn = compile_ddp(r.ddp, backend=functools.partial(resolve_backend(backend)), strategy="traced",
+                           optimizer=r.opt, **more)
+
+    def sweep_caps(self, caps: Sequence[float | str]) -> list[float | str]:
+        return [c for c in caps if c == "auto"]  # the route a user takes: the cap planned for them
+
+
 # --- gradients all-reduced in bf16: each peer with the hook a user registers, and ours -----------
 # No simulated link: a bf16 mode's gradients leave through its own hook (run them on a real or shaped link).
 
@@ -293,7 +308,8 @@ class OursTracedPowerSGD(OursTraced):
 
 
 DDP_MODES: ModeTable[DDPMode] = ModeTable([Eager(), Builtin(), NoSplit(), Ours(), OursNoGate(), Regional(),
-                                           CompiledAutograd(), OursTraced(), EagerBF16(), BuiltinBF16(),
+                                           CompiledAutograd(), OursTraced(), OursTracedInBackward(),
+                                           EagerBF16(), BuiltinBF16(),
                                            CompiledAutogradBF16(), OursBF16(), OursTracedBF16(), EagerPowerSGD(),
                                            OursPowerSGD(), OursTracedPowerSGD()],
                                           default=("eager", "builtin", "nosplit", "ours"))
