@@ -8,12 +8,10 @@ optimizer and the data; :func:`warm_up` compiles every input shape first; :func:
 trains; :func:`report` prints the summary and returns the metrics. :func:`run` validates
 the config and holds the process group around it. :func:`main` is the entry point, a thin
 Hydra shell (``launch.config.shell``): compose, convert to :class:`JobConfig`, call
-:func:`run`, turn a :class:`ConfigError` into one message on stderr and exit code 2.
-Tests call :func:`run` directly.
+:func:`run`, turn a :class:`ConfigError` into one message and exit code 2. Tests call :func:`run`.
 
-The loop calls each of ``step_callbacks`` at the start of every step, with the
-job and the step: the hook point for what a test (or a user's entry module, as
-``tests/_fault_job.py`` does) wants to run there.
+The loop calls each of ``step_callbacks`` at the start of every step, with the job and the
+step: the hook point for what a test (or a user's entry module, as ``tests/_fault_job.py``) runs.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from .data.build import build_data
 from .data.source import TokenSource, stream_seed
 from .observe.banner import ddp_lines, describe, partition_table
 from .observe.observer import Observer
-from .observe.report import Tally, step_line, summary_lines, write_json, write_metrics
+from .observe.report import Tally, step_line, stop_record, summary_lines, write_json, write_metrics
 from .runtime.compile_stats import after_first_compile, save_compile_cache
 from .runtime.dist import (DistEnv, configure_logging, exit_now, print0, process_group, restarted_by_torchrun,
                            world_size_from_env)
@@ -293,9 +291,8 @@ def _save(job: Job, step: int) -> str:
 
 
 def report(job: Job, stopped: Preempted | NonFinite | None = None) -> dict[str, Any]:
-    """Print what DDP and the compiler did and the summary lines; return the metrics. A run
-    ``stopped`` early says where and why, and a stop for a non-finite value (mid-step, before
-    the step's end) leaves out what that step would have measured: the buckets' alignment."""
+    """Print what DDP and the compiler did and the summary lines; return the metrics. A run ``stopped``
+    early says where and why; a non-finite stop (mid-step) leaves out the buckets' alignment."""
     cfg, env, tally, wrapped = job.cfg, job.env, job.tally, job.wrapped
     summary = tally.summary(job.counter.snapshot() if job.counter is not None else None)
     alignment = wrapped.alignment() if not isinstance(stopped, NonFinite) else None
@@ -331,7 +328,7 @@ def report(job: Job, stopped: Preempted | NonFinite | None = None) -> dict[str, 
         "alignment": alignment.fraction if alignment is not None else None,
         "bucket_plan_prediction": prediction.as_dict() if prediction is not None else None,
         "config": asdict(cfg),
-        "stopped_at": _stop_record(stopped),
+        "stopped_at": stop_record(stopped),
     }
     for line in summary_lines(metrics, tally):
         print0(line)
@@ -339,16 +336,6 @@ def report(job: Job, stopped: Preempted | NonFinite | None = None) -> dict[str, 
 
 
 # --- helpers of the phases -----------------------------------------------------------
-
-
-def _stop_record(stopped: Preempted | NonFinite | None) -> dict[str, Any] | None:
-    """Where and why the run stopped early, for the summary and metrics.json: ``after``, the
-    step the run stopped after (every rank finished it), or ``at``, the step it stopped in."""
-    if isinstance(stopped, Preempted):
-        return {"after": stopped.step, "why": "SIGTERM/SIGINT (preemption)"}
-    if isinstance(stopped, NonFinite):
-        return {"at": stopped.step, "why": stopped.what or str(stopped)}
-    return None
 
 
 def _static_shapes_for_padding(cfg: JobConfig) -> JobConfig:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..runtime.dist import print0
+from ..runtime.guard import NonFinite
+from ..runtime.preempt import Preempted
 from ..runtime.recompiles import CompileCounts
 from .load import MachineLoad, spread_line
 
@@ -197,9 +199,20 @@ def summary_lines(metrics: dict[str, Any], tally: Tally, load: MachineLoad | Non
     return lines + ([spread] if spread else [])
 
 
+def stop_record(stopped: BaseException | None) -> dict[str, Any] | None:
+    """Where and why the run stopped early (``launch.runtime.preempt.Preempted`` or
+    ``launch.runtime.guard.NonFinite``), for the summary and metrics.json: ``after``, the step
+    the run stopped after (every rank finished it), or ``at``, the step it stopped in."""
+    if isinstance(stopped, Preempted):
+        return {"after": stopped.step, "why": "SIGTERM/SIGINT (preemption)"}
+    if isinstance(stopped, NonFinite):
+        return {"at": stopped.step, "why": stopped.what or str(stopped)}
+    return None
+
+
 def _progress(metrics: dict[str, Any]) -> str:
     """The summary's first words: the steps run and the final loss, or where the run stopped,
-    why, and the last loss that was finite (metrics["stopped_at"], ``launch.train._stop_record``)."""
+    why, and the last loss that was finite (metrics["stopped_at"], :func:`stop_record`)."""
     first, last = metrics["start_step"] + 1, metrics["steps"]
     stop = metrics.get("stopped_at")
     if not stop:
