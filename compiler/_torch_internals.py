@@ -5,52 +5,25 @@ Each access below says what it relies on. Each is pinned by a test in
 release in ``TESTED_TORCH`` (``tools/torch_matrix``). Other packages (``ddp_opt``,
 ``fsdp_opt``, ``launch``, ``benchmarks``) keep their own private accesses in their
 own ``_torch_internals``-style module, and gate a feature on whether what it needs
-exists (feature detection), never on the version number; :func:`warn_feature_off_once`
-says which feature is off and why.
+exists (feature detection), never on the version number; ``warn_feature_off_once``
+(``compiler.torch_release``) says which feature is off and why. A private name read when a
+module is imported goes through ``at_import`` (Note [Private names read at import]).
 """
 
 from __future__ import annotations
 
 import re
 import traceback
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch._dynamo.utils import counters as _counters  # dynamo's global event counters
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401 - re-exported
 
-# (major, minor) torch releases the contract tests ran on (the compatibility table in
-# docs/getting-started.md, written by tools/torch_matrix); setup.cfg states the same range.
-# Features are gated by feature detection, not by this.
-TESTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
-
-_warned: set[str] = set()
-
-
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def torch_is_tested() -> bool:
-    """True when the running torch is one this toolkit was tested with."""
-    return torch_version() in TESTED_TORCH
-
-
-def warn_feature_off_once(feature: str, missing: list[str], consequence: str) -> None:
-    """One warning per feature that cannot run on this torch: what is off, which internals it
-    needs that this release lacks, and what happens instead."""
-    if feature in _warned:
-        return
-    _warned.add(feature)
-    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
-    warnings.warn(
-        f"{feature} is off on torch {torch.__version__}: it needs {', '.join(missing)}, which this release lacks, "
-        f"so {consequence}. The toolkit's contract tests run on torch {tested}.",
-        RuntimeWarning, stacklevel=3,
-    )
+# What this torch release has: the releases the contract tests ran on, the feature-off warning and
+# the names read at import (Note [Private names read at import]), kept in compiler.torch_release.
+from .torch_release import (TESTED_TORCH, at_import, import_time_names, missing_at_import,  # noqa: F401
+                            refuse_if_missing_at_import, torch_is_tested, torch_version, warn_feature_off_once,
+                            warn_if_missing_at_import)
 
 
 # --- compiling a module in place ----------------------------------------------------------
@@ -99,8 +72,11 @@ def inductor_backend(mode: str | None, options: dict | None, dynamic: bool | Non
 
 # --- dynamo control flow and graph-break reasons -------------------------------------
 
-# Exceptions dynamo raises to restart or skip tracing; a backend must let them through.
-DYNAMO_CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
+# Exceptions dynamo raises to restart or skip tracing; a backend must let them through. Without
+# one, such a signal is a compile failure: the partition or graph runs eagerly (compile_partitions warns).
+CONTROL_FLOW = "Letting dynamo's restart and skip signals through a backend"
+DYNAMO_CONTROL_FLOW = tuple(e for e in (at_import("torch._dynamo.exc.RestartAnalysis", CONTROL_FLOW),
+                                        at_import("torch._dynamo.exc.SkipFrame", CONTROL_FLOW)) if e is not None)
 
 
 def set_compile_reason(gm: fx.GraphModule, text: str, filename: str) -> None:
@@ -121,10 +97,19 @@ def graph_break_frame(gm: fx.GraphModule) -> tuple[str, Any] | None:
 
 # --- dynamo metadata on split graphs ------------------------------------------------------
 
-# split_module's GLOBAL_STATE_NODES (a local there): the region nodes it re-enters in
-# each partition it cuts through; with any in the graph it needs non-decreasing partitions.
-SET_GRAD_ENABLED = torch._C._set_grad_enabled
-SPLIT_REENTERED_TARGETS = (torch.amp._enter_autocast, torch.amp._exit_autocast, SET_GRAD_ENABLED)
+# The functions dynamo records when a graph enters/leaves autocast or switches grad mode (an exit
+# takes its enter node as argument). split_module's GLOBAL_STATE_NODES (a local there): the region
+# nodes it re-enters in each partition it cuts through; with any in the graph it needs
+# non-decreasing partitions. Without one, split_graph does not recognise those nodes (it warns).
+REGIONS = "Keeping autocast and grad-mode regions whole when a graph is split"
+AUTOCAST_ENTER = at_import("torch.amp._enter_autocast", REGIONS)
+AUTOCAST_EXIT = at_import("torch.amp._exit_autocast", REGIONS)
+SET_GRAD_ENABLED = at_import("torch._C._set_grad_enabled", REGIONS)
+SPLIT_REENTERED_TARGETS = tuple(t for t in (AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED) if t is not None)
+# The same for inference_mode, which split_module does not re-enter: a cut must not fall inside one.
+INFERENCE_REGIONS = "Recognising inference_mode regions in a captured graph"
+INFERENCE_MODE_ENTER = at_import("torch.autograd.grad_mode._enter_inference_mode", INFERENCE_REGIONS)
+INFERENCE_MODE_EXIT = at_import("torch.autograd.grad_mode._exit_inference_mode", INFERENCE_REGIONS)
 
 
 def placeholder_sources(gm: fx.GraphModule) -> dict[str, Any]:
@@ -141,6 +126,13 @@ def carry_sources(orig: fx.GraphModule, piece: fx.GraphModule, sources: dict[str
 
 
 # --- fake tensors and the tracing context (Note [Lazy partition compile]) ------------------
+
+# Fake tensors (re-exported) and dynamo's global event counters: the lazy partition compile cannot
+# run without them (compile_partitions refuses).
+LAZY_COMPILE = "Lazy partition compile (a split graph's partitions compiled one by one, Note [Lazy partition compile])"
+FakeTensor = at_import("torch._subclasses.fake_tensor.FakeTensor", LAZY_COMPILE)
+FakeTensorMode = at_import("torch._subclasses.fake_tensor.FakeTensorMode", LAZY_COMPILE)
+_counters = at_import("torch._dynamo.utils.counters", LAZY_COMPILE)
 
 
 def detect_fake_mode(inputs: list) -> FakeTensorMode | None:

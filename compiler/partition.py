@@ -75,11 +75,11 @@ class PartitionRecord:
     name: str
     status: str = "pending"
     compile_s: float = 0.0
-    shared: bool = False
     error: str | None = None
     # A damaged cached kernel the compile failed on, and what was removed
     # (Note [Damaged cache artifacts]).
     repaired: str | None = None
+    shared: bool = False
 
 
 class LazyPartition(torch.nn.Module):
@@ -232,6 +232,10 @@ def compile_partitions(
     Returns:
         One :class:`PartitionRecord` per partition, in execution order.
     """
+    _ti.refuse_if_missing_at_import(_ti.LAZY_COMPILE, "Install a torch release the contract tests ran on, or "
+                                    "compile the graph without splitting it.")
+    _ti.warn_if_missing_at_import(_ti.CONTROL_FLOW, "such a signal counts as a compile failure: the partition "
+                                  "runs eagerly")
     records = []
     for i, name in enumerate(split.partition_names):
         record = PartitionRecord(index=i, name=name)

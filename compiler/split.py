@@ -50,6 +50,9 @@ def split_graph(gm: fx.GraphModule, partition_of: Callable[[fx.Node], int]) -> S
     Returns:
         A :class:`SplitGraph` whose outer graph calls the partitions in order.
     """
+    _ti.warn_if_missing_at_import(_ti.REGIONS, "a captured graph's autocast or grad-mode nodes are not recognised: "
+                                  "the partitions' order around them is not checked and the grad mode is not "
+                                  "restored between partitions")
     _check_order_around_regions(gm, partition_of)
     # Partitions run in index order (split_module's default is a topological order
     # that may run an independent later piece first): a grad-mode switch a piece

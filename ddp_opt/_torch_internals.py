@@ -21,8 +21,11 @@ from torch import fx
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel import distributed as _ddp_module
 
-# One definition each, in the core: the default group's store, the feature-off warning.
-from compiler._torch_internals import default_store, warn_feature_off_once
+# One definition each, in the core: the default group's store, the feature-off warning, and the functions
+# dynamo records for autocast, grad-mode and inference-mode regions (Note [Private names read at import]).
+from compiler._torch_internals import (AUTOCAST_ENTER, AUTOCAST_EXIT, INFERENCE_MODE_ENTER,  # noqa: F401
+                                       INFERENCE_MODE_EXIT, INFERENCE_REGIONS, SET_GRAD_ENABLED, default_store,
+                                       warn_feature_off_once, warn_if_missing_at_import)
 
 def missing_for_realignment() -> list[str]:
     """What bucket realignment (:func:`rebuild_reducer`) needs from DDP that this torch lacks;
@@ -133,6 +136,12 @@ def rebuild_reducer(ddp_model: DistributedDataParallel, rebuild_caps: tuple[int,
     params, expect_sparse = ddp_model._build_params_for_reducer()
     names = ddp_model._build_debug_param_to_name_mapping(params)
     ddp_model._ddp_init_helper(params, expect_sparse, names, ddp_model.static_graph)
+    # _ddp_init_helper builds the reducer from DDP's attributes (gradient_as_bucket_view; torch >= 2.15 also
+    # batched_grad_copy, lazy_bucket_allocation), but manual finalization (torch >= 2.15) lives only in the
+    # reducer: as DDP.__setstate__ does, the public setter tells the new one (Reducer._set_manual_finalization_
+    # required), else it finalizes by itself and the user's finalize_backward() raises.
+    if getattr(ddp_model, "require_manual_backward_finalization", False):
+        ddp_model.require_manual_backward_finalization = True
     if ddp_model.static_graph:
         # As DDP.__setstate__ does: Reducer/Logger._set_static_graph() mark the new reducer static (else it
         # never rebuilds). Its first iteration reduces every gradient at its end (Reducer._delay_all_reduce,
@@ -212,15 +221,6 @@ def trace_artifact(name: str, encoding: str, payload_fn: Any) -> None:
 
 
 # --- what dynamo's graphs carry ------------------------------------------------------------
-
-# The functions dynamo records when a graph enters/leaves autocast or inference
-# mode or switches grad mode; an exit takes its enter node as argument.
-AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
-AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
-SET_GRAD_ENABLED = torch._C._set_grad_enabled
-INFERENCE_MODE_ENTER = torch.autograd.grad_mode._enter_inference_mode
-INFERENCE_MODE_EXIT = torch.autograd.grad_mode._exit_inference_mode
-
 
 def is_ddp_ignored(param: torch.nn.Parameter) -> bool:
     # Parameter._ddp_ignored: set by DDP._set_params_and_buffers_to_ignore_for_model on real parameters.

@@ -69,7 +69,7 @@ def test_a_torch_without_realignments_internals_turns_it_off_naming_them(monkeyp
     monkeypatch.setattr(ddp_opt.api, "REALIGN_SUPPORTED", False)
     monkeypatch.setattr("ddp_opt._torch_internals.missing_for_realignment",
                         lambda: ["DDP._bucket_config.per_bucket_bytes_caps"])
-    monkeypatch.setattr("compiler._torch_internals._warned", set())
+    monkeypatch.setattr("compiler.torch_release._features_off", set())
     with pytest.warns(RuntimeWarning, match=r"compile_ddp\(align_buckets=True\) is off on torch .*: it needs "
                                             r"DDP._bucket_config.per_bucket_bytes_caps, which this release lacks, so "
                                             r"DDP keeps its own buckets"):

@@ -43,6 +43,21 @@ def test_defaults_compose_to_typed_job_config():
     validate(cfg, world_size=2)
 
 
+def test_the_default_models_sizes_are_the_gpts_own():
+    # launch.models.GPTConfig is the one source of the default model's sizes: ModelConfig and the
+    # benchmarks read it; configs/model/gpt_tiny.yaml keeps literal values (Hydra reads YAML), held here.
+    from omegaconf import OmegaConf
+
+    from launch.config.schema import ModelConfig
+    from launch.models import GPTConfig
+
+    sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")
+    gpt, yaml, schema, composed = GPTConfig(), OmegaConf.load(CONFIGS / "model" / "gpt_tiny.yaml"), ModelConfig(), _job()
+    for name in sizes:
+        assert yaml[name] == getattr(schema, name) == getattr(composed.model, name) == getattr(gpt, name), (
+            f"configs/model/gpt_tiny.yaml's {name}={yaml[name]} is not launch.models.GPTConfig's {getattr(gpt, name)}")
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_group_option_composes(group, option, tmp_path):
     assert _options(group), f"configs/{group}/ has no options"

@@ -134,7 +134,7 @@ def test_recompile_reason_text():
 
 
 def test_a_feature_that_cannot_run_warns_once_naming_what_is_missing(monkeypatch):
-    monkeypatch.setattr(cti, "_warned", set())
+    monkeypatch.setattr("compiler.torch_release._features_off", set())
     with pytest.warns(RuntimeWarning, match=r"feature X is off on torch .*: it needs A._b, C._d, which this "
                                             r"release lacks, so it is skipped\. The toolkit's contract tests run "
                                             r"on torch 2.11, 2.12, 2.13, 2.14, 2.15"):

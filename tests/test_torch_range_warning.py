@@ -12,12 +12,13 @@ import compiler.torch_release as release
 from compiler import CompileOptions, resolve_backend
 
 UNTESTED = (
-    r"^torch 2\.16\.0 is newer than the releases the toolkit's contract tests ran on \(2\.11 to 2\.15\): every "
-    r"private torch access is feature-detected and a missing one turns its feature off with a warning, but the "
+    r"^torch 2\.16\.0 is newer than the releases the toolkit's contract tests ran on \(2\.11 to 2\.15\): the "
+    r"private torch names read at import and the internals of the features known to vary are feature-detected "
+    r"\(a missing one turns its feature off with a warning or refuses it\), but the "
     r"private torch accesses of compiler, ddp_opt, fsdp_opt and launch \(each package's _torch_internals\.py\) "
     r"have not been checked on it\. Run the contract tests against your torch from a checkout of the toolkit: "
     r"python -m pytest -q tests/test_torch_contracts\.py tests/test_torch_contracts_ddp\.py "
-    r"tests/test_launch_torch_internals\.py; report a failure "
+    r"tests/test_launch_torch_internals\.py tests/test_torch_contracts_import\.py; report a failure "
     r"as an issue with the output\.$"
 )
 

@@ -32,7 +32,7 @@ from benchmarks.harness.report import markdown_table, update_section, write_json
 
 START, END = "<!-- torch-matrix:start -->", "<!-- torch-matrix:end -->"
 JSON = ROOT / "benchmarks" / "results" / "torch_matrix.json"
-CONTRACTS = ["tests/test_torch_contracts.py", "tests/test_torch_contracts_ddp.py"]
+CONTRACTS = ["tests/test_torch_contracts.py", "tests/test_torch_contracts_ddp.py", "tests/test_torch_contracts_import.py"]
 # The paths that broke on a release before: realignment, plan agreement, real clients' flows.
 SUBSET = ["tests/test_ddp_alignment.py", "tests/test_ddp_agreement.py", "tests/test_ddp_compile_first.py",
           "tests/test_real_clients.py", "tests/test_fsdp_plan.py"]

@@ -1,25 +1,29 @@
-"""Command-line pieces the interleaved benchmarks (``ddp_compare``, ``fsdp_compare``)
-share: the model and run flags (``--device`` among them, see Note [Benchmark device]
-in ``benchmarks.harness.device``), filling unset flags from the quick or full defaults, the
-device and process group of a worker, and rank 0's outputs."""
+"""Command-line pieces the studies share: the model and run flags of the interleaved
+benchmarks (``ddp_compare``, ``fsdp_compare``; ``--device`` among them, see Note [Benchmark
+device] in ``benchmarks.harness.device``), filling unset flags from the quick or full defaults,
+the device and process group of a worker, rank 0's outputs, and the render-to-docs flags
+(``--readme``, ``--render``) of every study that writes a docs block."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from .report import print0, write_json
+from launch.models import GPTConfig
+
+from .report import DocsBlock, print0, write_json
 
 if TYPE_CHECKING:
     from .device import Placement
 
-__all__ = ["new_parser", "rendered_parser", "add_common_args", "fill_defaults", "check_device", "check_net", "job_kwargs",
-           "process_group", "publish"]
+__all__ = ["new_parser", "rendered_parser", "add_docs_args", "render_only", "readme_after_run", "add_common_args",
+           "fill_defaults", "check_device", "check_net", "job_kwargs", "process_group", "publish"]
 
 
 def new_parser(module: str, doc: str | None, quick_help: str) -> argparse.ArgumentParser:
@@ -40,6 +44,48 @@ def rendered_parser(module: str, doc: str | None, page: Path, start: str) -> arg
     return p
 
 
+def add_docs_args(p: argparse.ArgumentParser, block: DocsBlock, *, switch: bool = False,
+                  render_help: str | None = None) -> None:
+    """The render-to-docs flags of a study that writes ``block``: ``--readme PAGE`` (a run also
+    rewrites PAGE's block) and ``--render``, which rewrites a page's block from a result JSON and
+    runs nothing: ``--render JSON PAGE``, or with ``switch`` a bare ``--render`` that rewrites
+    ``--readme``'s block from ``--json``. :func:`render_only` carries ``--render`` out."""
+    p.add_argument("--readme", default=None, metavar="PAGE",
+                   help=f"after the run, also rewrite PAGE's {block.name} block (it lives on {block.page})")
+    if switch:
+        p.add_argument("--render", action="store_true",
+                       help=render_help or "only rewrite --readme's block from --json; run nothing")
+    else:
+        p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"),
+                       help=render_help or "only rewrite PAGE's block from the result at JSON; run nothing")
+
+
+def render_only(args: argparse.Namespace, block: DocsBlock) -> Any | None:
+    """``--render`` (:func:`add_docs_args`) carried out when it was given: the page's block rewritten
+    from the result JSON and ``updated PAGE`` printed; returns the result read (a caller may draw more
+    from it, a plot), or None without ``--render``."""
+    if not args.render:
+        return None
+    if args.render is True:  # the switch: --readme's block from --json
+        if not args.readme:
+            raise SystemExit(f"--render rewrites the {block.name} block of --readme, and none was given: add "
+                             f"--readme {block.page} (and --json JSON for another result than the default).")
+        json_path, page = args.json, args.readme
+    else:
+        json_path, page = args.render
+    result = json.loads(Path(json_path).read_text())
+    block.write(result, page)
+    print(f"updated {page}")
+    return result
+
+
+def readme_after_run(args: argparse.Namespace, block: DocsBlock, result: Any) -> None:
+    """The end of a run with ``--readme PAGE``: PAGE's block rewritten from ``result``; rank 0 says so."""
+    if args.readme:
+        block.write(result, args.readme)
+        print0(f"updated {args.readme}")
+
+
 def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_help: str, plot_help: str) -> None:
     """``--nproc --device --backend --batch --seq --vocab --layers --embd --heads --seed --json --plot``."""
     p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to launch (default 2)")
@@ -48,11 +94,11 @@ def add_common_args(p: argparse.ArgumentParser, *, layers: int, embd: int, embd_
                         "own, else gloo), cpu (gloo), or auto = cuda when torch.cuda.is_available() (default auto)")
     p.add_argument("--backend", default=None, help="dynamo backend for the compiled modes (default inductor)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (block_size)")
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=GPTConfig.block_size, help="sequence length (block_size)")
+    p.add_argument("--vocab", type=int, default=GPTConfig.vocab_size)
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--embd", type=int, default=embd, help=embd_help)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads", type=int, default=GPTConfig.n_head)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--net", default="local",
                    help="local: every rank on this machine's loopback (default); shaped:RATE (tc units, e.g. "

@@ -75,11 +75,11 @@ class GPTJob:
     warmup: int = 3
     rounds: int = 10
     batch: int = 8
-    seq: int = 64
-    vocab: int = 512
-    layers: int = 4
-    embd: int = 256
-    heads: int = 4
+    seq: int = GPTConfig.block_size  # the GPT's own sizes (launch.models.GPTConfig), but for the width
+    vocab: int = GPTConfig.vocab_size
+    layers: int = GPTConfig.n_layer
+    embd: int = 256  # wider than the GPT's default: more gradient bytes per block for the link to carry
+    heads: int = GPTConfig.n_head
     lr: float = 1e-2
     seed: int = 0
 

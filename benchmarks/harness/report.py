@@ -1,5 +1,6 @@
 """Turning benchmark results into text: value cells, Markdown and terminal tables,
-Docs pages' sections between markers, JSON files, and rank-0 progress lines.
+Docs pages' sections between markers (a study's :class:`DocsBlock`), JSON files, and rank-0
+progress lines.
 
 No torch here, so rendering a docs section from committed JSON stays light.
 """
@@ -9,13 +10,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from launch.runtime.dist import print0 as launch_print0
 
 __all__ = ["print0", "fmt", "nan_to_none", "cap_label", "with_iqr", "markdown_table", "terminal_table",
-           "replace_section", "update_section", "write_json", "write_result"]
+           "replace_section", "update_section", "DocsBlock", "write_json", "write_result"]
 
 
 def print0(*args, **kwargs) -> None:
@@ -86,6 +88,30 @@ def update_section(path: str | Path, body: str, start: str, end: str) -> str:
     path = Path(path)
     path.write_text(replace_section(path.read_text(), body, start, end))
     return body
+
+
+@dataclass(frozen=True)
+class DocsBlock:
+    """A study's generated block of a docs page: its markers, the Markdown it is made of from the
+    study's result (its JSON, loaded), and the page it lives on (relative to the repository)."""
+
+    start: str
+    end: str
+    markdown: Callable[[Any], str]
+    page: str
+
+    @property
+    def name(self) -> str:
+        """``bench:padding`` for ``<!-- bench:padding:start -->``."""
+        return self.start.removeprefix("<!-- ").removesuffix(":start -->")
+
+    def write(self, result: Any, page: str | Path) -> str:
+        """Rewrite the block in the file at ``page`` from ``result``; return the block."""
+        return update_section(page, self.markdown(result), self.start, self.end)
+
+    def write_from_json(self, json_path: str | Path, page: str | Path) -> str:
+        """Rewrite the block in the file at ``page`` from the result JSON at ``json_path``; return the block."""
+        return self.write(json.loads(Path(json_path).read_text()), page)
 
 
 def write_json(data: Any, path: str | Path) -> None:

@@ -3,4 +3,4 @@
 ``fsdp_compare`` (with ``fsdp_bench``), ``compile_time``, ``compile_share`` (with
 ``rank_inductor``, its per-rank torchrun entry), ``convergence``, ``padding_compare``,
 ``step_gate_peers``, ``gpu_check``, ``checkpoint_checksum`` and ``lightning_compare``
-(with ``lightning_fits``). Nothing is imported here."""
+(with ``lightning_modes`` and ``lightning_fits``). Nothing is imported here."""

@@ -18,7 +18,6 @@ is regenerated from the JSON (``--readme``/``--render``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -26,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..harness.report import markdown_table, update_section, write_result
+from ..harness.cli import add_docs_args, render_only
+from ..harness.report import DocsBlock, markdown_table, write_result
 from ..harness.stats import median
 
 START, END = "<!-- bench:checksum:start -->", "<!-- bench:checksum:end -->"
@@ -110,9 +110,8 @@ def section_body(data: dict) -> str:
     return f"\n{head}\n\n{table}\n"
 
 
-def render(json_path: str | Path, readme: str | Path) -> str:
-    """The docs block from the JSON at ``json_path``, written between the markers in ``readme``."""
-    return update_section(readme, section_body(json.loads(Path(json_path).read_text())), START, END)
+BLOCK = DocsBlock(START, END, section_body, "docs/reliability.md")
+render = BLOCK.write_from_json  # render(json_path, page): the page's block from the result JSON
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,11 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the temporary checkpoint goes (default: the temp folder)")
     p.add_argument("--json", default=JSON)
-    p.add_argument("--readme", default=None, help="a docs page whose checksum section to regenerate")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only regenerate PAGE's table from JSON")
+    add_docs_args(p, BLOCK)
     a = p.parse_args(argv)
-    if a.render:
-        render(*a.render)
+    if render_only(a, BLOCK) is not None:
         return 0
     return write_result(measure(a.gib, a.rounds, a.dir), a.json, a.readme, render)
 

@@ -33,7 +33,6 @@ median with its IQR. ``OMP_NUM_THREADS=1`` per rank, as torchrun sets it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -42,7 +41,8 @@ from pathlib import Path
 from typing import Sequence
 
 from .._torch_internals import has_compile_on_one_rank
-from ..harness.report import fmt, markdown_table, update_section, with_iqr, write_result
+from ..harness.cli import add_docs_args, render_only
+from ..harness.report import DocsBlock, fmt, markdown_table, with_iqr, write_result
 from ..harness.rounds import interleaved_rounds
 from ..harness.stats import median, ratio_summary
 from ..harness.torchrun import job_env, run_main_job
@@ -143,9 +143,8 @@ def results_markdown(result: dict) -> str:
     ])
 
 
-def render(json_path: str | Path, readme: str | Path) -> None:
-    """Rewrite ``readme``'s shared-compile section from the result JSON at ``json_path``."""
-    update_section(readme, results_markdown(json.loads(Path(json_path).read_text())), START, END)
+BLOCK = DocsBlock(START, END, results_markdown, "docs/compile-time.md")
+render = BLOCK.write_from_json  # render(json_path, page): the page's shared-compile block from the result JSON
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,14 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(one_rank needs torch.compiler.config.compile_on_one_rank, torch 2.14+)")
     p.add_argument("--out", default="bench_out/compile_share", help="work directory (emptied per run)")
     p.add_argument("--json", default="benchmarks/results/compile_share.json")
-    p.add_argument("--readme", default=None, help="regenerate this docs page's shared-compile section")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only regenerate the page's section")
+    add_docs_args(p, BLOCK)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: aot_eager, 2 ranks, 1 run, one shared Inductor dir, a narrow model")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args(argv)
-    if a.render:
-        render(*a.render)
+    if render_only(a, BLOCK) is not None:
         return 0
     extra = list(a.overrides)
     if a.quick:

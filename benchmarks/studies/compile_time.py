@@ -53,7 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..harness.report import fmt, markdown_table, update_section, with_iqr, write_result
+from launch.models import GPTConfig
+
+from ..harness.cli import add_docs_args, render_only
+from ..harness.report import DocsBlock, fmt, markdown_table, with_iqr, write_result
 from ..harness.rounds import interleaved_rounds
 from ..harness.stats import median, ratio_summary
 from ..harness.torchrun import job_env, run_checked, run_main_job
@@ -140,10 +143,12 @@ def run_restarts(modes: Sequence[str], out: Path, *, warm_runs: int, **kw) -> li
 QUICK_OVERRIDES = ["model.n_embd=32", "model.n_head=2", "train.batch_size=2", "train.seq_len=16"]
 
 
-def step_model(embd: int = 128, heads: int = 4, seq: int = 64) -> list[str]:
-    """The launcher's model (configs/model/gpt_tiny.yaml with n_layer=8) as
+def step_model(embd: int = GPTConfig.n_embd, heads: int = GPTConfig.n_head,
+               seq: int = GPTConfig.block_size) -> list[str]:
+    """The launcher's model (``launch.models.GPTConfig``'s sizes with n_layer=8) as
     ddp_compare flags, at width ``embd``."""
-    return ["--layers", "8", "--embd", str(embd), "--heads", str(heads), "--vocab", "512", "--seq", str(seq)]
+    return ["--layers", "8", "--embd", str(embd), "--heads", str(heads), "--vocab", str(GPTConfig.vocab_size),
+            "--seq", str(seq)]
 
 
 STEP_MODEL = step_model()
@@ -297,9 +302,8 @@ def results_markdown(result: dict) -> str:
     return "\n\n".join(notes)
 
 
-def render(json_path: str | Path, readme: str | Path) -> None:
-    """Rewrite ``readme``'s compile section from the result JSON at ``json_path``."""
-    update_section(readme, results_markdown(json.loads(Path(json_path).read_text())), START, END)
+BLOCK = DocsBlock(START, END, results_markdown, "docs/compile-time.md")
+render = BLOCK.write_from_json  # render(json_path, page): the page's compile block from the result JSON
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,8 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="bench_out/compile_time", help="work directory (emptied per mode)")
     p.add_argument("--json", default="benchmarks/results/compile_time.json")
-    p.add_argument("--readme", default=None, help="regenerate this docs page's compile section")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only regenerate the page's section")
+    add_docs_args(p, BLOCK)
     p.add_argument("--quick", action="store_true", help="smoke run: aot_eager, 1 rank, 3 steps, a narrow model")
     p.add_argument("--warm-runs", type=int, default=None,
                    help="warm restarts per mode, rotating order, median reported (default 3; --quick: 1)")
@@ -325,8 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "re-run) from the existing --json; the table says which run each row comes from")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args(argv)
-    if a.render:
-        render(*a.render)
+    if render_only(a, BLOCK) is not None:
         return 0
     extra = list(a.overrides)
     if a.quick:

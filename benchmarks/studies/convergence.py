@@ -46,9 +46,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..harness.cli import new_parser
+from ..harness.cli import add_docs_args, new_parser, readme_after_run, render_only
 from ..harness.plot import plot_losses
-from ..harness.report import fmt, markdown_table, print0, update_section, write_json
+from ..harness.report import DocsBlock, fmt, markdown_table, print0, write_json
 from ..harness.torchrun import run_main_job
 
 __all__ = ["RUNS", "START", "END", "corpus_text", "main", "parse_args", "results_markdown", "summarize"]
@@ -79,8 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
     p.add_argument("--json", default=None, help=f"the result (default {DEFAULT_JSON}; with --quick {QUICK_JSON})")
     p.add_argument("--plot", default=None, help=f"the loss curves (default {DEFAULT_PLOT}; none with --quick)")
-    p.add_argument("--readme", default=None, help="rewrite this page's bench:convergence block")
-    p.add_argument("--render", action="store_true", help="only re-render --readme and --plot from --json; run nothing")
+    add_docs_args(p, BLOCK, switch=True, render_help="only re-render --readme and --plot from --json; run nothing")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it counts as hung")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -178,6 +177,9 @@ def _verdict(rows: list[dict]) -> dict[str, Any]:
     return out
 
 
+BLOCK = DocsBlock(START, END, results_markdown, "docs/compression.md")
+
+
 def _plot(result: dict, path: str) -> None:
     plot_losses([(r["run"], r["losses"]) for r in result["rows"]], path,
                 f"{result['meta']['model'].split(' ')[0]}, 2 ranks: gradients reduced in fp32, bf16, PowerSGD")
@@ -186,13 +188,7 @@ def _plot(result: dict, path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.render:
-        if not args.readme:
-            raise SystemExit("--render rewrites the bench:convergence block of --readme, and none was given: add "
-                             "--readme docs/compression.md.")
-        result = json.loads(Path(args.json).read_text())
-        update_section(args.readme, results_markdown(result), START, END)
-        print(f"updated {args.readme}")
+    if (result := render_only(args, BLOCK)) is not None:
         if args.plot:
             _plot(result, args.plot)
         return 0
@@ -227,9 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         _plot(result, args.plot)
     print(results_markdown(result))
-    if args.readme:
-        update_section(args.readme, results_markdown(result), START, END)
-        print0(f"updated {args.readme}")
+    readme_after_run(args, BLOCK, result)
     return 0
 
 

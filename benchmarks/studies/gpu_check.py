@@ -42,7 +42,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..harness.report import fmt, markdown_table, update_section, with_iqr, write_json
+from ..harness.cli import add_docs_args, render_only
+from ..harness.report import DocsBlock, fmt, markdown_table, with_iqr, write_json
 
 __all__ = ["main", "STEPS", "merge", "render", "results_markdown", "read_junit"]
 
@@ -220,8 +221,8 @@ def results_markdown(result: dict) -> str:
     return "\n\n".join(parts)
 
 
-def render(json_path: str | Path, readme: str | Path) -> None:
-    update_section(readme, results_markdown(json.loads(Path(json_path).read_text())), START, END)
+BLOCK = DocsBlock(START, END, results_markdown, "docs/gpu.md")
+render = BLOCK.write_from_json  # render(json_path, page): the page's GPU block from the check's JSON
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,13 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bench-timeout", type=float, default=300.0, help="seconds for each benchmark")
     p.add_argument("--update", action="store_true",
                    help="keep the steps of the existing --json that this run does not repeat")
-    p.add_argument("--readme", default=None, help="also rewrite this docs page's GPU section")
-    p.add_argument("--render", nargs=2, metavar=("JSON", "PAGE"), help="only rewrite the page's section")
+    add_docs_args(p, BLOCK)
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="only join these check JSONs (later steps win) into --json; runs nothing")
     a = p.parse_args(argv)
-    if a.render:
-        render(*a.render)
+    if render_only(a, BLOCK) is not None:
         return 0
     if a.merge:
         try:

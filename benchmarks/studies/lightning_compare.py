@@ -54,16 +54,14 @@ Notes
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from ..harness.cli import rendered_parser
-from ..harness.report import fmt, markdown_table, update_section, with_iqr
-from ..harness.stats import median, ratio_summary
+from ..harness.report import DocsBlock
+from .lightning_modes import BASELINE, COMMAND_ENV, MODES, LightningMode, format_table, mode_rows
 
 log = logging.getLogger(__name__)
 
@@ -73,38 +71,6 @@ __all__ = ["LightningMode", "MODES", "BASELINE", "START", "END", "PAGE", "parse_
 START = "<!-- bench:lightning:start -->"
 END = "<!-- bench:lightning:end -->"
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "frameworks" / "lightning.md"
-BASELINE = "lightning_compile"  # the ratio column divides by Lightning's own idiom, round by round
-COMMAND_ENV = "BENCH_LIGHTNING_COMMAND"  # the user's command line, handed to the workers by relaunch
-DDP_DEFAULT_CAP_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
-
-
-@dataclass(frozen=True)
-class LightningMode:
-    """One way a Lightning user trains the model: what they write, and the bucket cap it runs at."""
-
-    name: str
-    code: str  # what the user writes, as shown in the table
-    compiled: bool
-    bucket_cap_mb: float | str = DDP_DEFAULT_CAP_MB
-    ours: bool = False
-
-    def strategy(self, backend: str):
-        """The Trainer's ``strategy`` argument of this mode."""
-        if not self.ours:
-            return "ddp"
-        from ddp_opt.frameworks.lightning import CompiledDDPStrategy
-
-        cap = {"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb == "auto" else {}
-        return CompiledDDPStrategy(backend=backend, **cap)
-
-
-MODES: dict[str, LightningMode] = {m.name: m for m in (
-    LightningMode("eager", 'strategy="ddp"', compiled=False),
-    LightningMode(BASELINE, 'fit(torch.compile(model)), strategy="ddp"', compiled=True),
-    LightningMode("ours", "strategy=CompiledDDPStrategy()", compiled=True, ours=True),
-    LightningMode("ours_auto", 'strategy=CompiledDDPStrategy(bucket_cap_mb="auto")', compiled=True,
-                  bucket_cap_mb="auto", ours=True),
-)}
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -138,40 +104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# --- pure: the rows from what was measured, and their text ------------------------------------------
-
-
-def mode_rows(fits: Mapping[str, Sequence[Sequence[float]]], baseline: str = BASELINE) -> list[dict]:
-    """One row per mode from ``fits[mode][round]``, the measured step seconds of that mode's fit
-    in that round: ``step_ms_median`` (every measured step pooled), ``step_ms_rounds`` (each
-    fit's median) and ``vs_lightning_compile`` (median, q1, q3 of the per-round ratios of the
-    fits' medians to ``baseline``'s)."""
-    per_round = {mode: [median(steps) for steps in rounds] for mode, rounds in fits.items()}
-    rows = []
-    for mode, rounds in fits.items():
-        mid, q1, q3 = ratio_summary(per_round[mode], per_round[baseline])
-        rows.append({"mode": mode, "step_ms_median": median([s for steps in rounds for s in steps]) * 1e3,
-                     "step_ms_rounds": [t * 1e3 for t in per_round[mode]],
-                     "vs_lightning_compile": {"median": mid, "q1": q1, "q3": q3}})
-    return rows
-
-
-HEADERS = ["mode", "what the user writes", "bucket_cap_mb", "step ms", f"vs {BASELINE} [IQR]",
-           "fwd / bwd / opt ms", "partitions", "alignment", "loss diff"]
-
-
-def _cells(r: dict) -> list[str]:
-    ratio = r["vs_lightning_compile"]
-    phases = " / ".join(fmt(r.get(k), ".0f") for k in ("fwd_ms", "bwd_ms", "opt_ms"))
-    return [f"`{r['mode']}`", f"`{MODES[r['mode']].code}`" if r["mode"] in MODES else "?",
-            str(r["bucket_cap_mb"]) if isinstance(r["bucket_cap_mb"], str) else f"{r['bucket_cap_mb']:g}",
-            fmt(r["step_ms_median"], ".0f"), with_iqr(ratio["median"], ratio["q1"], ratio["q3"]), phases,
-            fmt(r.get("buckets"), "d"), fmt(r.get("alignment"), ".2f"), fmt(r.get("loss_max_abs_diff"), ".1e")]
-
-
-def format_table(rows: Sequence[dict]) -> str:
-    """The rows as the docs block's Markdown table."""
-    return markdown_table(HEADERS, [_cells(r) for r in rows])
+# --- the docs block (the rows and their table: lightning_modes) ---------------------------------------
 
 
 def _load_text(r: dict) -> str:
@@ -219,9 +152,12 @@ def results_markdown(rows: Sequence[dict]) -> str:
                         "benchmarks/results/lightning_shaped_200mbit.json`."])
 
 
+BLOCK = DocsBlock(START, END, results_markdown, "docs/frameworks/lightning.md")
+
+
 def render(out: str | Path, page: str | Path = PAGE) -> str:
     """Rewrite ``page``'s Lightning block from the rows at ``out``; return the block."""
-    return update_section(page, results_markdown(json.loads(Path(out).read_text())), START, END)
+    return BLOCK.write_from_json(out, page)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,11 +28,11 @@ from lightning.pytorch.utilities.compile import to_uncompiled
 from .._torch_internals import BuiltinBuckets, inductor_cache_at, room_for_compiled_copies
 from ..harness.cli import process_group
 from ..harness.core import GPTJob, gather_rank0
-from .lightning_compare import COMMAND_ENV, MODES, LightningMode, format_table, mode_rows
 from ..harness.limit import measure_comm
 from ..harness.report import print0, write_json
 from ..harness.rounds import interleaved_rounds
 from ..harness.stats import median
+from .lightning_modes import COMMAND_ENV, MODES, LightningMode, format_table, mode_rows
 
 log = logging.getLogger(__name__)
 

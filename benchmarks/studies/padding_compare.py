@@ -37,7 +37,6 @@ Notes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -46,8 +45,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..harness.cli import new_parser
-from ..harness.report import fmt, markdown_table, print0, update_section, write_json
+from launch.models import GPTConfig
+
+from ..harness.cli import add_docs_args, new_parser, readme_after_run, render_only
+from ..harness.report import DocsBlock, fmt, markdown_table, print0, write_json
 from ..harness.rounds import interleaved_rounds
 from ..harness.torchrun import run_main_job
 
@@ -60,8 +61,9 @@ END = "<!-- bench:padding:end -->"
 STRATEGIES = ("max", "multiple", "dynamic")
 DEFAULT_JSON = "benchmarks/results/padding_compare.json"
 QUICK_JSON = "bench_out/padding_compare_quick.json"  # a smoke run never overwrites the real results
-FULL = dict(backend="inductor", n_layer=4, n_embd=128, n_head=4, seq_len=128, batch_size=16, pad_multiple=32,
-            steps=30, rounds=2)
+# FULL: the launcher's default model (launch.models.GPTConfig's sizes) at a longer sequence.
+FULL = dict(backend="inductor", n_layer=GPTConfig.n_layer, n_embd=GPTConfig.n_embd, n_head=GPTConfig.n_head,
+            seq_len=128, batch_size=16, pad_multiple=32, steps=30, rounds=2)
 QUICK = dict(backend="aot_eager", n_layer=2, n_embd=64, n_head=2, seq_len=64, batch_size=8, pad_multiple=16,
              steps=6, rounds=1)
 KEYS = ("real_tokens_per_s", "tokens_per_s", "padding_waste", "warmup_s", "first_step_s", "median_step_ms",
@@ -76,8 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of max,multiple,dynamic")
     p.add_argument("--json", default=None,
                    help=f"write the result here (default {DEFAULT_JSON}; with --quick {QUICK_JSON})")
-    p.add_argument("--readme", default=None, help="rewrite this file's bench:padding section")
-    p.add_argument("--render", action="store_true", help="only re-render --readme from --json; run nothing")
+    add_docs_args(p, BLOCK, switch=True)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it counts as hung")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
@@ -167,19 +168,13 @@ def padding_markdown(result: dict) -> str:
     return "\n\n".join(parts)
 
 
-def update_padding_section(result: dict, target: str | Path) -> str:
-    """Rewrite ``target``'s ``bench:padding`` section from a padding_compare result."""
-    return update_section(target, padding_markdown(result), START, END)
+BLOCK = DocsBlock(START, END, padding_markdown, "docs/benchmarks/padding.md")
+update_padding_section = BLOCK.write  # update_padding_section(result, page): the page's bench:padding block
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.render:
-        if not args.readme:
-            raise SystemExit("--render rewrites the bench:padding section of --readme, and none was given: "
-                             "add --readme docs/benchmarks/padding.md (and --json JSON for another result than the default).")
-        update_padding_section(json.loads(Path(args.json).read_text()), args.readme)
-        print(f"updated {args.readme}")
+    if render_only(args, BLOCK) is not None:
         return 0
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.strategies}
     with tempfile.TemporaryDirectory(prefix="padding_compare_") as tmp:
@@ -200,9 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(result, args.json)
         print0(f"wrote {args.json}")
     print(padding_markdown(result))
-    if args.readme:
-        update_padding_section(result, args.readme)
-        print0(f"updated {args.readme}")
+    readme_after_run(args, BLOCK, result)
     return 0
 
 

@@ -42,8 +42,8 @@ from typing import Sequence
 import torch
 from torch import fx
 
-from .._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MODE_EXIT, is_ddp_ignored,
-                               placeholder_parameter)
+from .._torch_internals import (AUTOCAST_EXIT, INFERENCE_MODE_ENTER, INFERENCE_MODE_EXIT, INFERENCE_REGIONS,
+                               is_ddp_ignored, placeholder_parameter, warn_if_missing_at_import)
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +312,8 @@ def _cuttable_after(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes after which the graph may be cut: anywhere but inside an
     ``inference_mode`` region, which ``split_module`` does not re-enter (autocast
     and grad-mode regions it does; see Note [Bucket planning])."""
+    warn_if_missing_at_import(INFERENCE_REGIONS, "bucket planning may cut a captured graph inside an inference_mode "
+                              "region, which split_module does not re-enter")
     depth, ok = 0, set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):

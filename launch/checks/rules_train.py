@@ -15,7 +15,7 @@ from compiler.trust import unsafe_folder
 from ..checkpoint.resume import plan_resume
 from ..checkpoint.run_identity import run_identity
 from ..config.schema import ConfigError, JobConfig, Lengths, LRSchedule, Padding, ParallelMode, Precision, TrainConfig
-from ..runtime._torch_internals import recompile_limit
+from ..runtime._torch_internals import recompile_limit, refuse_no_recompile
 from ..runtime.dist import restarted_by_torchrun
 from ..runtime.guard import OnNonfinite
 from .rules import choice, positive, require_cuda
@@ -202,7 +202,8 @@ def check_step(cfg: JobConfig, world_size: int) -> None:
 
 
 def _compiled_step(cfg: JobConfig) -> None:
-    """compile.optimizer and train.no_recompile_after_warmup need something compiled."""
+    """compile.optimizer and train.no_recompile_after_warmup need something compiled (the latter also dynamo's
+    RecompileError)."""
     c = cfg.compile
     if c.optimizer and c.backend == "eager":
         raise ConfigError(
@@ -221,3 +222,8 @@ def _compiled_step(cfg: JobConfig) -> None:
             "no recompile to forbid. Use compile=aot_eager or compile=inductor, or set "
             "train.no_recompile_after_warmup=false."
         )
+    if cfg.train.no_recompile_after_warmup:
+        try:
+            refuse_no_recompile()
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None

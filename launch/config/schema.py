@@ -18,6 +18,8 @@ from hydra.core.config_store import ConfigStore
 
 from compiler import CompileOptions
 
+from ..models import GPTConfig
+
 __all__ = [
     "ConfigError",
     # choices
@@ -97,16 +99,18 @@ class LRSchedule(str, Enum):
 @dataclass
 class ModelConfig:
     """``model`` group. ``gpt_tiny`` and ``hf_gpt2`` use the size fields; ``custom``
-    builds ``_target_(**kwargs)`` (nested ``_target_`` dicts are instantiated too)."""
+    builds ``_target_(**kwargs)`` (nested ``_target_`` dicts are instantiated too). The sizes
+    default to the GPT's own (``launch.models.GPTConfig``, their one source;
+    ``configs/model/gpt_tiny.yaml`` repeats them, pinned by ``tests/test_launch_config.py``)."""
 
     name: str = "gpt_tiny"  # a ModelName
     _target_: Optional[str] = None
-    vocab_size: int = 512
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
+    vocab_size: int = GPTConfig.vocab_size
+    block_size: int = GPTConfig.block_size
+    n_layer: int = GPTConfig.n_layer
+    n_head: int = GPTConfig.n_head
+    n_embd: int = GPTConfig.n_embd
+    dropout: float = GPTConfig.dropout
     kwargs: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -16,6 +16,10 @@ __all__ = ["GPTConfig", "GPT", "Block"]
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """The GPT's sizes. Their defaults are the one source of the default model's size: the
+    launcher's model schema (``launch.config.schema.ModelConfig``) and the benchmarks read them,
+    and ``configs/model/gpt_tiny.yaml`` repeats them (``tests/test_launch_config.py`` checks)."""
+
     vocab_size: int = 512
     block_size: int = 64
     n_layer: int = 4

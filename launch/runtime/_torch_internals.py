@@ -17,14 +17,24 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-# One definition, in the core: dynamo's recompile limit (torch._dynamo.config.recompile_limit).
-from compiler._torch_internals import recompile_limit
+# One definition each, in the core: dynamo's recompile limit (torch._dynamo.config.recompile_limit), and
+# the names read at import (Note [Private names read at import]).
+from compiler._torch_internals import at_import, recompile_limit, refuse_if_missing_at_import
 
-__all__ = ["RecompileError", "error_on_recompile", "mark_dynamic", "recompile_limit", "AgentSignalled", "FailedWorker",
-           "torchrun_parser", "torchrun_args", "torchrun_sizes", "run_torchrun"]
+__all__ = ["RecompileError", "refuse_no_recompile", "error_on_recompile", "mark_dynamic", "recompile_limit",
+           "AgentSignalled", "FailedWorker", "torchrun_parser", "torchrun_args", "torchrun_sizes", "run_torchrun"]
 
-# Raised by dynamo instead of recompiling a frame while `error_on_recompile` is set.
-RecompileError = torch._dynamo.exc.RecompileError
+# Raised by dynamo instead of recompiling a frame while `error_on_recompile` is set; None where this
+# torch lacks it: train.no_recompile_after_warmup=true is then refused (refuse_no_recompile).
+NO_RECOMPILE = "train.no_recompile_after_warmup=true"
+RecompileError = at_import("torch._dynamo.exc.RecompileError", NO_RECOMPILE)
+
+
+def refuse_no_recompile() -> None:
+    """Raise RuntimeError where this torch lacks what ``train.no_recompile_after_warmup`` needs."""
+    refuse_if_missing_at_import(NO_RECOMPILE, "Set train.no_recompile_after_warmup=false to allow recompiles "
+                                "(the launcher then counts them), or install a torch release the contract tests "
+                                "ran on.")
 
 
 @contextlib.contextmanager

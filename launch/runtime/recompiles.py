@@ -37,7 +37,7 @@ import torch
 
 from compiler import Diagnoser, size_guard
 
-from ._torch_internals import RecompileError, error_on_recompile
+from ._torch_internals import RecompileError, error_on_recompile, refuse_no_recompile
 
 __all__ = ["CompileCounter", "CompileCounts", "RecompileAfterWarmupError", "no_recompile"]
 
@@ -80,6 +80,7 @@ def no_recompile(enabled: bool, inputs: dict[str, torch.Tensor], step: int,
     if not enabled:
         yield
         return
+    refuse_no_recompile()  # a torch without dynamo's RecompileError (the launcher's checks refuse it first)
     try:
         with error_on_recompile():
             yield
