@@ -15,6 +15,7 @@ import pytest
 from benchmarks.harness import heap_peak
 from benchmarks.render.optimizer_in_backward_report import END, START, done_when, limit_columns, results_markdown
 from benchmarks.studies.optimizer_in_backward import main, parse_args
+from benchmarks.studies.optimizer_in_backward_ranks import lazy_peer_missing
 
 REPO = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"mode", "bucket_cap_mb", "optimizer_in_backward", "peak_mib", "grad_mib", "step_ms_median", "link",
@@ -135,8 +136,34 @@ def test_every_measured_row_of_the_committed_json_has_the_issues_fields():
     rows = json.loads((REPO / "benchmarks" / "results" / "optimizer_in_backward.json").read_text())
     assert {r["link"] for r in rows} == {"none", "200mbit", "800mbit"}
     for r in rows:
-        assert r["bucket_cap_mb"] == "auto" and r["mode"] in ("split", "traced") and r["batch"] in (8, 1)
+        peer = r["mode"] == "eager"  # eager DDP with lazy_bucket_allocation=True (torch 2.15), DDP's own caps
+        assert r["mode"] in ("split", "traced", "eager") and r["batch"] in (8, 1)
+        assert r["bucket_cap_mb"] == (None if peer else "auto") and r.get("lazy_bucket_allocation", False) == peer
         assert r.get("skipped") or ROW_KEYS <= set(r), r.get("runner")
+    assert {r["batch"] for r in rows if r["mode"] == "eager" and r["peak_mib"] is not None} == {8, 1}
+
+
+def test_the_lazy_buckets_peer_is_a_row_of_its_own_compared_with_split_in_backward():
+    def peer(**kw):
+        return _row("none", False, mode="eager", lazy_bucket_allocation=True, bucket_cap_mb=None, peak_mib=197.0,
+                    ratio_vs_without=None, ratio_vs_without_q1=None, ratio_vs_without_q3=None, opt_ms=1.0, **kw)
+
+    rows = limit_columns([*_rows(), peer()])
+    # The peer leaves the job's limit parts to the compiled rows (opt stays 30 ms) and, from the same run, gets
+    # the same limit; it has no goals (those are for the rows with the optimizer in backward).
+    assert rows[3]["limit_ms"] == pytest.approx(180.0) and rows[-1]["limit_ms"] == pytest.approx(180.0)
+    assert len(done_when(rows)) == 2
+    text = results_markdown(rows)
+    assert "| none | 8 | eager, lazy buckets | no | 600 [590, 610] | - | 197.0 | 40.0 | - | 34.0 | 13.0 | 180 |" in text
+    assert ("- none, batch 8: peak 197.0 MiB (the step's own 40.0, from - MiB live at its start); split with the "
+            "optimizer in backward peaks at 199.0 MiB, 2.0 MiB (0.17 x the gradient bytes) above it\n") in text
+    # Merged in from a run of its own: no limit from another run's parts, and the line names its run.
+    other = peer(date="2026-11-29", command="python -m benchmarks.studies.optimizer_in_backward --strategies split")
+    rows = limit_columns([*_rows(), other])
+    assert "limit_ms" not in rows[-1]
+    assert ("above it (measured in a run of its own, 2026-11-29: `python -m benchmarks.studies.optimizer_in_backward "
+            "--strategies split`; its step time and limit are not comparable with the table's)"
+            ) in results_markdown(rows)
 
 
 def test_links_are_shaped_rates_or_none(capsys):
@@ -212,8 +239,9 @@ def test_a_quick_run_writes_both_rows_per_strategy_and_frees_the_gradients_in_ba
     out = tmp_path / "quick.json"
     assert main(["--quick", "--rounds", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
+    peer = {("eager", False)} if lazy_peer_missing() is None else set()  # eager DDP, lazy_bucket_allocation=True
     assert {(r["mode"], r["optimizer_in_backward"]) for r in rows} == {(s, b) for s in ("split", "traced")
-                                                                       for b in (False, True)}
+                                                                       for b in (False, True)} | peer
     split = {r["optimizer_in_backward"]: r for r in rows if r["mode"] == "split"}
     for r in split.values():
         assert ROW_KEYS <= set(r) and r["link"] == "none" and r["backend"] == "aot_eager"
@@ -227,6 +255,8 @@ def test_a_quick_run_writes_both_rows_per_strategy_and_frees_the_gradients_in_ba
     assert split[False]["released_mib"] is None
     assert split[True]["backward_end_saved_of_grad"] > 0.8  # each gradient freed after its update
     assert split[True]["opt_ms"] < split[False]["opt_ms"]  # optimizer.step() after backward found nothing
+    for r in (r for r in rows if r["mode"] == "eager"):  # measured in a job of its own, the buckets lazy
+        assert r["lazy_bucket_allocation"] and r["peak_mib"] is not None and r["memory_rounds"] == 3
     for r in (r for r in rows if r["mode"] == "traced"):
         assert (r["skipped"] and "compile_ddp(strategy='traced', optimizer=...)" in r["skipped"]) or \
             r["peak_mib"] is not None

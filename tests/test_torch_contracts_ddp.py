@@ -67,6 +67,25 @@ def test_ddp_reducer_rebuild(gloo_module):
     assert dti.registered_hook_name(model) is None and dti.python_comm_hooks(model) == []
 
 
+@needs_realignment
+def test_the_rebuilt_reducer_takes_the_users_settings(gloo_module):
+    # DDP._ddp_init_helper builds the reducer from DDP's attributes, so those settings carry over by themselves
+    # (Note [Bucket realignment]); tests/test_ddp_realign_settings.py shows each in effect after training.
+    source = inspect.getsource(DDP._ddp_init_helper)
+    taken = [name for name in ("gradient_as_bucket_view", "batched_grad_copy", "lazy_bucket_allocation")
+             if name in inspect.signature(DDP.__init__).parameters]
+    assert "gradient_as_bucket_view" in taken and all(f"self.{name}" in source for name in taken), taken
+    if not hasattr(DDP, "finalize_backward"):
+        return  # manual finalization: torch >= 2.15
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model.require_manual_backward_finalization = True
+    dti.rebuild_reducer(model, None)  # the reducer alone holds this setting: rebuild_reducer sets it again
+    model(torch.randn(2, 4)).sum().backward()
+    assert not dti.reducer_finalized(model)
+    model.finalize_backward()
+    assert dti.reducer_finalized(model)
+
+
 def test_the_active_ddp_module_is_seen_from_a_compiled_frame(gloo_module):
     seen = []
 

@@ -13,7 +13,8 @@ from typing import Sequence
 
 from ..harness.report import fmt, markdown_table, update_section, with_iqr
 
-__all__ = ["START", "END", "PAGE", "HEADERS", "limit_columns", "done_when", "row_cells", "results_markdown", "render"]
+__all__ = ["START", "END", "PAGE", "HEADERS", "limit_columns", "done_when", "peer_lines", "row_cells",
+           "results_markdown", "render"]
 
 START = "<!-- bench:optimizer-in-backward:start -->"
 END = "<!-- bench:optimizer-in-backward:end -->"
@@ -25,6 +26,11 @@ def _job(row: dict) -> tuple[str, int | None]:
     return row["link"], row.get("batch")
 
 
+def _run(row: dict) -> tuple:
+    """The run a row was measured in (rows merged from another run differ)."""
+    return row.get("date"), row.get("command")
+
+
 def limit_columns(rows: list[dict]) -> list[dict]:
     """Each measured row with its limit and parts (Note [Optimizer in backward study], step 4), per job;
     each row with the optimizer in backward also with ``peak_saved_mib``, ``peak_saved_of_grad``,
@@ -33,11 +39,15 @@ def limit_columns(rows: list[dict]) -> list[dict]:
     without."""
     for job in dict.fromkeys(_job(r) for r in rows):
         measured = [r for r in rows if _job(r) == job and not r.get("skipped")]
-        without = [r for r in measured if not r["optimizer_in_backward"]]
+        # The parts come from the compiled strategies' rows; the eager peer gets the same limit where it was
+        # measured in the same run (one merged in from another run gets none: peer_lines names its run).
+        compiled = [r for r in measured if r["mode"] != "eager"]
+        without = [r for r in compiled if not r["optimizer_in_backward"]]
         if not without:
             continue
-        fwd, bwd = min(r["fwd_ms"] for r in measured), min(r["bwd_ms"] for r in measured)
-        opt, comm = min(r["opt_ms"] for r in without), measured[0]["comm_ms"]
+        fwd, bwd = min(r["fwd_ms"] for r in compiled), min(r["bwd_ms"] for r in compiled)
+        opt, comm = min(r["opt_ms"] for r in without), compiled[0]["comm_ms"]
+        measured = [r for r in measured if r["mode"] != "eager" or _run(r) == _run(compiled[0])]
         for r in measured:
             last = r.get("last_bucket_mib")
             opt_last = opt * last / r["grad_mib"] if last is not None else 0.0  # unknown: 0 keeps it a bound
@@ -139,18 +149,48 @@ HEADERS = ["link", "batch", "mode", "optimizer in backward", "step ms [IQR]", "v
            "fwd / bwd / comm / opt / opt_last ms"]
 
 
+def _mode_cell(r: dict) -> str:
+    """The mode column: the strategy, or the peer (eager DDP with ``lazy_bucket_allocation=True``)."""
+    return "eager, lazy buckets" if r["mode"] == "eager" and r.get("lazy_bucket_allocation") else r["mode"]
+
+
 def row_cells(r: dict) -> list[str]:
     if r.get("skipped"):
         return [r["link"], fmt(r.get("batch"), "d"), r["mode"], "yes" if r["optimizer_in_backward"] else "no",
                 "skipped (below)", *[""] * (len(HEADERS) - 5)]
     parts = " / ".join(fmt(r.get(f"limit_{k}_ms"), ".0f") for k in ("fwd", "bwd", "comm", "opt", "opt_last"))
-    return [r["link"], fmt(r.get("batch"), "d"), r["mode"], "yes" if r["optimizer_in_backward"] else "no",
+    return [r["link"], fmt(r.get("batch"), "d"), _mode_cell(r), "yes" if r["optimizer_in_backward"] else "no",
             with_iqr(r["step_ms_median"], r.get("step_ms_q1"), r.get("step_ms_q3"), ".0f"),
             with_iqr(r["ratio_vs_without"], r.get("ratio_vs_without_q1"), r.get("ratio_vs_without_q3")),
             fmt(r["peak_mib"], ".1f"), fmt(r.get("peak_above_start_mib"), ".1f"),
             fmt(r.get("peak_saved_of_grad"), ".2f"), fmt(r.get("forward_end_mib"), ".1f"),
             fmt(r.get("backward_end_mib"), ".1f"), fmt(r.get("limit_ms"), ".0f"),
             fmt(r.get("step_over_limit"), ".2f"), parts]
+
+
+def peer_lines(rows: Sequence[dict]) -> list[str]:
+    """Per job with the peer (eager DDP, ``lazy_bucket_allocation=True``): its peak against split with the
+    optimizer in backward of the same link and batch, and the run it came from where that is not the table's."""
+    first = next((r for r in rows if not r.get("skipped")), {})
+    out = []
+    for r in rows:
+        if r.get("skipped") or r["mode"] != "eager" or not r.get("lazy_bucket_allocation"):
+            continue
+        ours = next((b for b in rows if _job(b) == _job(r) and b["mode"] == "split" and b["optimizer_in_backward"]
+                     and not b.get("skipped")), None)
+        line = (f"- {r['link']}, batch {fmt(r.get('batch'), 'd')}: peak {fmt(r['peak_mib'], '.1f')} MiB (the step's "
+                f"own {fmt(r.get('peak_above_start_mib'), '.1f')}, from {fmt(r.get('start_mib'), '.1f')} MiB live at "
+                f"its start)")
+        if ours is not None and ours.get("peak_mib") is not None and r.get("peak_mib") is not None:
+            below = r["peak_mib"] - ours["peak_mib"]
+            line += (f"; split with the optimizer in backward peaks at {ours['peak_mib']:.1f} MiB, "
+                     f"{abs(below):.1f} MiB ({abs(below) / r['grad_mib']:.2f} x the gradient bytes) "
+                     f"{'below' if below >= 0 else 'above'} it")
+        if _run(r) != _run(first):
+            line += (f" (measured in a run of its own, {r.get('date', '?')}: `{r.get('command', '?')}`; its step time "
+                     "and limit are not comparable with the table's)")
+        out.append(line)
+    return out
 
 
 def _goal_line(g: dict) -> str:
@@ -198,6 +238,11 @@ def results_markdown(rows: Sequence[dict]) -> str:
     goals = done_when(rows)
     if goals:
         parts.append("Against the goals:\n\n" + "\n".join(_goal_line(g) for g in goals))
+    peers = peer_lines(rows)
+    if peers:
+        parts.append("The peer, eager DDP built with `lazy_bucket_allocation=True` (DDP's own caps, no compile, "
+                     "`optimizer.step()` after backward; torch 2.15 added it), against split with the optimizer in "
+                     "backward in the table:\n\n" + "\n".join(peers))
     parts += [f"Command: `{r0['command']}`" if r0.get("command") else "",
               "Generated by `python -m benchmarks.render.pages` from `benchmarks/results/optimizer_in_backward.json`."]
     return "\n\n".join(p for p in parts if p)

@@ -24,6 +24,8 @@ Algorithm
        two copies of the repository's GPT from one seed, each with its own AdamW: one compiled
        without ``optimizer=`` (``optimizer.step()`` after backward), one with it. A strategy
        that ``compile_ddp`` refuses with ``optimizer=`` gets two rows ``skipped`` with its message.
+       Where the torch's DDP takes ``lazy_bucket_allocation`` (2.15), a peer row: eager DDP built
+       with it (DDP's own caps, ``optimizer.step()`` after backward), mode ``eager``.
     2. Interleaved rounds (``benchmarks.harness.rounds``): each round every copy in turn, the
        order rotating, runs a synchronised step and a ``no_sync`` step, a barrier before each.
        ``ratio_vs_without``: median (IQR) of per-round ratios of the step to the same

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ from ..harness.stats import median
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InBackwardJob", "InBackwardMode", "InBackwardRunner", "HeapWindow", "run_job", "run_memory_job"]
+__all__ = ["InBackwardJob", "InBackwardMode", "InBackwardRunner", "HeapWindow", "LazyBucketsPeer", "lazy_peer_missing",
+           "run_job", "run_memory_job"]
 
 MiB = 2**20
 
@@ -71,6 +73,34 @@ class InBackwardMode:
         return r.fn.backward_context()
 
 
+def lazy_peer_missing() -> str | None:
+    """Why this torch has no :class:`LazyBucketsPeer` row, or None."""
+    if "lazy_bucket_allocation" in inspect.signature(DDP.__init__).parameters:
+        return None
+    return (f"torch {torch.__version__}'s DistributedDataParallel has no lazy_bucket_allocation (torch 2.15 added "
+            "it)")
+
+
+@dataclass(frozen=True)
+class LazyBucketsPeer:
+    """The peer a torch 2.15 user compares against: eager DDP (no compile, DDP's own caps) built with
+    ``lazy_bucket_allocation=True``, which allocates each bucket as its gradients arrive and gives the
+    buckets back after backward; ``optimizer.step()`` after backward."""
+
+    strategy = "eager"
+    in_backward = False
+    compiled = False
+    name = "eager+lazy_buckets"
+    summary = "DistributedDataParallel(model, lazy_bucket_allocation=True), optimizer.step() after backward"
+    ddp_kwargs = {"lazy_bucket_allocation": True}
+
+    def compile(self, ddp: DDP, opt: torch.optim.Optimizer, backend: str) -> Any:
+        return ddp
+
+    def during_step(self, r: InBackwardRunner) -> ContextManager:
+        return contextlib.nullcontext()
+
+
 @dataclass(kw_only=True)
 class InBackwardRunner(Runner):
     """One mode's DDP model, its AdamW and what was measured of it."""
@@ -97,6 +127,8 @@ class InBackwardRunner(Runner):
 
     def last_bucket_bytes(self) -> int | None:
         """Bytes of the bucket reduced last (the first in forward order), where the plan is known."""
+        if self.mode.strategy == "eager":
+            return None
         if self.mode.strategy == "split":
             buckets = self.fn.buckets
             return buckets[0].size if buckets else None
@@ -105,6 +137,8 @@ class InBackwardRunner(Runner):
 
     def bucket_mib(self) -> list[float] | None:
         """The plan's buckets in reduction order, MiB."""
+        if self.mode.strategy == "eager":
+            return None
         if self.mode.strategy == "split":
             return [round(b.size / MiB, 3) for b in reversed(self.fn.buckets)] or None
         fused = self.fn.traced.fused if self.fn.traced is not None else None
@@ -164,10 +198,10 @@ def _round(r: InBackwardRunner, cfg: InBackwardJob, heap: HeapWindow, measured: 
     return step_s
 
 
-def _build(cfg: InBackwardJob, mode: InBackwardMode) -> InBackwardRunner:
+def _build(cfg: InBackwardJob, mode: InBackwardMode | LazyBucketsPeer) -> InBackwardRunner:
     model = cfg.new_model()
     device = next(model.parameters()).device
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **getattr(mode, "ddp_kwargs", {}))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     r = InBackwardRunner(mode=mode, ddp=ddp, fn=ddp, opt=opt)
     r.fn = mode.compile(ddp, opt, cfg.backend)
@@ -175,8 +209,9 @@ def _build(cfg: InBackwardJob, mode: InBackwardMode) -> InBackwardRunner:
 
 
 def build_runners(cfg: InBackwardJob) -> tuple[list[InBackwardRunner], dict[str, str]]:
-    """The runners, without and with the optimizer in backward per strategy; and, per strategy
-    that ``compile_ddp`` refuses with ``optimizer=``, its message (that strategy is left out)."""
+    """The runners, without and with the optimizer in backward per strategy, then the peer (eager DDP with
+    ``lazy_bucket_allocation``) where this torch has it; and, per strategy that ``compile_ddp`` refuses with
+    ``optimizer=``, its message (that strategy is left out)."""
     runners, refused = [], {}
     for strategy in cfg.strategies:
         try:
@@ -186,16 +221,22 @@ def build_runners(cfg: InBackwardJob) -> tuple[list[InBackwardRunner], dict[str,
             print0(f"{strategy}: compile_ddp refused optimizer=, so both {strategy} rows are skipped: {e}")
             continue
         runners += [_build(cfg, InBackwardMode(strategy, False)), with_opt]
+    if lazy_peer_missing() is None:
+        runners.append(_build(cfg, LazyBucketsPeer()))
     return runners, refused
 
 
-def _runner_row(r: InBackwardRunner, cfg: InBackwardJob, base: InBackwardRunner, gathered: list[dict]) -> dict:
-    steps = step_stats(r.step_s, base.step_s)
+def _runner_row(r: InBackwardRunner, cfg: InBackwardJob, base: InBackwardRunner | None, gathered: list[dict]
+                ) -> dict:
+    """``base``: the same strategy without the optimizer in backward (None for the peer: no ratio)."""
+    steps = step_stats(r.step_s, base.step_s if base is not None else None)
     starts = [g["start_mib"][r.label] for g in gathered if g["start_mib"].get(r.label) is not None]
     peak = max_peak_mib(gathered, r.label)
     last = r.last_bucket_bytes()
     return {
-        "mode": r.mode.strategy, "bucket_cap_mb": "auto", "optimizer_in_backward": r.mode.in_backward,
+        "mode": r.mode.strategy, "bucket_cap_mb": "auto" if r.mode.compiled else None,
+        "optimizer_in_backward": r.mode.in_backward,
+        "lazy_bucket_allocation": bool(getattr(r.ddp, "lazy_bucket_allocation", False)),
         "link": cfg.link, "peak_mib": peak, "grad_mib": r.grad_bytes / MiB, "step_ms_median": steps.median_s * 1e3,
         "ratio_vs_without": steps.ratio, "ratio_vs_without_q1": steps.ratio_q1, "ratio_vs_without_q3": steps.ratio_q3,
         "skipped": None, "batch": cfg.batch, "runner": r.label, "backend": cfg.backend,
@@ -215,7 +256,7 @@ def _runner_row(r: InBackwardRunner, cfg: InBackwardJob, base: InBackwardRunner,
         "opt_ms": median(r.opt_s) * 1e3, "sync_fb_ms": median(r.sync_fb_s) * 1e3,
         "exposed_comm_ms": median([s - c for s, c in zip(r.sync_fb_s, r.nosync_fb_s)]) * 1e3,
         "bucket_mib": r.bucket_mib(), "last_bucket_mib": last / MiB if last is not None else None,
-        "loss_max_abs_diff_vs_without": max_loss_diff(gathered, r.label, base.label),
+        "loss_max_abs_diff_vs_without": max_loss_diff(gathered, r.label, base.label if base is not None else None),
         **job_columns(cfg),
     }
 
@@ -256,7 +297,8 @@ def run_job(cfg: InBackwardJob, part: str | Path) -> None:
     if gathered is None:
         return
     by_label = {r.label: r for r in runners}
-    rows = [_runner_row(r, cfg, by_label[InBackwardMode(r.mode.strategy, False).name], gathered) for r in runners]
+    rows = [_runner_row(r, cfg, by_label.get(InBackwardMode(r.mode.strategy, False).name) if r.mode.compiled
+                        else None, gathered) for r in runners]
     for row in rows:
         row["comm_ms"] = comm_s * 1e3 if comm_s is not None else None
     grad_mib = sum(p.numel() * p.element_size() for p in cfg.new_model().parameters()) / MiB
@@ -281,8 +323,8 @@ def run_memory_job(cfg: InBackwardJob, mode_name: str, part: str | Path) -> None
     memory columns (most over ranks) to ``part``."""
     torch.compiler.reset()
     heap = HeapWindow(cfg.torch_device)
-    mode = next(InBackwardMode(s, b) for s in cfg.strategies for b in (False, True)
-                if InBackwardMode(s, b).name == mode_name)
+    modes = [*(InBackwardMode(s, b) for s in cfg.strategies for b in (False, True)), LazyBucketsPeer()]
+    mode = next(m for m in modes if m.name == mode_name)
     runner = _build(cfg, mode)
     with measuring([runner]):
         for phase in ("compile", "second step"):

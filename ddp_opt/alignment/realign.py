@@ -19,6 +19,17 @@ Notes
       ``CompiledDDP.register_comm_hook`` are registered again; one registered on the DDP
       module before ``compile_ddp`` cannot be recovered, so that case is refused
       (``align_buckets=False`` keeps DDP's buckets).
+    - Every DDP setting the user chose holds on the new reducer as on the old. DDP's own
+      ``_ddp_init_helper`` builds it from DDP's attributes, so ``gradient_as_bucket_view`` and
+      (torch >= 2.15) ``batched_grad_copy`` and ``lazy_bucket_allocation`` carry over by
+      themselves; ``forward_sync_buffers`` (``broadcast_buffers`` before 2.15) is read by DDP's
+      forward, not the reducer. What lives only in the reducer is set again, as
+      ``DDP.__setstate__`` does: ``static_graph`` and manual finalization (torch >= 2.15,
+      ``require_manual_backward_finalization``; lost, the new reducer finalizes by itself and
+      the user's ``finalize_backward()`` raises). ``tests/test_ddp_realign_settings.py`` trains
+      each past realignment against eager DDP: a setting a new torch keeps only in its reducer
+      fails there first, and is carried in ``_torch_internals.rebuild_reducer`` or refused in
+      ``compile_ddp``.
     - With ``static_graph=True`` the new reducer is static too; realigned buckets appear
       one step later.
     - Alignment 1.0 is not always reachable (parameters outside every graph, buckets per

@@ -118,6 +118,9 @@ def fallback_reason(ddp_model: DistributedDataParallel) -> str | None:
                 "traced all-reduces unmatched")
     if getattr(ddp_model, "mixed_precision", None) is not None:
         return "DDP's mixed_precision is not applied by the python reducer"
+    if getattr(ddp_model, "require_manual_backward_finalization", False):  # torch >= 2.15
+        return ("require_manual_backward_finalization=True: the python reducer it runs has no manual finalization, "
+                "and DDP's finalize_backward() raises under it")
     return None
 
 
