@@ -24,6 +24,7 @@ from ._torch_internals import (REALIGN_SUPPORTED, is_compiled, no_builtin_ddp_sp
 from .planning.solver import LinkEstimate
 from .compiled import CompiledDDP
 from .compression.hooks import OwnHook, hook_conflict, link_probe, own_hook
+from .control import ControlFacts, backend_name
 from .config import DDPCompileConfig, keyword_signature
 from .planning.cost import CostModel, DeviceRates, measure_link, measure_rates
 from .compression.powersgd import link_probe as powersgd_probe, measure_hook_compute
@@ -253,12 +254,13 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             strategy = "split"
     traced = strategy == "traced"
     align = config.align_buckets and not traced  # the traced strategy leaves DDP's reducer out
+    in_control = True  # False once a warning said that DDP's buckets will not follow the plan
     if align and not REALIGN_SUPPORTED:
         realign_unsupported_warning()
-        align = False
+        align = in_control = False
     if align and strategy != "whole" and never_rebuilds(ddp_model):
         warnings.warn(no_rebuild_warning("compile_ddp"), stacklevel=3)
-        align = False
+        align = in_control = False
     if hook is not None and align and strategy != "whole":
         raise ValueError(
             f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
@@ -294,9 +296,11 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         inner.forward = torch.compile(inner.forward, backend=built.backend, dynamic=config.dynamic,
                                       fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
+    control = ControlFacts("compile_ddp", backend_name(config.backend), in_control,
+                           kept=None if config.align_buckets else "align_buckets=False")
     return CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=strategy,
                        block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
-                       gate=gate, own_hook=own, in_backward=in_backward)
+                       gate=gate, own_hook=own, in_backward=in_backward, control=control)
 
 
 def in_backward_for(entry: str, ddp_model: DistributedDataParallel, config: DDPCompileConfig,

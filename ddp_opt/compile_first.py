@@ -65,6 +65,7 @@ from .api import in_backward_for, own_hook_for
 from .in_backward.split import grads_in_buckets
 from .compiled import CompiledDDP
 from .compression.hooks import hook_conflict
+from .control import ControlFacts, backend_name
 from .config import DDPCompileConfig
 from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, ddp_backend
@@ -210,18 +211,19 @@ class _DeferredBackend:
             grads_in_buckets(ddp_model, rebuild_now=False)
         self.ddp_model = ddp_model
         align = config.align_buckets and config.strategy == "split"
+        in_control = True  # False once a warning said that DDP's buckets will not follow the plan
         if align and not REALIGN_SUPPORTED:
-            align = False  # compile_ddp warns about it; realignment's internals are missing on this torch
+            align = in_control = False  # compile_ddp warns; realignment's internals are missing on this torch
         if align and never_rebuilds(ddp_model):
             warnings.warn(no_rebuild_warning("compile_for_ddp"), stacklevel=2)
-            align = False
+            align = in_control = False
         if hook is not None and align and not python_comm_hooks(ddp_model):  # a built-in hook: not kept, not seen
             warnings.warn(
                 f"compile_for_ddp: the comm hook {hook!r} registered on the DDP module cannot be registered again "
                 "when DDP's reducer is re-created to realign its buckets, so the buckets are left as DDP made "
                 "them. Register a Python hook (ddp.register_comm_hook), or pass align_buckets=False to silence "
                 "this.", stacklevel=2)
-            align = False
+            align = in_control = False
         group = dist.get_process_group_ranks(ddp_model.process_group)
         share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
         gate = gate_for_group(group, name="ddp") if config.step_gate else None
@@ -231,8 +233,10 @@ class _DeferredBackend:
         self._backend = built.backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
+        control = ControlFacts("compile_for_ddp", backend_name(config.backend), in_control,
+                               kept=None if config.align_buckets else "align_buckets=False")
         self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=config.strategy,
-                                      share=share, gate=gate, own_hook=own, in_backward=in_backward)
+                                      share=share, gate=gate, own_hook=own, in_backward=in_backward, control=control)
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

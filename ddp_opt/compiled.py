@@ -44,6 +44,7 @@ from .alignment.measure import Alignment
 from .planning.solver import Timeline
 from .planning.calibrate import Calibration, calibrate, calibrated_model
 from .compression.hooks import OwnHook
+from .control import ControlFacts, ControlLine
 from .handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedBackward
 from .strategies.split import DDPOptimizer
 from .planning.buckets import Bucket
@@ -94,13 +95,17 @@ class CompiledDDP:
             bucket inside backward (``updates`` counts them; Note [Optimizer in backward]); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also
             when ``"traced"`` was asked for and fell back, with a warning).
+        control: the line that says once that ddp_opt is in control, a
+            :class:`ddp_opt.control.ControlLine` (Note [In control, once]): ``control.line``
+            once said; a framework route calls ``control.in_framework``.
     """
 
     def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
                  align_buckets: bool = False, *, strategy: str, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
                  traced: TracedPlan | None = None, gate: StepGate | None = None,
-                 own_hook: OwnHook | None = None, in_backward: BucketStep | None = None) -> None:
+                 own_hook: OwnHook | None = None, in_backward: BucketStep | None = None,
+                 control: ControlFacts | None = None) -> None:
         self.ddp_model = ddp_model
         self.strategy = strategy
         self.ddp_optimizer = ddp_optimizer
@@ -124,6 +129,9 @@ class CompiledDDP:
         self._gate_hook = GateHook(gate, ddp_model) if gate is not None and traced is None else None
         self._traced_backward = (TracedBackward(traced, ddp_model, own_hook, in_backward) if traced is not None
                                  else None)
+        self.control = ControlLine(ddp_model, control or ControlFacts(), strategy=strategy,
+                                   buckets=lambda: self.buckets, realigner=self._realigner, traced=traced,
+                                   auto=auto or (traced is not None and traced.auto))
         # Either handle works: DDP's own forward runs these, so ddp_model(x) and compiled(x) are the same call.
         self._hooks = (ddp_model.register_forward_pre_hook(lambda module, args: self.before_forward()),
                        ddp_model.register_forward_hook(lambda module, args, out: self.after_forward()))
@@ -242,8 +250,10 @@ class CompiledDDP:
 
     def after_forward(self) -> None:
         """What runs after each call of the DDP model (a forward hook on it): the realigned
-        buckets' measure; the step gate before a synchronised backward (Note [Step gate])."""
+        buckets' measure; the line that says ddp_opt is in control; the step gate before a
+        synchronised backward (Note [Step gate])."""
         self._realigner.after_forward()
+        self.control.after_forward()
         if self._gate_hook is not None:
             self._gate_hook.after_forward()
 

@@ -130,6 +130,7 @@ class Realigner:
         self.aligned_caps: tuple[int, ...] | None = None
         self.realignment: Alignment | None = None  # measured once the realigned buckets exist
         self.decided = False
+        self.agreed: bool | None = None  # whether the ranks agreed on the caps, once decided
         self._key = next_plan_namespace("realign")
 
     def before_forward(self) -> None:
@@ -145,6 +146,7 @@ class Realigner:
             return  # not compiled yet: the first forward
         self.decided = True
         agreed, why = agree_on_caps(realign_caps(buckets), self._key, self.ddp_model.process_group)
+        self.agreed = agreed
         if not agreed:
             warnings.warn(f"compile_ddp: DDP's buckets were not realigned with the partitions on any rank: {why}. "
                           "Training is correct; the gradients' all-reduces overlap backward less. Pass "

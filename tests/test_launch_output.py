@@ -116,6 +116,10 @@ def test_a_twenty_step_run_prints_at_most_fifty_plain_lines(launch_cli):
     assert any(line.startswith("ddp_opt planned 2 bucket(s)") for line in lines)
     assert not any("][INFO]" in line or line.startswith("[20") for line in lines), result.stdout
     assert sum(line.startswith("DDP buckets = graph partitions") for line in lines) == 1
+    # The toolkit says once that it is in control (Note [In control, once]), an INFO record rank 0 shows.
+    said = [line for line in lines if line.startswith("ddp_opt in control")]
+    assert said == ["ddp_opt in control (launch.train): strategy=split, backend=aot_eager; 2 buckets = graph "
+                    "partitions (2.30, 1.01 MiB); DDP's buckets realigned with them, alignment 1.00"], said
     # One line per step; a busy machine adds "step times (after the first) varied widely ..." (in the 50).
     assert sum(re.match(r"step +\d+/20 ", line) is not None for line in lines) == 20, result.stdout
 

@@ -43,6 +43,8 @@ def test_two_ranks_end_to_end_prints_table_and_steps_and_exits(tmp_path, torchru
     for step in range(1, 6):
         assert f"step     {step}/5  loss" in out and "tokens/s" in out
     assert "done: steps 1..5" in out
+    # Note [In control, once]: rank 0 alone says it, once
+    assert out.count("ddp_opt in control (launch.train): strategy=split, backend=aot_eager; ") == 1, out
     metrics = _metrics(tmp_path / "run")
     assert metrics["world_size"] == 2 and len(metrics["losses"]) == 5 and len(metrics["buckets"]) > 1
     assert not any(p.name != "run" for p in tmp_path.iterdir() if p.is_dir())  # rank 1 wrote no run dir

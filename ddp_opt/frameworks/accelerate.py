@@ -25,7 +25,8 @@ Algorithm
     ``clip_grad_norm_`` and ``autocast`` treat it as the DDP module it calls. Before
     compiling it names, in Accelerate's terms, the cases ``compile_ddp`` cannot take:
     a module Accelerate already compiled (``dynamo_backend``) and a module Accelerate
-    did not wrap in DDP (one process, FSDP, DeepSpeed).
+    did not wrap in DDP (one process, FSDP, DeepSpeed). The handle prints its line of
+    Note [In control, once] on rank 0, as ``accelerator.print`` would.
 
 Notes
     - ``compile_ddp(accelerator.prepare(model))`` is the same call without those
@@ -81,6 +82,7 @@ def compile_prepared(model: nn.Module, *, config: DDPCompileConfig | None = None
             "or accelerate launch with num_processes > 1) without FSDP or DeepSpeed, and there are no DDP buckets "
             "to split at otherwise. Launch several processes, or, for one process, compile with torch.compile(model).")
     compiled = compile_ddp(model, config=config, **settings)
+    compiled.control.in_framework("compile_prepared")  # Note [In control, once]
     log.info("compile_prepared: compiled the %s inside Accelerate's DDP module (strategy %s)",
              type(model.module).__name__, compiled.strategy)
     return compiled

@@ -22,7 +22,8 @@ Algorithm
        a :class:`DDPCompileCallback` that knows the Trainer.
     2. ``on_train_begin``: when the Trainer chose ``find_unused_parameters=True`` by its
        default and no comm hook is registered, turn it off (re-creating the reducer; one
-       INFO line), then ``compile_ddp(trainer.model_wrapped)``, which compiles the user's
+       INFO line on every rank; the line of Note [In control, once], printed on rank 0, names
+       the change), then ``compile_ddp(trainer.model_wrapped)``, which compiles the user's
        ``forward`` in place, so ``save_model`` + ``from_pretrained`` round-trip.
     3. ``on_pre_optimizer_step``, while the flag is off by our choice: a reduction left
        unfinished (a parameter without gradient) stops the step before the optimizer
@@ -53,6 +54,10 @@ from ..alignment.realign import never_rebuilds
 log = logging.getLogger(__name__)
 
 __all__ = ["DDPCompileCallback", "compile_trainer"]
+
+# What the route changed, as the line of Note [In control, once] says it.
+TURNED_OFF = ("find_unused_parameters=False for DDP (the Trainer's default, True, keeps DDP from rebuilding its "
+              "buckets; TrainingArguments(ddp_find_unused_parameters=True) keeps it on)")
 
 
 class DDPCompileCallback(TrainerCallback):
@@ -92,6 +97,7 @@ class DDPCompileCallback(TrainerCallback):
                      "in which a parameter gets no gradient stops with an error. "
                      "TrainingArguments(ddp_find_unused_parameters=True) keeps it on.")
         self.compiled = compile_ddp(ddp, config=self.config)
+        self.compiled.control.in_framework("compile_trainer", [TURNED_OFF] if self.stopped_finding_unused else [])
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.stopped_finding_unused or self.compiled is None:

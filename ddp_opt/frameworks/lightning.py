@@ -25,6 +25,8 @@ Algorithm
       checkpoints work as under ``DDPStrategy``; the handle is ``strategy.compiled``.
     - Comm hooks are registered through the handle, on every device, so realignment
       keeps them. ``backward`` runs in ``compiled.backward_context()``.
+    - The handle prints its line of Note [In control, once] on rank 0: Lightning's default
+      verbosity shows no INFO record of ours.
     - A ``training_step`` that never calls ``self(...)`` would train uncompiled: the first
       step checks the compiled forward ran, and warns if not. ``teardown`` restores the
       user's module.
@@ -126,6 +128,7 @@ class CompiledDDPStrategy(DDPStrategy):
         _refuse_compiled(module)
         self.model = self._setup_model(module)
         self.compiled = compile_ddp(self.model, config=self.compile_config)
+        self.compiled.control.in_framework("CompiledDDPStrategy")  # Note [In control, once]
         state, hook, wrapper = self._comm
         if hook is not None:
             self.compiled.register_comm_hook(state, wrapper(hook) if wrapper is not None else hook)

@@ -259,6 +259,7 @@ def apply_parallel(model: nn.Module, cfg: JobConfig, env: DistEnv,
                 raise
             raise in_backward_refusal(e, cfg.ddp.strategy) from None
         compiled.auto_save_cache = False  # saved by the training loop after its first step
+        compiled.control.entry = "launch.train"  # its line at INFO, shown on rank 0 (Note [In control, once])
         return Wrapped(compiled, ddp, compiled)
     if cfg.parallel.name == ParallelMode.FSDP:
         plan = _shard_with_fsdp(model, cfg)  # shards (and compiles the blocks of) the model in place
