@@ -58,7 +58,7 @@ def test_the_readme_is_a_short_front_page_with_no_generated_block():
     assert max(len(line) for line in readme.splitlines() if not line.startswith("|")) <= 400
     # its first commands set up a machine and run the main job; the next run the tests
     commands = re.findall(r"```bash\n(.*?)```", readme, re.S)
-    assert "pip install torch==" in commands[0] and "-m launch.train" in commands[0]
+    assert "pip install torch==" in commands[0] and "distcompile-train --standalone" in commands[0]
     assert commands[1].startswith("python -m pytest -q")
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (REPO / link).exists(), link

@@ -153,7 +153,7 @@ def _validated(shown: Shown, argv: list[str], folder: Path, capfd, monkeypatch) 
         argv = [*argv, f"hydra.run.dir={folder / 'run'}"]
     capfd.readouterr()
     if shown.launcher:
-        flags, _ = split_argv(shlex.split(shown.line.split(";")[0])[1:])
+        flags, _ = split_argv(shlex.split(shown.line.split(";")[0], comments=True)[1:])
         monkeypatch.setattr(launcher, "run_agent", lambda args: 0)  # up to starting the ranks
         code = launcher.launch([*flags, *argv])
     else:
