@@ -1,7 +1,7 @@
 """Every private torch name the compiler core uses, in one place.
 
 Each access below says what it relies on. Each is pinned by a test in
-``tests/test_torch_contracts.py`` that fails if torch changes it, run on every
+``tests/contracts/test_torch_contracts.py`` that fails if torch changes it, run on every
 release in ``TESTED_TORCH`` (``tools/torch_matrix``). Other packages (``ddp_opt``,
 ``fsdp_opt``, ``launch``, ``benchmarks``) keep their own private accesses in their
 own ``_torch_internals``-style module, and gate a feature on whether what it needs

@@ -100,7 +100,7 @@ def at_import(dotted: str, feature: str) -> Any:
           :func:`refuse_if_missing_at_import` raises (what, why, the fix) where it cannot.
 
     Notes
-        - ``tests/test_torch_contracts_import.py`` deletes each name of
+        - ``tests/contracts/test_torch_contracts_import.py`` deletes each name of
           :func:`import_time_names` in turn, imports ``compiler``, ``ddp_opt``, ``fsdp_opt``,
           ``launch.train`` (and the module that reads the name) afresh, and finds the name in
           :data:`MISSING_AT_IMPORT`; it also scans the sources for any other private torch read
@@ -150,8 +150,9 @@ def refuse_if_missing_at_import(feature: str, fix: str) -> None:
 
 
 # What a user runs from a checkout of the toolkit (docs/getting-started.md, "PyTorch releases").
-CONTRACT_TESTS_COMMAND = ("python -m pytest -q tests/test_torch_contracts.py tests/test_torch_contracts_ddp.py "
-                          "tests/test_launch_torch_internals.py tests/test_torch_contracts_import.py")
+CONTRACT_TESTS_COMMAND = ("python -m pytest -q tests/contracts/test_torch_contracts.py "
+                          "tests/contracts/test_torch_contracts_ddp.py tests/launch/test_launch_torch_internals.py "
+                          "tests/contracts/test_torch_contracts_import.py")
 
 _warned = False
 

@@ -1,6 +1,6 @@
 """Every private torch name ``ddp_opt`` uses, in one place.
 
-Each access says what it relies on; ``tests/test_torch_contracts_ddp.py`` pins each one, so a torch
+Each access says what it relies on; ``tests/contracts/test_torch_contracts_ddp.py`` pins each one, so a torch
 upgrade that changes one fails there first. Version gate: bucket realignment re-creates DDP's reducer
 through DDP's private initialisation helpers. Where a release lacks one of them
 (:func:`missing_for_realignment`, feature detection), :data:`REALIGN_SUPPORTED` is False: ``compile_ddp``
@@ -65,9 +65,9 @@ def _rebuild_caps_kind() -> str | None:
 REALIGN_SUPPORTED = not missing_for_realignment()
 
 
-def realign_unsupported_warning() -> None:
+def realign_unsupported_warning(entry: str = "compile_ddp") -> None:
     warn_feature_off_once(
-        "compile_ddp(align_buckets=True)", missing_for_realignment(),
+        f"{entry}(align_buckets=True)", missing_for_realignment(),
         "DDP keeps its own buckets (they may straddle partitions; ddp_opt.measure_alignment tells). Pass "
         "align_buckets=False to silence this",
     )

@@ -19,20 +19,19 @@ from compiler.cache import open_cache
 from compiler.share import share_for_group
 from compiler.step_gate import gate_for_group
 
-from ._torch_internals import (REALIGN_SUPPORTED, is_compiled, no_builtin_ddp_splitter, realign_unsupported_warning,
-                               registered_hook_name)
+from ._torch_internals import is_compiled, no_builtin_ddp_splitter
 from .planning.solver import LinkEstimate
 from .compiled import CompiledDDP
-from .compression.hooks import OwnHook, hook_conflict, link_probe, own_hook
+from .compression.hooks import link_probe
 from .control import ControlFacts, backend_name
 from .config import DDPCompileConfig, keyword_signature
 from .planning.cost import CostModel, DeviceRates, measure_link, measure_rates
 from .compression.powersgd import link_probe as powersgd_probe, measure_hook_compute
-from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, caps_from_ddp, ddp_backend
 from .strategies.traced import fallback_reason
 from .in_backward.split import grads_in_buckets
-from .in_backward.stepper import BucketStep, unwrapped
+from .in_backward.stepper import unwrapped
+from .setup import prepare
 from .in_backward.traced import traced_refusal
 
 log = logging.getLogger(__name__)
@@ -240,34 +239,14 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "not compiled; or, to compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) "
             "with ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
-    hook = registered_hook_name(ddp_model)
-    own = own_hook_for(ddp_model, config)
-    if hook is not None and own is not None:
-        raise hook_conflict("compile_ddp", own, hook)
-    in_backward = in_backward_for("compile_ddp", ddp_model, config, hook)
-    strategy = config.strategy
-    if strategy == "traced":
-        why = fallback_reason(ddp_model)
-        if why is not None:
-            warnings.warn(f"compile_ddp(strategy='traced') runs the split strategy instead: {why}. To silence "
-                          "this, pass strategy='split'.", stacklevel=3)
-            strategy = "split"
+    why = fallback_reason(ddp_model) if config.strategy == "traced" else None
+    strategy = "split" if why is not None else config.strategy
     traced = strategy == "traced"
-    align = config.align_buckets and not traced  # the traced strategy leaves DDP's reducer out
-    in_control = True  # False once a warning said that DDP's buckets will not follow the plan
-    if align and not REALIGN_SUPPORTED:
-        realign_unsupported_warning()
-        align = in_control = False
-    if align and strategy != "whole" and never_rebuilds(ddp_model):
-        warnings.warn(no_rebuild_warning("compile_ddp"), stacklevel=3)
-        align = in_control = False
-    if hook is not None and align and strategy != "whole":
-        raise ValueError(
-            f"compile_ddp(align_buckets=True) re-creates DDP's reducer after the first step so that its buckets "
-            f"equal the graph partitions, and the comm hook {hook!r} already registered on this DDP module would "
-            "be lost with the old reducer. Register the hook on the object compile_ddp returns instead "
-            "(compiled.register_comm_hook(state, hook)), or pass align_buckets=False to keep DDP's own buckets."
-        )
+    prepared = prepare("compile_ddp", ddp_model, config, strategy, stacklevel=3)  # the one setup (ddp_opt.setup)
+    if why is not None:  # said once the setup took the module: a refusal comes first
+        warnings.warn(f"compile_ddp(strategy='traced') runs the split strategy instead: {why}. To silence "
+                      "this, pass strategy='split'.", stacklevel=3)
+    own, in_backward, align = prepared.own, prepared.in_backward, prepared.align
     if in_backward is not None and traced:
         _check_traced_update(ddp_model, config)
     elif in_backward is not None:
@@ -296,31 +275,11 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         inner.forward = torch.compile(inner.forward, backend=built.backend, dynamic=config.dynamic,
                                       fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
-    control = ControlFacts("compile_ddp", backend_name(config.backend), in_control,
+    control = ControlFacts("compile_ddp", backend_name(config.backend), prepared.in_control,
                            kept=None if config.align_buckets else "align_buckets=False")
     return CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=strategy,
                        block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
                        gate=gate, own_hook=own, in_backward=in_backward, control=control)
-
-
-def in_backward_for(entry: str, ddp_model: DistributedDataParallel, config: DDPCompileConfig,
-                    hook: str | None) -> BucketStep | None:
-    """The optimizer in backward of ``config.optimizer``, or None; refused where it cannot be exact."""
-    if config.optimizer is None:
-        return None
-    if hook is not None:
-        raise ValueError(
-            f"{entry}(optimizer=...) follows each bucket's reduction with its update through a comm hook of "
-            f"its own, and the comm hook {hook!r} is already registered on this DDP module; DDP calls one hook. "
-            "Drop the hook (reduce_dtype= and compression= work with optimizer=), or drop optimizer= and call "
-            "optimizer.step() after backward.")
-    if ddp_model.find_unused_parameters:
-        raise ValueError(
-            f"{entry}(optimizer=...) with find_unused_parameters=True: DDP hands an unused parameter's bucket a "
-            "zero gradient, and updating from it would move that parameter (momentum, weight decay) where "
-            "optimizer.step() after backward leaves it alone. Pass find_unused_parameters=False (with static_graph="
-            "True if some parameters are unused every step), or drop optimizer=.")
-    return BucketStep(config.optimizer)
 
 
 def _check_traced_update(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> None:
@@ -333,9 +292,3 @@ def _check_traced_update(ddp_model: DistributedDataParallel, config: DDPCompileC
         raise SettingError("optimizer", f"compile_ddp(strategy='traced', optimizer=...): {why}. Compile with "
                                         "strategy='split', which steps any optimizer inside backward, or drop "
                                         "optimizer= and call optimizer.step() after backward.")
-
-
-def own_hook_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> OwnHook | None:
-    """The comm hook of ``reduce_dtype`` or ``compression`` on DDP's group; else None."""
-    return own_hook(ddp_model.process_group, config.reduce_dtype, config.compression)
-

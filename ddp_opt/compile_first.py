@@ -59,15 +59,12 @@ from compiler._torch_internals import compile_call_in_place, compiled_call
 from compiler.share import share_for_group
 from compiler.step_gate import gate_for_group
 
-from ._torch_internals import (REALIGN_SUPPORTED, active_ddp_module, builtin_splitter_on, is_compiled,
-                               no_builtin_ddp_splitter, python_comm_hooks, registered_hook_name)
-from .api import in_backward_for, own_hook_for
+from ._torch_internals import active_ddp_module, builtin_splitter_on, is_compiled, no_builtin_ddp_splitter
+from .setup import prepare
 from .in_backward.split import grads_in_buckets
 from .compiled import CompiledDDP
-from .compression.hooks import hook_conflict
 from .control import ControlFacts, backend_name
 from .config import DDPCompileConfig
-from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .strategies.table import Setup, ddp_backend
 
 log = logging.getLogger(__name__)
@@ -145,6 +142,9 @@ def _splitter_out_call(backend: _DeferredBackend, config: DDPCompileConfig, call
                              **dict(config.torch_compile_kwargs))
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        ddp_model = active_ddp_module()
+        if ddp_model is not None and backend.ddp_model is None:  # the first forward under DDP: the setup runs
+            backend.attach(ddp_model)  # here, outside dynamo, so that a refusal reaches the user as raised
         with no_builtin_ddp_splitter():
             return compiled(*args, **kwargs)
 
@@ -192,7 +192,7 @@ class _DeferredBackend:
                 "(model(x), as DDP does), or wrap in DDP first and call compile_ddp(ddp_model); under Lightning "
                 "use ddp_opt.frameworks.lightning's strategy.", stacklevel=2)
         if self.ddp_model is None:
-            self._attach(ddp_model)
+            self.attach(ddp_model)
         elif ddp_model is not self.ddp_model:
             raise RuntimeError(
                 "compile_for_ddp: this compiled model runs under a second DistributedDataParallel module. Its "
@@ -200,30 +200,14 @@ class _DeferredBackend:
                 "module: compile_for_ddp(model) before each DDP(...).")
         return self._backend(gm, example_inputs)
 
-    def _attach(self, ddp_model: DistributedDataParallel) -> None:
+    def attach(self, ddp_model: DistributedDataParallel) -> None:
+        """Set up for ``ddp_model`` (Note [One setup for both entry points]) and build the backend."""
         config = self.config
-        hook = registered_hook_name(ddp_model)
-        own = own_hook_for(ddp_model, config)
-        if hook is not None and own is not None:  # before anything is attached
-            raise hook_conflict("compile_for_ddp", own, hook)
-        in_backward = in_backward_for("compile_for_ddp", ddp_model, config, hook)
+        prepared = prepare("compile_for_ddp", ddp_model, config, config.strategy, stacklevel=3)
+        own, in_backward = prepared.own, prepared.in_backward
         if in_backward is not None:  # DDP's reducer is in use: realignment's new reducer takes it
             grads_in_buckets(ddp_model, rebuild_now=False)
         self.ddp_model = ddp_model
-        align = config.align_buckets and config.strategy == "split"
-        in_control = True  # False once a warning said that DDP's buckets will not follow the plan
-        if align and not REALIGN_SUPPORTED:
-            align = in_control = False  # compile_ddp warns; realignment's internals are missing on this torch
-        if align and never_rebuilds(ddp_model):
-            warnings.warn(no_rebuild_warning("compile_for_ddp"), stacklevel=2)
-            align = in_control = False
-        if hook is not None and align and not python_comm_hooks(ddp_model):  # a built-in hook: not kept, not seen
-            warnings.warn(
-                f"compile_for_ddp: the comm hook {hook!r} registered on the DDP module cannot be registered again "
-                "when DDP's reducer is re-created to realign its buckets, so the buckets are left as DDP made "
-                "them. Register a Python hook (ddp.register_comm_hook), or pass align_buckets=False to silence "
-                "this.", stacklevel=2)
-            align = in_control = False
         group = dist.get_process_group_ranks(ddp_model.process_group)
         share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
         gate = gate_for_group(group, name="ddp") if config.step_gate else None
@@ -233,9 +217,10 @@ class _DeferredBackend:
         self._backend = built.backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
-        control = ControlFacts("compile_for_ddp", backend_name(config.backend), in_control,
+        control = ControlFacts("compile_for_ddp", backend_name(config.backend), prepared.in_control,
                                kept=None if config.align_buckets else "align_buckets=False")
-        self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=config.strategy,
+        self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=prepared.align,
+                                      strategy=config.strategy,
                                       share=share, gate=gate, own_hook=own, in_backward=in_backward, control=control)
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,

@@ -1,5 +1,5 @@
 """Every private torch name ``fsdp_opt`` uses, in one place, each with what it
-relies on; pinned by ``tests/test_torch_contracts_ddp.py``."""
+relies on; pinned by ``tests/contracts/test_torch_contracts_ddp.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A small transformer whose attention blocks are activation-checkpointed, with SDPA or
-FlexAttention, trained under compile_ddp next to eager DDP (tests/test_ddp_checkpointed_attention.py
-on CPU, tests/test_gpu_flex_attention.py on a GPU)."""
+FlexAttention, trained under compile_ddp next to eager DDP (tests/ddp_opt/test_ddp_checkpointed_attention.py
+on CPU, tests/gpu/test_gpu_flex_attention.py on a GPU)."""
 
 from __future__ import annotations
 

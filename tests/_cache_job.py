@@ -83,4 +83,8 @@ def main(cache_dir: str, device: str = "cpu") -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    # Run by path, this file has tests/ first on sys.path, where tests/launch/, tests/compiler/, ...
+    # (folders without __init__.py) would import as empty namespace packages: with the checkout's
+    # root on the path too, the packages themselves win.
+    sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
     main(*sys.argv[1:3])

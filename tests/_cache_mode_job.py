@@ -14,8 +14,6 @@ from types import SimpleNamespace
 
 import torch
 
-from _jobs import TINY_OVERRIDES as TINY
-
 
 def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str, nproc: int = 2) -> dict:
     """This job in new processes (``nproc`` ranks under torchrun for fsdp and ddp) with their
@@ -44,7 +42,7 @@ def run_mode_job(cache_dir: Path, inductor_dir: Path, mode: str, nproc: int = 2)
 def main(cache_dir: str, mode: str, out_dir: str) -> None:
     from torch._dynamo.utils import counters
 
-    from _jobs import composed
+    from _jobs import TINY_OVERRIDES as TINY, composed
     from launch.runtime.dist import DistEnv
     from launch.runtime.parallel import apply_parallel, build_model
     from launch.train import _after_first_step
@@ -83,6 +81,9 @@ def main(cache_dir: str, mode: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    # Run by path, this file has tests/ first on sys.path, where tests/launch/, tests/compiler/, ...
+    # (folders without __init__.py) would import as empty namespace packages: with the checkout's
+    # root on the path too, the packages themselves win.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     main(*sys.argv[1:4])

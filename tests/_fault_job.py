@@ -32,9 +32,15 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
-from launch.runtime.dist import restarted_by_torchrun
-from launch.train import Job, main
+# Run by path, this file has tests/ first on sys.path, where tests/launch/, tests/compiler/, ...
+# (folders without __init__.py) would import as empty namespace packages: with the checkout's
+# root on the path too, the packages themselves win.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from launch.runtime.dist import restarted_by_torchrun  # noqa: E402
+from launch.train import Job, main  # noqa: E402
 
 
 def kill_at(spec: str):

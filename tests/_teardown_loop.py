@@ -3,13 +3,19 @@ DDP backward and an all-reduce, tear down and drop the model, ``sys.argv[1]`` ti
 ``dist.destroy_process_group`` alone this hung within 50 tries (Note [Process-group teardown])."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.config.schema import ParallelConfig
-from launch.runtime.dist import setup_distributed, teardown_distributed
+# Run by path, this file has tests/ first on sys.path, where tests/launch/, tests/compiler/, ...
+# (folders without __init__.py) would import as empty namespace packages: with the checkout's
+# root on the path too, the packages themselves win.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from launch.config.schema import ParallelConfig  # noqa: E402
+from launch.runtime.dist import setup_distributed, teardown_distributed  # noqa: E402
 
 for i in range(int(sys.argv[1])):
     setup_distributed(ParallelConfig(dist_backend="gloo"), timeout_s=60)

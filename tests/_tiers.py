@@ -106,7 +106,8 @@ def mark_alone_tests(items: list[pytest.Item]) -> None:
 
 def longest_first(items: list[pytest.Item]) -> None:
     """Reorder ``items`` in place: the files of ``LONGEST_FIRST`` first, in its order; the
-    others after, as collected."""
+    others after, as collected. Files are matched by name, whichever folder of tests/ holds
+    them (no two share a name)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 

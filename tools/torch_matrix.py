@@ -3,7 +3,7 @@ against the torch installed in *this* interpreter, record what ran and which fea
 run, and regenerate the docs' table (docs/getting-started.md) from every row recorded so far.
 
     python tools/torch_matrix.py                          # contracts + the default subset
-    python tools/torch_matrix.py --subset tests/test_ddp_alignment.py
+    python tools/torch_matrix.py --subset tests/ddp_opt/test_ddp_alignment.py
     python tools/torch_matrix.py --render-only            # the docs table from the JSON
 
 Rows live in ``benchmarks/results/torch_matrix.json``, one per torch release (a new run of
@@ -32,10 +32,12 @@ from benchmarks.harness.report import markdown_table, update_section, write_json
 
 START, END = "<!-- torch-matrix:start -->", "<!-- torch-matrix:end -->"
 JSON = ROOT / "benchmarks" / "results" / "torch_matrix.json"
-CONTRACTS = ["tests/test_torch_contracts.py", "tests/test_torch_contracts_ddp.py", "tests/test_torch_contracts_import.py"]
+CONTRACTS = ["tests/contracts/test_torch_contracts.py", "tests/contracts/test_torch_contracts_ddp.py",
+             "tests/contracts/test_torch_contracts_import.py"]
 # The paths that broke on a release before: realignment, plan agreement, real clients' flows.
-SUBSET = ["tests/test_ddp_alignment.py", "tests/test_ddp_agreement.py", "tests/test_ddp_compile_first.py",
-          "tests/test_real_clients.py", "tests/test_fsdp_plan.py"]
+SUBSET = ["tests/ddp_opt/test_ddp_alignment.py", "tests/ddp_opt/test_ddp_agreement.py",
+          "tests/ddp_opt/test_ddp_compile_first.py", "tests/ddp_opt/test_real_clients.py",
+          "tests/fsdp_opt/test_fsdp_plan.py"]
 
 
 def run_pytest(paths: Sequence[str]) -> dict:

@@ -10,9 +10,9 @@ step is recorded (with the tail of its output) and the next one still runs, and 
 JSON is rewritten after every step, so a check cut short keeps what it finished:
 
 1. ``env``: torch, CUDA, Triton and the GPU (name, memory, capability).
-2. ``tests``: ``pytest -m gpu`` (tests/test_gpu_*.py) with a JUnit report, read back
+2. ``tests``: ``pytest -m gpu`` (tests/gpu/) with a JUnit report, read back
    into one row per test: outcome, seconds, and the first line of a failure. The
-   benchmark tests (tests/test_gpu_bench.py) are left out here: steps 3 and 4 run the
+   benchmark tests (tests/gpu/test_gpu_bench.py) are left out here: steps 3 and 4 run the
    same commands at full size.
 3. ``ddp``: ``benchmarks.studies.ddp_compare --device cuda`` on one rank (NCCL), no simulated
    link: eager DDP, PyTorch's splitter, compile without splitting and ours, interleaved
@@ -105,7 +105,7 @@ def _run(cmd: Sequence[str], timeout: float) -> tuple[str, float, str]:
 def _tests(work: Path, timeout: float) -> dict:
     report = work / "gpu_tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={report}",
-           "--ignore=tests/test_gpu_bench.py", "tests"]
+           "--ignore=tests/gpu/test_gpu_bench.py", "tests"]
     status, seconds, tail = _run(cmd, timeout)
     cases = read_junit(report) if report.exists() else []
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}

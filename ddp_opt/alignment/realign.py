@@ -26,7 +26,7 @@ Notes
       forward, not the reducer. What lives only in the reducer is set again, as
       ``DDP.__setstate__`` does: ``static_graph`` and manual finalization (torch >= 2.15,
       ``require_manual_backward_finalization``; lost, the new reducer finalizes by itself and
-      the user's ``finalize_backward()`` raises). ``tests/test_ddp_realign_settings.py`` trains
+      the user's ``finalize_backward()`` raises). ``tests/ddp_opt/test_ddp_realign_settings.py`` trains
       each past realignment against eager DDP: a setting a new torch keeps only in its reducer
       fails there first, and is carried in ``_torch_internals.rebuild_reducer`` or refused in
       ``compile_ddp``.

@@ -43,7 +43,7 @@ Algorithm
 
 Numerics
     Equal to PyTorch's hook up to the float rounding of the products
-    (tests/test_ddp_powersgd.py: step by step against eager DDP with PyTorch's hook).
+    (tests/ddp_opt/test_ddp_powersgd.py: step by step against eager DDP with PyTorch's hook).
 """
 
 from __future__ import annotations

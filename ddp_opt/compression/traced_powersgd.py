@@ -31,7 +31,7 @@ Algorithm
       leaving some parameters without gradient is refused before the optimizer step.
 
 Numerics
-    Per matrix the arithmetic is PyTorch's hook's (tests/test_ddp_traced_powersgd.py).
+    Per matrix the arithmetic is PyTorch's hook's (tests/ddp_opt/test_ddp_traced_powersgd.py).
     Unlike it, no error is kept for uncompressed tensors, and the first Q is drawn per
     matrix, not per bucket.
 """

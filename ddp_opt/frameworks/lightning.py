@@ -32,7 +32,7 @@ Algorithm
       user's module.
 
 Notes
-    Lightning internals used, pinned by ``tests/test_framework_lightning.py``:
+    Lightning internals used, pinned by ``tests/ddp_opt/test_framework_lightning.py``:
     ``DDPStrategy._setup_model`` (called) and ``LightningModule._compiler_ctx`` (a module
     given already compiled is refused: two nested compilers; so is one compiled in place,
     by ``compile_for_ddp`` or ``module.compile()``).

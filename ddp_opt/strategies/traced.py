@@ -66,7 +66,7 @@ Notes
       any step (``refuse_untraceable``): the backward recomputes it, and dynamo fails to trace the
       recomputed op when compiled autograd traces that backward (torch 2.11 on an H200, 2.15 on CPU).
       It is found only in the captured graph, too late to fall back to the split strategy, which
-      runs it (tests/test_gpu_flex_attention.py).
+      runs it (tests/gpu/test_gpu_flex_attention.py).
     - Debugging: ``compiled.traced.fused`` lists, per compiled backward, the fused
       buckets' byte sizes; a backward loaded from Inductor's FX graph cache records nothing.
 """

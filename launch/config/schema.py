@@ -101,7 +101,7 @@ class ModelConfig:
     """``model`` group. ``gpt_tiny`` and ``hf_gpt2`` use the size fields; ``custom``
     builds ``_target_(**kwargs)`` (nested ``_target_`` dicts are instantiated too). The sizes
     default to the GPT's own (``launch.models.GPTConfig``, their one source;
-    ``configs/model/gpt_tiny.yaml`` repeats them, pinned by ``tests/test_launch_config.py``)."""
+    ``configs/model/gpt_tiny.yaml`` repeats them, pinned by ``tests/launch/test_launch_config.py``)."""
 
     name: str = "gpt_tiny"  # a ModelName
     _target_: Optional[str] = None

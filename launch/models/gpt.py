@@ -18,7 +18,7 @@ __all__ = ["GPTConfig", "GPT", "Block"]
 class GPTConfig:
     """The GPT's sizes. Their defaults are the one source of the default model's size: the
     launcher's model schema (``launch.config.schema.ModelConfig``) and the benchmarks read them,
-    and ``configs/model/gpt_tiny.yaml`` repeats them (``tests/test_launch_config.py`` checks)."""
+    and ``configs/model/gpt_tiny.yaml`` repeats them (``tests/launch/test_launch_config.py`` checks)."""
 
     vocab_size: int = 512
     block_size: int = 64

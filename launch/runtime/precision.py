@@ -14,13 +14,13 @@ Algorithm
     state guard and AOTAutograd traces the model under it, so the captured
     graph holds the concrete ``bf16`` casts (``_to_copy`` nodes) and no autocast
     region at all: the DDP planner splits an ordinary graph (tested in
-    tests/test_launch_optim.py; a region inside the model's forward would be
+    tests/launch/test_launch_optim.py; a region inside the model's forward would be
     cut and re-entered per partition, Note [Bucket planning]).
     Parameters, gradients and the optimizer state stay float32; DDP reduces
     float32 gradients.
 
 Notes
-    - Parity tolerances (tests/test_launch_step_multirank.py, 2 ranks, 3 steps
+    - Parity tolerances (tests/launch/test_launch_step_multirank.py, 2 ranks, 3 steps
       of a small GPT): compiled DDP (aot_eager) in bf16 matches eager DDP in
       bf16 within 1e-3 on the losses and 1e-4 on the parameters (aot_eager runs
       the same casts; the margin is for fusing backends); bf16 losses match fp32

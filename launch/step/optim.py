@@ -19,7 +19,7 @@ Notes
       (``zero_grad(set_to_none=False)``): the compiled step reads the same tensors every
       step (no copy into CUDA graphs' static inputs), and accumulating into zeros gives
       exactly a fresh gradient's values.
-    - Parity (tests/test_launch_optim.py): within an ulp after step 1, within 1e-5 later,
+    - Parity (tests/launch/test_launch_optim.py): within an ulp after step 1, within 1e-5 later,
       except a gradient that is analytically zero (float noise Adam normalises): 1e-4.
     - A float lr is a constant to dynamo, so each new value recompiles. With ``tensor_lr``
       the step reads each group's lr from a 0-dim tensor updated in place, and compiles
@@ -39,7 +39,7 @@ Note [Gradient clipping]
     there). FSDP2's gradients are DTensor shards: the norm is computed over the
     shards and reduced (``full_tensor``), the same total on every rank, as
     torchtitan does. Parity with ``torch.nn.utils.clip_grad_norm_`` on one
-    process's full batch: tests/test_launch_clip_multirank.py.
+    process's full batch: tests/launch/test_launch_clip_multirank.py.
 
 Note [Optimizer before the wrapping]
 

@@ -14,7 +14,7 @@ Algorithm
     ``.grad``, and the last micro-step's backward all-reduces the sum once. Each
     micro-batch's loss is scaled by ``1/k``, so with equal micro-batches the
     accumulated gradient is the gradient of the mean loss over the whole batch:
-    parity with one large-batch step (tests/test_launch_step_multirank.py, 2 ranks).
+    parity with one large-batch step (tests/launch/test_launch_step_multirank.py, 2 ranks).
 
 Notes
     - ``compile_ddp`` compiles the module *inside* DDP, so ``no_sync`` (a flag on
@@ -26,7 +26,7 @@ Notes
       plan and the second re-creates the reducer before its forward; the
       gradients already accumulated in ``.grad`` are untouched by that, and the
       new reducer reads them when the synced backward marks them ready (the
-      parity test, tests/test_launch_step_multirank.py, starts with exactly this
+      parity test, tests/launch/test_launch_step_multirank.py, starts with exactly this
       sequence).
     - With variable lengths each micro-batch's loss is the mean over *its* real
       tokens; scaling by ``1/k`` weighs micro-batches equally, not tokens (the
