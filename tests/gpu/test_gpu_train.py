@@ -20,7 +20,10 @@ from launch.models import GPT
 pytestmark = [*GPU, pytest.mark.usefixtures("clean_dynamo")]
 
 
-def test_fsdp2_per_block_compile_with_bf16_mixed_precision_matches_eager_fsdp2():
+@pytest.mark.parametrize("strategy", ["per_block", "traced"])
+def test_fsdp2_compiled_with_bf16_mixed_precision_matches_eager_fsdp2(strategy):
+    # per_block: each block compiled before fully_shard; traced: the whole model with FSDP's collectives in the
+    # graph, on NCCL (fsdp_opt.traced)
     import fsdp_opt
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -30,9 +33,10 @@ def test_fsdp2_per_block_compile_with_bf16_mixed_precision_matches_eager_fsdp2()
         torch.manual_seed(0)
         model = GPT(CFG).to(device)
         ref = copy.deepcopy(model)
-        fsdp_opt.apply(model, compile="inductor", mp_policy=policy)
+        plan = fsdp_opt.apply(model, strategy=strategy, compile="inductor", mp_policy=policy)
         fsdp_opt.apply(ref, compile=None, mp_policy=policy)
-        assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
+        if strategy == "per_block":
+            assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in (model, ref)]
         for step in range(4):
             x, y = batch(step, 0, device)
@@ -43,13 +47,16 @@ def test_fsdp2_per_block_compile_with_bf16_mixed_precision_matches_eager_fsdp2()
             # in steps of 2**-5 near 5.5), with Inductor fusing differently: relative errors.
             assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-2), f"step {step}"
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                assert p.dtype == torch.float32, f"{name}: the sharded parameters stay float32"
+                assert p.dtype == torch.float32 and p.device.type == "cuda", f"{name}: the shards stay float32"
                 g, h = p.grad.full_tensor(), q.grad.full_tensor()
                 if h.norm() > 1e-6:
                     assert ((g - h).norm() / h.norm()).item() <= 5e-2, f"step {step}, grad of {name}"
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
+        if strategy == "traced":
+            assert plan.traced.reduce_via in ("reduce_scatter", "all_to_all")
+            assert "forward graph collectives:" in plan.table() and "backward graph collectives:" in plan.table()
 
 
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
