@@ -9,8 +9,8 @@ Packages by role: ``ddp_opt.planning`` (bucket plans and the cost model),
 
 The names below are the public surface (at most 20). The building blocks behind them
 are imported from their modules: ``ddp_opt.planning.solver`` (``simulate``, ``solve``,
-``UnitCost``), ``ddp_opt.planning.cost`` (``measure_link``, ``measure_rates``),
-``ddp_opt.planning.auto`` (``plan_auto``), ``ddp_opt.planning.calibrate``,
+``UnitCost``, ``HookCompute``), ``ddp_opt.planning.cost`` (``measure_link``, ``measure_rates``),
+``ddp_opt.planning.auto`` (``plan_auto``), ``ddp_opt.planning.calibrate`` (``Calibration``),
 ``ddp_opt.alignment.measure`` (``alignment_fraction``, ``runtime_buckets``),
 ``ddp_opt.alignment.agreement`` (``check_plan_agreement``, ``plan_summary``),
 ``ddp_opt.planning.buckets`` (``partition_map``) and ``ddp_opt.advice`` (the spellings
@@ -24,9 +24,8 @@ from .compile_first import compile_for_ddp, compiled_ddp_of
 from .compression.powersgd import PowerSGD
 from .config import DDPCompileConfig
 from .planning.buckets import Bucket, BucketCaps, format_buckets, plan_buckets
-from .planning.calibrate import Calibration
 from .planning.cost import CostModel, DeviceRates
-from .planning.solver import HookCompute, LinkEstimate, Timeline
+from .planning.solver import LinkEstimate, Timeline
 from .strategies.split import DDPOptimizer
 
 __all__ = [
@@ -46,10 +45,8 @@ __all__ = [
     # cost-model plan (bucket_cap_mb="auto")
     "CostModel",
     "DeviceRates",
-    "HookCompute",
     "LinkEstimate",
     "Timeline",
-    "Calibration",
     # alignment with DDP's runtime buckets, rank agreement, advice
     "Alignment",
     "measure_alignment",

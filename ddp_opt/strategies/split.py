@@ -56,8 +56,9 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from compiler import (DYNAMO_CONTROL_FLOW, FALLBACKS, BackendFn, PartitionRecord, compile_partitions,
+from compiler import (FALLBACKS, BackendFn, PartitionRecord, compile_partitions,
                       produces_gradients, split_graph)
+from compiler.partition import DYNAMO_CONTROL_FLOW
 
 from .._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
 from ..advice import API_SPELLING, DIRECT_SPELLING, Spelling

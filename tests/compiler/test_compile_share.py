@@ -229,11 +229,17 @@ def test_a_graph_the_predicate_refuses_holds_no_peer():
     assert not rank0.store.check([f"{rank0.prefix}/state/0"])  # never marked as compiling a shared graph
 
 
+def _job(*overrides):
+    """The launcher's JobConfig for ``overrides``, composed as ``python -m launch.train`` composes it."""
+    from launch.config.compose import compose_job
+
+    return compose_job(list(overrides))
+
+
 def test_the_share_settings_reach_compile_ddp_and_a_bad_timeout_is_refused():
     from compiler import SettingError
     from ddp_opt import DDPCompileConfig
     from launch.runtime.parallel import ddp_compile_config
-    from test_launch_config import _job
 
     assert ddp_compile_config(_job()).share is True  # on by default
     made = ddp_compile_config(_job("compile.share=false", "compile.share_timeout_s=60"))
@@ -246,7 +252,6 @@ def test_the_share_settings_reach_compile_ddp_and_a_bad_timeout_is_refused():
 def test_the_launcher_words_a_bad_share_timeout_in_its_own_terms():
     from launch.config.schema import ConfigError
     from launch.checks.validate import validate
-    from test_launch_config import _job
 
     with pytest.raises(ConfigError, match=r"compile.share_timeout_s=-1.0 is not valid: .* a positive number of "
                                           r"seconds\. .* compile.share_timeout_s=3600"):

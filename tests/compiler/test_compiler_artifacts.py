@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import fx
 
-from compiler import LazyPartition, PartitionRecord
+from compiler import PartitionRecord
+from compiler.partition import LazyPartition
 from compiler.artifacts import damaged_kernel_in, damaged_kernels, remove_damaged_kernels
 
 # A small real shared library to damage.

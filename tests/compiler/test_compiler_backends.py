@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from compiler import CompileOptions, resolve_backend, valid_backend_names, valid_modes
+from compiler import CompileOptions, resolve_backend
+from compiler.backends import valid_backend_names, valid_modes
 
 
 def test_known_names_resolve_to_callables():

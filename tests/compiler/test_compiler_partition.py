@@ -8,7 +8,8 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from compiler import LazyPartition, PartitionRecord, _torch_internals, compile_partitions, ensure_tuple_output, split_graph
+from compiler import PartitionRecord, _torch_internals, compile_partitions, ensure_tuple_output, split_graph
+from compiler.partition import LazyPartition
 from compiler.partition import run_on_fakes
 
 

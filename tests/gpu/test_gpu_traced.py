@@ -6,12 +6,17 @@ being computed (Note [Traced strategy]); the CPU test checks the same on C++ ker
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from _gpu import GPU, cuda0, one_rank_nccl
 from launch.models import GPTConfig
-from test_ddp_traced import (_check_fused_by_caps, _check_overlap_scheduled, _check_parity, _collective_orders,
-                             _traced_rank)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ddp_opt"))  # its CPU twin, in another package folder
+from test_ddp_traced import (  # noqa: E402
+    _check_fused_by_caps, _check_overlap_scheduled, _check_parity, _collective_orders, _traced_rank)
 
 pytestmark = [*GPU, pytest.mark.usefixtures("clean_dynamo")]
 

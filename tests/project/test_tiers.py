@@ -95,3 +95,19 @@ def test_each_longest_file_is_one_file_in_a_package_folder_and_none_is_at_the_to
     assert {name: folders for name, folders in where.items() if len(folders) != 1} == {}
     top = sorted(p.name for p in tests.glob("test_*.py"))
     assert top == [], f"{top}: tests/ mirrors the packages, each test file in its package's folder (docs/contributing.md)"
+
+
+def test_a_test_module_imports_another_only_from_its_own_folder():
+    # pytest puts each test file's folder on sys.path as it collects it, so `from test_x import ...` of a file in
+    # another folder works only when that folder happened to be collected first (a single file run fails)
+    import re
+
+    tests = Path(__file__).resolve().parents[1]
+    here = {p.stem: p.parent for p in tests.rglob("test_*.py")}
+    crossing = []
+    for path in tests.rglob("test_*.py"):
+        text = path.read_text()
+        for name in re.findall(r"^\s*from (test_\w+) import", text, re.M):
+            if here.get(name) != path.parent and f'/ "{here.get(name, Path()).name}"' not in text:
+                crossing.append(f"{path.relative_to(tests)} imports {name}")
+    assert not crossing, crossing
