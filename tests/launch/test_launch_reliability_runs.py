@@ -6,6 +6,7 @@ promptly every time (Note [Exit on error] in ``launch.runtime.dist``)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,8 +77,14 @@ def _published(cwd: Path) -> list[str]:
     return sorted(p.name for p in (cwd / "checkpoints").iterdir() if p.name.startswith("step_"))
 
 
+def _before_torchruns_table(stderr: str) -> str:
+    """What the ranks and the agent printed before torchrun's failure table, which repeats each failed
+    rank's last lines from its error file (Note [A failed rank's last line] in launch.runtime.worker_error)."""
+    return re.split(r"^=+\n.* FAILED\n-+\n", stderr, maxsplit=1, flags=re.M)[0]
+
+
 def _assert_stopped_and_saved(job: _Job, cwd: Path) -> None:
-    out = job.stdout + job.stderr
+    out = job.stdout + _before_torchruns_table(job.stderr)
     assert out.count(STOPPED) == 1, f"stdout:\n{job.stdout[-4000:]}\nstderr:\n{job.stderr[-4000:]}"
     assert f"step     {STOP_AT + 1}/" not in job.stdout, "a rank went on past the step the job stopped at"
     # No worker's traceback (the agent, when signalled, prints its own SignalException's).
@@ -136,6 +143,7 @@ def test_an_error_on_rank_0_ends_the_job_promptly_every_time(tmp_path, torchrun)
         took = time.monotonic() - t0
         print(f"try {attempt}: exit {proc.returncode} in {took:.1f}s")
         assert proc.returncode == 1, proc.stderr
-        assert proc.stderr.count("RuntimeError: fault 3:0:RAISE: injected error on rank 0 at step 3") == 1, \
-            proc.stderr[-4000:]
+        line = "RuntimeError: fault 3:0:RAISE: injected error on rank 0 at step 3"
+        assert _before_torchruns_table(proc.stderr).count(line) == 1, proc.stderr[-4000:]  # said once by the rank
+        assert "traceback : Traceback" in proc.stderr and proc.stderr.count(line) == 2  # and in torchrun's table
         assert "step     2/4" in proc.stdout and "step     3/4" not in proc.stdout
