@@ -23,7 +23,6 @@ from ._torch_internals import is_compiled, no_builtin_ddp_splitter
 from .planning.solver import LinkEstimate
 from .compiled import CompiledDDP
 from .compression.hooks import link_probe
-from .control import ControlFacts, backend_name
 from .config import DDPCompileConfig, keyword_signature
 from .planning.cost import CostModel, DeviceRates, measure_link, measure_rates
 from .compression.powersgd import link_probe as powersgd_probe, measure_hook_compute
@@ -275,11 +274,9 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         inner.forward = torch.compile(inner.forward, backend=built.backend, dynamic=config.dynamic,
                                       fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
-    control = ControlFacts("compile_ddp", backend_name(config.backend), prepared.in_control,
-                           kept=None if config.align_buckets else "align_buckets=False")
     return CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=strategy,
                        block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
-                       gate=gate, own_hook=own, in_backward=in_backward, control=control)
+                       gate=gate, own_hook=own, in_backward=in_backward, control=prepared.control)
 
 
 def _check_traced_update(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> None:

@@ -63,7 +63,6 @@ from ._torch_internals import active_ddp_module, builtin_splitter_on, is_compile
 from .setup import prepare
 from .in_backward.split import grads_in_buckets
 from .compiled import CompiledDDP
-from .control import ControlFacts, backend_name
 from .config import DDPCompileConfig
 from .strategies.table import Setup, ddp_backend
 
@@ -217,11 +216,10 @@ class _DeferredBackend:
         self._backend = built.backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
-        control = ControlFacts("compile_for_ddp", backend_name(config.backend), prepared.in_control,
-                               kept=None if config.align_buckets else "align_buckets=False")
         self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=prepared.align,
                                       strategy=config.strategy,
-                                      share=share, gate=gate, own_hook=own, in_backward=in_backward, control=control)
+                                      share=share, gate=gate, own_hook=own, in_backward=in_backward,
+                                      control=prepared.control)
         self.controller.gate_from_next()
         log.info("compile_for_ddp: splitting at the buckets of %s (%d ranks)", type(ddp_model).__name__,
                  dist.get_world_size(ddp_model.process_group))

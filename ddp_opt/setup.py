@@ -51,6 +51,7 @@ from ._torch_internals import REALIGN_SUPPORTED, python_comm_hooks, realign_unsu
 from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .compression.hooks import OwnHook, hook_conflict, own_hook
 from .config import DDPCompileConfig
+from .control import ControlFacts, backend_name
 from .in_backward.stepper import BucketStep
 
 __all__ = ["Prepared", "prepare", "in_backward_for", "own_hook_for", "builtin_hook_warning"]
@@ -66,6 +67,7 @@ class Prepared:
         in_backward: the optimizer in backward (``optimizer=``), or None.
         align: whether DDP's buckets are realigned with the partitions.
         in_control: False where a warning said DDP keeps its own buckets against the plan.
+        control: the facts of the in-control line (Note [In control, once]) known at compile time.
     """
 
     hook: str | None
@@ -73,6 +75,7 @@ class Prepared:
     in_backward: BucketStep | None
     align: bool
     in_control: bool
+    control: ControlFacts
 
 
 def prepare(entry: str, ddp_model: DistributedDataParallel, config: DDPCompileConfig, strategy: str,
@@ -92,7 +95,9 @@ def prepare(entry: str, ddp_model: DistributedDataParallel, config: DDPCompileCo
     in_backward = in_backward_for(entry, ddp_model, config, hook)
     align, in_control = _alignment(entry, ddp_model, config.align_buckets and strategy != "traced", strategy, hook,
                                    stacklevel + 2)
-    return Prepared(hook, own, in_backward, align, in_control)
+    control = ControlFacts(entry, backend_name(config.backend), in_control,
+                           kept=None if config.align_buckets else "align_buckets=False")
+    return Prepared(hook, own, in_backward, align, in_control, control)
 
 
 def _alignment(entry: str, ddp_model: DistributedDataParallel, align: bool, strategy: str, hook: str | None,
