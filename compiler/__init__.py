@@ -1,22 +1,26 @@
-"""Graph compiler core: backend resolution, graph splitting, lazy fault-tolerant
-per-partition compile, regional (per-block) compile, the compile cache and
-diagnostics. Knows nothing about DDP, FSDP or the launcher.
+"""Graph compiler core. Knows nothing about DDP, FSDP or the launcher. Three roles, one
+subpackage each, and the torch access they share at the top:
 
-The names below are the public surface (at most 20). Their neighbours are imported from
-their modules: ``compiler.backends`` (``valid_backend_names``, ``valid_modes``),
-``compiler.split`` (``SplitGraph``), ``compiler.partition`` (``LazyPartition``,
-``DYNAMO_CONTROL_FLOW``), ``compiler.cache`` (``CacheKey``), ``compiler.diagnose``
-(``Report``)."""
+- ``compiler.graph``: backend resolution, graph splitting, lazy fault-tolerant per-partition
+  compile, regional (per-block) compile, the backend wrapper chain, compile progress and
+  diagnostics;
+- ``compiler.cache``: the persistent compile cache, its keys, artifacts and kernels, and what
+  the job trusts on disk;
+- ``compiler.ranks``: what the ranks of a job do together: the shared compile and its secret,
+  the step gate, peer liveness, the measured link;
+- ``_torch_internals`` (every private torch access of the package) and ``torch_release``
+  (what the installed torch offers, Note [Private names read at import]).
 
-from .backends import BackendFn, SettingError, resolve_backend
-from .cache import CompileCache
-from .diagnose import Diagnoser, size_guard
-from .graph_kind import produces_gradients
-from .options import CompileOptions
-from .partition import FALLBACKS, PartitionRecord, compile_partitions
-from .regional import block_containers, block_lists, check_blocks_setting, compile_blocks, find_blocks
-from .settings_key import cache_settings, not_compiled
-from .split import ensure_tuple_output, split_graph
+The names below are the public surface (at most 20). Code outside ``compiler`` imports these,
+or a role's names from its subpackage (each subpackage's ``__all__``), never a module below a
+subpackage (pinned by tests/contracts/test_layers.py); a package's own ``_torch_internals``
+may read ``compiler._torch_internals``."""
+
+from ._torch_internals import size_guard
+from .cache import CompileCache, cache_settings, not_compiled
+from .graph import (FALLBACKS, BackendFn, CompileOptions, Diagnoser, PartitionRecord, SettingError, block_containers,
+                    block_lists, check_blocks_setting, compile_blocks, compile_partitions, ensure_tuple_output,
+                    find_blocks, produces_gradients, resolve_backend, split_graph)
 
 __all__ = [
     # backends

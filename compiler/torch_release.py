@@ -4,7 +4,7 @@
   upper bound (``setup.cfg``), so a user's next torch installs and runs; what it has not had is
   a run of the contract tests. :func:`warn_if_torch_untested` says so once per process, at the
   first compile of any entry point (they all resolve their backend in
-  :func:`compiler.backends.resolve_backend`, which calls it), with the command that runs them.
+  :func:`compiler.graph.backends.resolve_backend`, which calls it), with the command that runs them.
 - Features are gated by feature detection, never by the version number:
   :func:`warn_feature_off_once` says which feature is off on this release and why.
 - Private names read when a module is imported go through :func:`at_import`

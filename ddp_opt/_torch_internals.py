@@ -24,8 +24,8 @@ from torch.nn.parallel import distributed as _ddp_module
 # One definition each, in the core: the default group's store, the feature-off warning, and the functions
 # dynamo records for autocast, grad-mode and inference-mode regions (Note [Private names read at import]).
 from compiler._torch_internals import (AUTOCAST_ENTER, AUTOCAST_EXIT, INFERENCE_MODE_ENTER,  # noqa: F401
-                                       INFERENCE_MODE_EXIT, INFERENCE_REGIONS, SET_GRAD_ENABLED, default_store,
-                                       warn_feature_off_once, warn_if_missing_at_import)
+                                       INFERENCE_MODE_EXIT, INFERENCE_REGIONS, SET_GRAD_ENABLED, compile_call_in_place,
+                                       compiled_call, default_store, warn_feature_off_once, warn_if_missing_at_import)
 
 def missing_for_realignment() -> list[str]:
     """What bucket realignment (:func:`rebuild_reducer`) needs from DDP that this torch lacks;

@@ -1,7 +1,7 @@
 """Advice about DDP's buckets and compile time, in the spelling of the entry
 point the user came through.
 
-``compiler.diagnose`` reports facts and advises on what is fixed in code
+``compiler.graph.diagnose`` reports facts and advises on what is fixed in code
 (graph breaks, recompiles). What is fixed by a setting is advised here, next to
 the settings: a :class:`Spelling` says how each one is written, so a Python user
 reads ``compile_ddp(ddp, bucket_cap_mb='auto')`` and a launcher user reads

@@ -16,8 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CompileCache, SettingError, compile_blocks
 from compiler.cache import open_cache
-from compiler.share import share_for_group
-from compiler.step_gate import gate_for_group
+from compiler.ranks import gate_for_group, share_for_group
 
 from ._torch_internals import is_compiled, no_builtin_ddp_splitter
 from .planning.solver import LinkEstimate
@@ -40,7 +39,7 @@ __all__ = ["CompiledDDP", "caps_from_ddp", "compile_ddp", "resolve_cost_model"]
 
 def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any],
                traced: bool) -> CompileCache:
-    """The compile cache entry of this model and config; loaded now (``compiler.cache.open_cache``:
+    """The compile cache entry of this model and config; loaded now (``compiler.cache.store.open_cache``:
     Inductor's local cache goes under ``cache_dir`` unless the user chose its directory). One
     entry for every world size, except under the traced strategy: its backward graph holds the
     all-reduces of DDP's group (Note [Compile cache])."""

@@ -55,11 +55,10 @@ from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import SettingError
-from compiler._torch_internals import compile_call_in_place, compiled_call
-from compiler.share import share_for_group
-from compiler.step_gate import gate_for_group
+from compiler.ranks import gate_for_group, share_for_group
 
-from ._torch_internals import active_ddp_module, builtin_splitter_on, is_compiled, no_builtin_ddp_splitter
+from ._torch_internals import (active_ddp_module, builtin_splitter_on, compile_call_in_place, compiled_call, is_compiled,
+                               no_builtin_ddp_splitter)
 from .setup import prepare
 from .in_backward.split import grads_in_buckets
 from .compiled import CompiledDDP

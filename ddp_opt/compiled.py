@@ -37,8 +37,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CompileCache
-from compiler.share import CompileShare
-from compiler.step_gate import StepGate
+from compiler.ranks import CompileShare, StepGate
 
 from .alignment.measure import Alignment
 from .planning.solver import Timeline
@@ -78,12 +77,12 @@ class CompiledDDP:
             about when below 1.0) in the forward where DDP rebuilt them.
         block_buckets: with regional compile, the buckets of whole blocks
             (Note [Regional compile]); None otherwise.
-        compile_cache: the :class:`compiler.cache.CompileCache` with
+        compile_cache: the :class:`compiler.cache.store.CompileCache` with
             ``cache_dir``, else None; saved by :meth:`save_compile_cache`.
-        share: the :class:`compiler.share.CompileShare` of DDP's group (its
+        share: the :class:`compiler.ranks.share.CompileShare` of DDP's group (its
             ``stats`` say what this rank compiled, loaded and waited for), or
             None on one rank.
-        gate: the :class:`compiler.step_gate.StepGate` of DDP's group (Note [Step
+        gate: the :class:`compiler.ranks.step_gate.StepGate` of DDP's group (Note [Step
             gate]), or None (one rank, or ``step_gate=False``).
         traced: under ``strategy="traced"``, its plan (Note [Traced strategy]); else None.
         own_hook: with ``reduce_dtype`` or ``compression``, the comm hook registered here and kept

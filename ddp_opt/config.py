@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setting, keywords, not_compiled
+from compiler import FALLBACKS, CompileOptions, SettingError, check_blocks_setting, not_compiled
+from compiler.graph import keyword_signature as config_signature, setting_names
 
 from .advice import API_SPELLING, Spelling
 from .planning.solver import LinkEstimate
@@ -97,7 +98,7 @@ class DDPCompileConfig(CompileOptions):
         self._check_optimizer()
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
-                            "such as compiler.diagnose.Diagnoser().wrap, or None.")
+                            "such as compiler.graph.diagnose.Diagnoser().wrap, or None.")
 
     @classmethod
     def from_keywords(cls, entry: str, settings: Mapping[str, Any]) -> DDPCompileConfig:
@@ -175,7 +176,7 @@ class DDPCompileConfig(CompileOptions):
 def keyword_signature(*leading: inspect.Parameter) -> inspect.Signature:
     """The signature of an entry point taking ``leading`` then every setting as a keyword
     (``help(compile_ddp)`` lists them), ``config=`` and ``**more`` for ``torch.compile``."""
-    return keywords.keyword_signature(
+    return config_signature(
         DDPCompileConfig, leading, skip=_NOT_KEYWORDS,
         trailing=(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
                   inspect.Parameter("more", inspect.Parameter.VAR_KEYWORD)))
@@ -189,7 +190,7 @@ def _check_torch_compile_keywords(entry: str, more: Mapping[str, Any], known: se
             continue
         near = (difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.55)  # a setting first
                 or difflib.get_close_matches(name, sorted(known | passed_on), n=1))
-        settings = ", ".join(keywords.setting_names(DDPCompileConfig, skip=_NOT_KEYWORDS))
+        settings = ", ".join(setting_names(DDPCompileConfig, skip=_NOT_KEYWORDS))
         raise TypeError(
             f"{entry}() got an unexpected keyword argument {name!r}: it is neither a setting of {entry} "
             f"(the fields of ddp_opt.DDPCompileConfig: {settings}) nor one of torch.compile's keywords, which "

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from compiler import CompileCache
 from compiler.cache import save_on_local_rank0
-from compiler.step_gate import StepGate
+from compiler.ranks import StepGate
 
 from ._torch_internals import has_rebuilt_buckets, python_comm_hooks, reducer_finalized
 from .alignment.agreement import agree_on_caps, next_plan_namespace

@@ -17,10 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from compiler import cache_settings, compile_blocks
-from compiler.backend_chain import build_backend
 from compiler.cache import open_cache
-from compiler.keywords import keyword_signature, refuse_unknown_keywords
-from compiler.share import share_for_group
+from compiler.graph import build_backend, keyword_signature, refuse_unknown_keywords
+from compiler.ranks import share_for_group
 
 from ._torch_internals import checkpoint_wrapper, compiled_autograd_active, replicate_with_fsdp
 from .config import COMPILED_AUTOGRAD_WHY, FSDPCompileConfig, FSDPConfig

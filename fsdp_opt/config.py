@@ -37,7 +37,7 @@ class FSDPCompileConfig(CompileOptions):
     dynamic, fullgraph, cache_dir, share, share_timeout_s), and what only FSDP2 adds.
 
     ``cache_dir``: loaded before the first compile; save it after the first step with
-    ``compiler.cache.save_on_local_rank0(plan.compile_cache)``. ``share``: over the
+    ``compiler.cache.store.save_on_local_rank0(plan.compile_cache)``. ``share``: over the
     mesh's ranks.
 
     Attributes:
@@ -86,7 +86,7 @@ class FSDPConfig:
             Sequentials whose children are all one class, else repeated children of
             one class), the name of one ModuleList, ModuleDict or Sequential
             (``"layers"``), or a sequence of module names (``("layers.0",
-            "layers.1")``). See Note [Finding blocks] in ``compiler.regional``.
+            "layers.1")``). See Note [Finding blocks] in ``compiler.graph.regional``.
         compile: ``None`` (no compile), a backend name or callable (per-block compile
             with defaults), or a :class:`FSDPCompileConfig`. Normalized to a
             ``FSDPCompileConfig`` or ``None``.

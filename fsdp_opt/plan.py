@@ -89,7 +89,7 @@ class FSDPPlan:
         config: the configuration the plan was made from.
         compile_cache: the loaded ``compiler.CompileCache`` with
             ``FSDPCompileConfig(cache_dir=...)``, set by ``apply``; else None.
-        share: the ``compiler.share.CompileShare`` of the mesh's ranks when the
+        share: the ``compiler.ranks.share.CompileShare`` of the mesh's ranks when the
             blocks are compiled on more than one rank, set by ``apply``; else None.
         traced: under ``strategy="traced"``, the ``fsdp_opt.traced.TracedPlan`` (its units
             replace ``units``, which then list the blocks one per unit); else None.

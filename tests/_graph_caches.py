@@ -6,7 +6,7 @@ Note [Graph caches off, kernel files kept]
     this machine) skips the passes, and records nothing: these tests turn the caches off with
     ``force_disable_caches``, the switch a user would flip, so the product sees what such a user's
     run sees (the split strategy then compiles its partitions as with the caches off:
-    ``compiler.partition.aot_cache_enabled`` reads the switch, as AOTAutograd's own check does).
+    ``compiler.graph.partition.aot_cache_enabled`` reads the switch, as AOTAutograd's own check does).
     That switch also gives every ``compile_fx`` a fresh, empty Inductor directory, so each C++ kernel
     was built by the C++ compiler again: in every graph, on every rank, in every run. The built
     kernel files are not what these tests check (the graphs, their order of collectives and the

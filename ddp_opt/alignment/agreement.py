@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from compiler.liveness import dead_after_s
+from compiler.ranks import dead_after_s
 
 from .._torch_internals import default_store
 from ..planning.buckets import Bucket
@@ -65,7 +65,7 @@ class PlanMismatchError(RuntimeError):
 
 def _bounded(timeout_s: float, store: Any) -> timedelta:
     """A wait for the peers' plans never outlasts the store's timeout (the launcher's
-    train.timeout_s; Note [Peer liveness] in ``compiler.liveness``): a dead peer ends it then."""
+    train.timeout_s; Note [Peer liveness] in ``compiler.ranks.liveness``): a dead peer ends it then."""
     return timedelta(seconds=min(timeout_s, dead_after_s(store)))
 
 

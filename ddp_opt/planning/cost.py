@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from compiler.link import LinkEstimate, best_seconds, broadcast_floats, fit_link, time_sizes
+from compiler.ranks import LinkEstimate, best_seconds, broadcast_floats, fit_link, time_sizes
 
 from .._torch_internals import AUTOCAST_ENTER, AUTOCAST_EXIT, SET_GRAD_ENABLED, is_view, node_example, size_hint
 from .solver import NO_HOOK_COMPUTE, HookCompute

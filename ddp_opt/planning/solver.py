@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from compiler.link import LinkEstimate
+from compiler.ranks import LinkEstimate
 
 __all__ = [
     "HookCompute", "NO_HOOK_COMPUTE", "LinkEstimate", "UnitCost", "BucketTiming", "Timeline", "solve", "solve_robust",

@@ -10,8 +10,8 @@ Background
     guards hold for the others.
 
 Algorithm
-    - ``compiler.regional.find_blocks`` picks the repeated blocks;
-      ``compiler.regional.compile_blocks`` compiles each in place, never split inside.
+    - ``compiler.graph.regional.find_blocks`` picks the repeated blocks;
+      ``compiler.graph.regional.compile_blocks`` compiles each in place, never split inside.
     - Everything else (embeddings, final norm, head, loss) runs eagerly: a small share of
       the compute, and compiling it would need a break at every block.
     - A compiled block's backward is one autograd node, so partition boundaries are block
@@ -42,7 +42,7 @@ __all__ = ["find_ddp_blocks", "plan_block_buckets"]
 
 
 def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> list[tuple[str, nn.Module]]:
-    """``compiler.regional.find_blocks`` with an error that says how to fix it for DDP."""
+    """``compiler.graph.regional.find_blocks`` with an error that says how to fix it for DDP."""
     try:
         return find_blocks(model, blocks)
     except ValueError as e:

@@ -58,7 +58,7 @@ from torch import fx
 
 from compiler import (FALLBACKS, BackendFn, PartitionRecord, compile_partitions,
                       produces_gradients, split_graph)
-from compiler.partition import DYNAMO_CONTROL_FLOW
+from compiler.graph import DYNAMO_CONTROL_FLOW
 
 from .._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
 from ..advice import API_SPELLING, DIRECT_SPELLING, Spelling

@@ -1,7 +1,7 @@
 """The compile strategies of ``compile_ddp`` and ``compile_for_ddp`` in one table,
 ``STRATEGIES``, keyed by the strategy's name (``ddp_opt.config.STRATEGIES``), and
 ``ddp_backend``, which builds the dynamo backend of a DDP model through
-``compiler.backend_chain.build_backend`` with the chosen strategy as its transform.
+``compiler.graph.backend_chain.build_backend`` with the chosen strategy as its transform.
 
 Each strategy is a function ``(setup, backend) -> Built``: given the backend each
 piece is compiled with (already shared, Note [Backend wrapping order]), it returns
@@ -20,9 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import produces_gradients
-from compiler.backend_chain import build_backend
-from compiler.share import CompileShare
-from compiler.step_gate import StepGate
+from compiler.graph import build_backend
+from compiler.ranks import CompileShare, StepGate
 
 from .._torch_internals import bucket_settings, use_python_reducer
 from ..config import DDPCompileConfig
@@ -139,7 +138,7 @@ STRATEGIES: dict[str, Callable[[Setup, Callable], Built]] = {
 
 def ddp_backend(setup: Setup, strategy: str, share: CompileShare | None, backward_with_forward: bool) -> Built:
     """The dynamo backend of ``setup.ddp_model`` under ``strategy`` (a key of ``STRATEGIES``),
-    built by ``compiler.backend_chain.build_backend`` (Note [Backend wrapping order]); the
+    built by ``compiler.graph.backend_chain.build_backend`` (Note [Backend wrapping order]); the
     barrier holds for the graphs that produce gradients, whose all-reduces follow them."""
     built: list[Built] = []
 

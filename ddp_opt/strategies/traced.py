@@ -84,7 +84,7 @@ from torch import fx
 from torch.nn.parallel import DistributedDataParallel
 
 from compiler import BackendFn
-from compiler.step_gate import StepGate
+from compiler.ranks import StepGate
 
 from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compiler.link import LinkEstimate, broadcast_floats, fit_link, time_sizes
+from compiler.ranks import LinkEstimate, broadcast_floats, fit_link, time_sizes
 
 from .plan import CollectiveLink
 

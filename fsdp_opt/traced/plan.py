@@ -50,7 +50,7 @@ from typing import Sequence
 
 from tabulate import tabulate
 
-from compiler.link import LinkEstimate
+from compiler.ranks import LinkEstimate
 
 from .schedule import Placement
 

@@ -1,8 +1,8 @@
 """The launcher's side of the compile diagnosis (``diagnose=true``, ``python -m
 launch.doctor``): a probe of the communication backward left exposed, the DDP
-advice in the launcher's spelling, and the report of ``compiler.diagnose.Diagnoser``.
+advice in the launcher's spelling, and the report of ``compiler.graph.diagnose.Diagnoser``.
 
-``compiler.diagnose`` reports what the compiler did; the DDP advice comes from
+``compiler.graph.diagnose`` reports what the compiler did; the DDP advice comes from
 ``ddp_opt.ddp_advice``, which writes each setting as :data:`OVERRIDE_SPELLING`
 says: as an override of this job (``ddp.bucket_cap_mb=2``). It lives here rather
 than in ``launch.doctor`` because the training loop's report phase uses it and

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from compiler.trust import unsafe_folder
+from compiler.cache import unsafe_folder
 
 from ..checkpoint.resume import plan_resume
 from ..checkpoint.run_identity import run_identity
@@ -127,7 +127,7 @@ def check_resume(cfg: JobConfig, world_size: int) -> None:
 
 def check_checkpoint_trust(t: TrainConfig, *, restarted: bool) -> None:
     """``train.checkpoint_dir`` must not be writable by others when the job writes or loads checkpoints
-    there: loading one unpickles (Note [Trusted folders] in ``compiler.trust``)."""
+    there: loading one unpickles (Note [Trusted folders] in ``compiler.cache.trust``)."""
     if not (t.checkpoint_every or t.resume or restarted):
         return  # the folder is neither written nor read
     why = unsafe_folder(t.checkpoint_dir)

@@ -17,7 +17,7 @@ import torch
 
 import fsdp_opt
 from compiler import FALLBACKS, SettingError
-from compiler.share_secret import ShareSecretError, cluster_secret
+from compiler.ranks import ShareSecretError, cluster_secret
 
 from ..config.schema import CompileConfig, ConfigError, FSDPOptions, JobConfig
 from ..data import tokens
@@ -67,7 +67,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
 
 
 def _share_secret(cfg: JobConfig, world_size: int) -> None:
-    """A share secret the user pointed to (Note [Share secret] in ``compiler.share_secret``) that
+    """A share secret the user pointed to (Note [Share secret] in ``compiler.ranks.share_secret``) that
     cannot be used is refused here, in one line, instead of at the first compile."""
     if not cfg.compile.share or world_size < 2:
         return

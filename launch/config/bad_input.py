@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from compiler.trust import UnsafePath, read_private, runtime_dir, write_private
+from compiler.cache import UnsafePath, read_private, runtime_dir, write_private
 
 __all__ = ["CONFIG_ERROR_EXIT", "WAIT_S", "report_config_error", "config_error_reported_before"]
 

@@ -329,7 +329,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    # Diagnose the compile (compiler.diagnose): rank 0 prints a report at the end
+    # Diagnose the compile (compiler.graph.diagnose): rank 0 prints a report at the end
     # and writes it as JSON (diagnose_json, or diagnosis.json in the run directory).
     diagnose: bool = False
     diagnose_json: Optional[str] = None

@@ -1,7 +1,7 @@
 """What the loop shows of itself besides its log lines: TensorBoard (``log.*``,
 ``launch.observe.tensorboard``), the profiler (``profile.*``, ``launch.observe.profile``)
 and, on rank 0, a line at least every 10 s while the first step compiles
-(``compiler.progress``).
+(``compiler.graph.progress``).
 
 The loop calls :meth:`Observer.before_step` and :meth:`Observer.after_step` around
 each step; :meth:`Observer.finish` adds what was found to the metrics at the end;
@@ -15,7 +15,7 @@ import contextlib
 import os
 from typing import Any
 
-from compiler.progress import ProgressTicker, compiling
+from compiler.graph import ProgressTicker, compiling
 
 from ..config.schema import JobConfig
 from ..runtime.dist import DistEnv, print0

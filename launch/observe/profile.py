@@ -5,7 +5,7 @@ Every rank profiles (so that each pays the same overhead and the ranks stay in
 step); rank 0 writes ``trace.json`` into the run directory, which Perfetto
 (https://ui.perfetto.dev) and ``chrome://tracing`` open. Each profiled step is
 one ``record_function("step N")`` range; the compiled partitions label their
-forward and backward (Note [Partition labels] in ``compiler.partition``); the
+forward and backward (Note [Partition labels] in ``compiler.graph.partition``); the
 gradient all-reduces are the profiler's own events of the collectives.
 """
 

@@ -7,7 +7,7 @@ What is read
     From the trace rank 0 wrote, the events inside the ``record_function("step N")``
     range of the step drawn:
     - ``partition i forward`` / ``partition i backward``: the compiled partitions
-      (Note [Partition labels] in ``compiler.partition``). Without them (compile=eager,
+      (Note [Partition labels] in ``compiler.graph.partition``). Without them (compile=eager,
       parallel=fsdp) the autograd engine's ``autograd::engine::evaluate_function:``
       events make one ``backward`` row.
     - the collectives: the process group's own events, ``gloo:all_reduce`` on gloo's

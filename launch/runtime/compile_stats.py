@@ -9,8 +9,7 @@ from typing import Any
 import torch.distributed as dist
 
 from compiler.cache import save_on_local_rank0
-from compiler.cputime import cpu_seconds
-from compiler.share import CompileShare
+from compiler.ranks import CompileShare, cpu_seconds
 
 from .dist import print0
 

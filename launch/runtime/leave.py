@@ -9,7 +9,7 @@ import threading
 import traceback
 from typing import Iterator
 
-from compiler.liveness import PeerLost, WaitInterrupted
+from compiler.ranks import PeerLost, WaitInterrupted
 
 from ..config.bad_input import report_config_error
 from ..config.schema import ConfigError
@@ -42,7 +42,7 @@ def leave(e: BaseException, env: DistEnv) -> None:
     group runs. :class:`ConfigError` is one message with code 2; an exception with an
     ``exit_code`` (:class:`Preempted`, ``NonFinite``) one line from rank 0 with that code;
     a wait for a peer's compile that ended because the peer died or stopped
-    (:class:`compiler.liveness.PeerLost`) or on SIGTERM/SIGINT (``WaitInterrupted``) one
+    (:class:`compiler.ranks.liveness.PeerLost`) or on SIGTERM/SIGINT (``WaitInterrupted``) one
     line from every rank that saw it, with code 1 or 75 (Note [Peer liveness])."""
     if not claim_exit():  # the peer watchdog said why this rank ends, and ends it now
         threading.Event().wait()

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fsdp_opt
 from compiler import SettingError
 from compiler.cache import open_cache
-from compiler.cputime import cpu_seconds
+from compiler.ranks import cpu_seconds
 from ddp_opt import DDPCompileConfig, compile_ddp, measure_alignment
 from ddp_opt.advice import Spelling
 from ddp_opt.compression.hooks import own_hook, parse_reduce_dtype
@@ -109,7 +109,7 @@ class Wrapped:
     module: nn.Module
     compiled_ddp: Any = None
     compile_cache: Any = None
-    share: Any = None  # the compiler.share.CompileShare of the compile, when there is one
+    share: Any = None  # the compiler.ranks.share.CompileShare of the compile, when there is one
     cpu_at_compile: float = field(default_factory=cpu_seconds)  # once wrapped: compiles happen in the first step
 
     def __post_init__(self) -> None:

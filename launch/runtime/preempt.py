@@ -28,7 +28,7 @@ Notes
     - A repeated signal changes nothing. A signal during setup is acted on after the
       first step; a rank blocked in a collective sees it when the collective returns.
       A rank waiting in the store for a peer's compile stops there after a short grace
-      (``compiler.liveness.request_stop``, Note [Peer liveness]), before torchrun's SIGKILL.
+      (``compiler.ranks.liveness.request_stop``, Note [Peer liveness]), before torchrun's SIGKILL.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from compiler.liveness import clear_stop, request_stop
+from compiler.ranks import clear_stop, request_stop
 
 __all__ = ["Preemption", "Preempted", "EXIT_PREEMPTED", "SIGNALS"]
 

@@ -11,14 +11,14 @@ Background
 
 Algorithm
     :class:`PeerWatchdog` holds the launcher's run (world size above 1):
-    - It starts a :class:`compiler.liveness.PeerMonitor` (keeping this rank's heartbeat
+    - It starts a :class:`compiler.ranks.liveness.PeerMonitor` (keeping this rank's heartbeat
       for the whole run) with ``dead_after_s = train.timeout_s``. On the entry point's
       path, a peer silent that long makes the monitor's thread print one line naming it
       and this rank's step, and end the process (``EXIT_PEER_LOST``): the main thread is
       stuck in C++ and cannot raise.
     - An error leaving the run is checked first: a peer gone or stopped (``/proc`` on
       this machine) or silent within a few beats turns it into
-      :class:`compiler.liveness.PeerLost`, printed without a traceback. A peer dead while
+      :class:`compiler.ranks.liveness.PeerLost`, printed without a traceback. A peer dead while
       this cgroup's OOM kill count grew is named as probably OOM-killed (Note [OOM kill
       count]).
 
@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from compiler.liveness import PeerLost, PeerMonitor, WaitInterrupted, on_default_store
+from compiler.ranks import PeerLost, PeerMonitor, WaitInterrupted, on_default_store
 
 from ..config.schema import ConfigError
 from .dist import DistEnv, exit_now

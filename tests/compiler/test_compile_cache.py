@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _cache_job import run_job as _run_job
 from _dist import single_rank_group
 from _jobs import TINY_GPT as TINY
-from compiler.cache import MAGIC, CacheKey, CompileCache
+from compiler.cache.store import MAGIC, CacheKey, CompileCache
 from ddp_opt import compile_ddp
 from launch.models import GPT, GPTConfig
 
@@ -49,7 +49,7 @@ def loaded(monkeypatch):
 
 
 def _warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "compiler.cache" and r.levelno >= logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "compiler.cache.store" and r.levelno >= logging.WARNING]
 
 
 def test_an_entry_round_trips_and_a_missing_entry_is_silent(tmp_path, loaded, caplog):
@@ -129,7 +129,7 @@ def test_the_key_covers_model_settings_and_world_size():
 
 def test_an_entry_of_graphs_free_of_the_world_size_loads_on_another_world_size(tmp_path, loaded, caplog,
                                                                                monkeypatch):
-    from compiler.cache import open_cache
+    from compiler.cache.store import open_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # chosen: left where it is
     model = GPT(GPTConfig(**TINY))
@@ -137,7 +137,7 @@ def test_an_entry_of_graphs_free_of_the_world_size_loads_on_another_world_size(t
     written = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=2, any_world_size=True)
     assert written.last_load.status == "missing"
     written.write(ARTIFACTS)
-    caplog.set_level(logging.INFO, logger="compiler.cache")
+    caplog.set_level(logging.INFO, logger="compiler.cache.store")
     for world_size in (1, 4):
         cache = open_cache(model, tmp_path, {"backend": "inductor"}, world_size=world_size, any_world_size=True)
         assert cache.path == written.path and cache.last_load.status == "loaded" and cache.written_on == 2
@@ -272,7 +272,7 @@ def test_a_restart_in_a_new_process_loads_every_partition_and_kernel_from_the_ca
 @pytest.mark.slow
 def test_a_restart_with_damaged_kernels_in_the_cache_rebuilds_them_and_stays_compiled(tmp_path, cold_run):
     # Inductor's cache under cache_dir/inductor, as the launcher puts it (Note [Damaged cache artifacts]).
-    from compiler.artifacts import damaged_kernels
+    from compiler.cache.artifacts import damaged_kernels
 
     cache, cold = _copy_of(cold_run, tmp_path)
     inductor = cache / "inductor"
@@ -293,7 +293,7 @@ def test_inductor_cache_moves_under_cache_dir_only_when_the_user_did_not_choose_
     # "unset" and "the default" both count as not chosen; any other value is the user's.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from compiler.cache import inductor_dir_is_default as _inductor_dir_is_default
+    from compiler.cache.store import inductor_dir_is_default as _inductor_dir_is_default
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert _inductor_dir_is_default()

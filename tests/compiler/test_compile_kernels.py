@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from compiler.cache import MAGIC, CacheKey, CompileCache
-from compiler.kernels import (KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot,
+from compiler.cache.store import MAGIC, CacheKey, CompileCache
+from compiler.cache.kernels import (KernelBlobError, collect_kernels, install_kernels, kernel_names, kernel_snapshot,
                               merge_kernels)
 from test_compile_cache import ARTIFACTS, artifact_payload
 

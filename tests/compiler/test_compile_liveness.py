@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compiler.liveness import PeerLost, PeerWatch, WaitInterrupted, clear_stop, dead_after_s, request_stop
-from compiler.barrier import key_label
-from compiler.share import CompileShare, Pending, graph_digest
+from compiler.ranks.liveness import PeerLost, PeerWatch, WaitInterrupted, clear_stop, dead_after_s, request_stop
+from compiler.ranks.barrier import key_label
+from compiler.ranks.share import CompileShare, Pending, graph_digest
 
 DEAD_AFTER_S = 2.0
 
@@ -84,7 +84,7 @@ def test_a_live_peer_is_waited_for_beyond_the_silence_limit():
 
 
 def test_a_stop_request_ends_a_wait_after_its_grace(monkeypatch):
-    import compiler.liveness as liveness
+    import compiler.ranks.liveness as liveness
 
     watch = PeerWatch(_store(), 0)
     request_stop("SIGTERM")
@@ -168,7 +168,7 @@ def test_a_rank_killed_or_stopped_in_its_first_compile_ends_the_survivor_within_
 
 
 def _monitor(store, silent, **kw):
-    from compiler.liveness import PeerMonitor
+    from compiler.ranks.liveness import PeerMonitor
 
     return PeerMonitor(store, 0, [0, 1], dead_after_s=DEAD_AFTER_S, check_s=0.1,
                        on_silent=lambda peer, s: silent.append((peer, s)), **kw)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compiler.share import CompileShare, Pending
+from compiler.ranks.share import CompileShare, Pending
 from test_compile_cache import artifact_payload
 
 ARTIFACTS = artifact_payload("fartifacts")
@@ -89,7 +89,7 @@ def test_a_damaged_publication_and_a_failed_load_each_make_the_rank_compile(arti
     ranks[0].wrap_compile(backend)(_gm("add"), [torch.ones(2)])
     part = _header_key(ranks[0]) + "/part0"
     store.set(part, store.get(part)[:-1] + b"X")  # one flipped byte in the payload
-    with caplog.at_level(logging.WARNING, "compiler.share"):
+    with caplog.at_level(logging.WARNING, "compiler.ranks.share"):
         ranks[1].wrap_compile(backend)(_gm("add"), [torch.ones(2)]).resolve()
     assert re.search(r"rank 0's compile artifacts for \w{12}#0 are damaged \(checksum mismatch\)", caplog.text)
     assert artifacts == [] and ranks[1].stats.fell_back == 1
@@ -101,7 +101,7 @@ def test_a_damaged_publication_and_a_failed_load_each_make_the_rank_compile(arti
 
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", broken)
     ranks[0].wrap_compile(backend)(_gm("add"), [torch.ones(2)])
-    with caplog.at_level(logging.WARNING, "compiler.share"):
+    with caplog.at_level(logging.WARNING, "compiler.ranks.share"):
         ranks[1].wrap_compile(backend)(_gm("add"), [torch.ones(2)]).resolve()
     assert re.search(r"could not load rank 0's compile artifacts for \w{12}#0 \(ValueError: unpickling failed\)",
                      caplog.text)

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compiler.artifact_keys import artifact_problem
-from compiler.cache import CompileCache
-from compiler.share import CompileShare, Pending
-from compiler.share_secret import ShareSecret, ShareSecretError, job_secret, node_secret
+from compiler.cache.artifact_keys import artifact_problem
+from compiler.cache.store import CompileCache
+from compiler.ranks.share import CompileShare, Pending
+from compiler.ranks.share_secret import ShareSecret, ShareSecretError, job_secret, node_secret
 from test_compile_cache import ARTIFACTS, _key, artifact_payload
 from test_compile_share import FakeBackend, _gm, _header_key
 
@@ -71,9 +71,9 @@ def test_a_publication_not_signed_by_a_rank_of_the_job_is_rejected_in_one_line(a
     ranks[0].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)])
     key = _header_key(ranks[0])
     _forge(store, key, artifact_payload("fforged"), secret=signer, owner="0")  # over rank 0's, checksum right
-    with caplog.at_level(logging.WARNING, "compiler.share"):
+    with caplog.at_level(logging.WARNING, "compiler.ranks.share"):
         ranks[1].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)]).resolve()
-    (msg,) = _warnings(caplog, "compiler.share")
+    (msg,) = _warnings(caplog, "compiler.ranks.share")
     assert re.search(r"the compile artifacts for \w{12}#0, claimed by rank 0, are not signed by a rank of this job "
                      r"\(their MAC does not verify: .*\); nothing loaded, compiling it on this rank", msg), msg
     assert artifacts["loaded"] == [] and ranks[1].stats.rejected == 1 and ranks[1].stats.compiled == 1
@@ -91,9 +91,9 @@ def test_a_publication_of_the_job_loads_and_one_altered_byte_with_its_checksum_f
     altered = part[:-1] + bytes([part[-1] ^ 1])
     store.set(f"{key}/part0", altered)
     store.set(key, json.dumps({**header, "sha256": hashlib.sha256(altered).hexdigest()}))
-    with caplog.at_level(logging.WARNING, "compiler.share"):
+    with caplog.at_level(logging.WARNING, "compiler.ranks.share"):
         ranks[1].wrap_compile(FakeBackend())(_gm("mul"), [torch.ones(2)]).resolve()
-    assert "are not signed by a rank of this job" in "".join(_warnings(caplog, "compiler.share"))
+    assert "are not signed by a rank of this job" in "".join(_warnings(caplog, "compiler.ranks.share"))
     assert artifacts["loaded"] == [ARTIFACTS] and ranks[1].stats.rejected == 1
 
 
@@ -114,9 +114,9 @@ def test_a_signed_publication_with_an_absolute_key_is_refused_before_anything_is
     artifacts["saved"] = artifact_payload("/tmp/elsewhere")  # a rank of the job (a bug, or a stolen secret)
     ranks = _pair(dist.HashStore())
     ranks[0].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)])
-    with caplog.at_level(logging.WARNING, "compiler.share"):
+    with caplog.at_level(logging.WARNING, "compiler.ranks.share"):
         ranks[1].wrap_compile(FakeBackend())(_gm("add"), [torch.ones(2)]).resolve()
-    (msg,) = _warnings(caplog, "compiler.share")
+    (msg,) = _warnings(caplog, "compiler.ranks.share")
     assert re.search(r"rank 0's compile artifacts for \w{12}#0 are refused: they hold the inductor artifact key "
                      r"'/tmp/elsewhere', which is not a relative path inside the cache directory; nothing loaded", msg)
     assert artifacts["loaded"] == [] and ranks[1].stats.rejected == 1
@@ -126,7 +126,7 @@ def test_a_cache_entry_with_an_absolute_key_is_not_loaded(tmp_path, artifacts, c
     cache = CompileCache(tmp_path / "cache", _key())
     cache.write(artifact_payload("fgood", "/tmp/elsewhere"))
     assert CompileCache(tmp_path / "cache", _key()).load().status == "unsafe" and artifacts["loaded"] == []
-    (msg,) = _warnings(caplog, "compiler.cache")
+    (msg,) = _warnings(caplog, "compiler.cache.store")
     assert "is unsafe: it holds the inductor artifact key '/tmp/elsewhere'" in msg and "compiling from scratch" in msg
 
 
@@ -135,7 +135,7 @@ def test_a_cache_folder_others_can_write_is_not_loaded(tmp_path, artifacts, capl
     CompileCache(folder, _key()).write(ARTIFACTS)
     folder.chmod(0o777)
     assert CompileCache(folder, _key()).load().status == "unsafe" and artifacts["loaded"] == []
-    (msg,) = _warnings(caplog, "compiler.cache")
+    (msg,) = _warnings(caplog, "compiler.cache.store")
     assert (f"not loading {folder}/" in msg and f"{folder} is writable by everyone (mode 777), so another user could "
             "put code there that this job would run. Run chmod go-w on that folder, or choose another "
             "compile.cache_dir" in msg), msg
@@ -171,9 +171,9 @@ def test_a_missing_or_empty_secret_file_is_refused_in_one_line(tmp_path, monkeyp
 
 def test_a_rank_without_a_node_secret_compiles_everything_itself_with_one_warning(tmp_path, monkeypatch, caplog,
                                                                                   artifacts):
-    import compiler.share as share
-    import compiler.share_secret as share_secret
-    from compiler.trust import UnsafePath
+    import compiler.ranks.share as share
+    import compiler.ranks.share_secret as share_secret
+    from compiler.cache.trust import UnsafePath
 
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
@@ -192,7 +192,7 @@ def test_a_rank_without_a_node_secret_compiles_everything_itself_with_one_warnin
     assert "no share secret (see the line above): this rank compiles every graph itself" in messages[1]
     monkeypatch.setattr(share_secret, "runtime_dir", lambda: (_ for _ in ()).throw(UnsafePath("/x is not yours")))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, "compiler.share_secret"):
+    with caplog.at_level(logging.WARNING, "compiler.ranks.share_secret"):
         assert node_secret(store) is None
     assert "no private folder for this node's share secret (/x is not yours); this rank compiles for itself" in caplog.text
 
@@ -256,7 +256,7 @@ def _job_rank(rank, world_size, inductor_dir):
 
 
 def _kernel_blob(rel: str, data: bytes) -> bytes:
-    from compiler.kernels import _MAGIC
+    from compiler.cache.kernels import _MAGIC
 
     return _MAGIC + json.dumps([[rel, len(data), hashlib.sha256(data).hexdigest()]]).encode() + b"\n" + data
 

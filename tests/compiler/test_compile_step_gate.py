@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from compiler.liveness import PeerLost, WaitInterrupted, clear_stop, request_stop
-from compiler.step_gate import StepGate
+from compiler.ranks.liveness import PeerLost, WaitInterrupted, clear_stop, request_stop
+from compiler.ranks.step_gate import StepGate
 
 
 def _store(dead_after_s: float = 30.0):
@@ -58,7 +58,7 @@ def test_a_silent_peer_ends_the_wait_naming_it():
 
 
 def test_a_stop_request_ends_the_wait(monkeypatch):
-    import compiler.liveness as liveness
+    import compiler.ranks.liveness as liveness
 
     monkeypatch.setattr(liveness, "STOP_GRACE_S", 0.0)
     store = _store()

@@ -12,8 +12,8 @@ import torch
 from torch import fx
 
 from compiler import PartitionRecord
-from compiler.partition import LazyPartition
-from compiler.artifacts import damaged_kernel_in, damaged_kernels, remove_damaged_kernels
+from compiler.graph.partition import LazyPartition
+from compiler.cache.artifacts import damaged_kernel_in, damaged_kernels, remove_damaged_kernels
 
 # A small real shared library to damage.
 LIBRARY = next(Path(torch.__file__).parent.glob("_C.*.so"))

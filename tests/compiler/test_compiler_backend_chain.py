@@ -1,9 +1,9 @@
-"""compiler.backend_chain.build_backend (Note [Backend wrapping order]): the layers stacked
+"""compiler.graph.backend_chain.build_backend (Note [Backend wrapping order]): the layers stacked
 in one order, with a recording stand-in for CompileShare; no process group, nothing compiled."""
 
 from torch._functorch import config as functorch_config
 
-from compiler.backend_chain import build_backend
+from compiler.graph.backend_chain import build_backend
 
 
 class _Share:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from compiler import CompileOptions, resolve_backend
-from compiler.backends import valid_backend_names, valid_modes
+from compiler.graph.backends import valid_backend_names, valid_modes
 
 
 def test_known_names_resolve_to_callables():

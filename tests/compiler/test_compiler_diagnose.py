@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compiler import PartitionRecord, resolve_backend
-from compiler.diagnose import Diagnoser
+from compiler.graph.diagnose import Diagnoser
 
 
 pytestmark = pytest.mark.usefixtures("clean_dynamo")
@@ -99,7 +99,7 @@ def test_clean_model_gets_fullgraph_advice_and_json_round_trips():
 
 
 def test_advice_for_divisibility_guards_and_the_recompile_limit():
-    from compiler.diagnose import Recompile, advise
+    from compiler.graph.diagnose import Recompile, advise
 
     mod8 = Recompile("forward", "m.py", 3, "Eq(Mod(s0, 8), 0)")
     sizes = [Recompile("forward", "m.py", 3, f"tensor 'x' size mismatch at index 0. expected {n}, actual {n + 1}", "x", 0)

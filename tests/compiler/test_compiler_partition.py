@@ -9,8 +9,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from compiler import PartitionRecord, _torch_internals, compile_partitions, ensure_tuple_output, split_graph
-from compiler.partition import LazyPartition
-from compiler.partition import run_on_fakes
+from compiler.graph.partition import LazyPartition
+from compiler.graph.partition import run_on_fakes
 
 
 class ThreeStage(torch.nn.Module):
@@ -97,7 +97,7 @@ def test_a_partition_another_rank_compiles_is_logged_as_loaded_not_compiled(capl
     model = ThreeStage()
     split = split_graph(fx.symbolic_trace(model), _by_module_prefix)
     x = torch.randn(2, 4)
-    with caplog.at_level(logging.INFO, logger="compiler.partition"):
+    with caplog.at_level(logging.INFO, logger="compiler.graph.partition"):
         records = compile_partitions(split, backend, [x])
     assert [r.shared for r in records] == [False, True, False]
     lines = [r.getMessage() for r in caplog.records]
@@ -121,7 +121,7 @@ def test_failing_partition_runs_eagerly_with_a_warning_naming_it(caplog):
     model = ThreeStage()
     split = split_graph(fx.symbolic_trace(model), _by_module_prefix)
     x = torch.randn(2, 4)
-    with caplog.at_level(logging.WARNING, logger="compiler.partition"):
+    with caplog.at_level(logging.WARNING, logger="compiler.graph.partition"):
         records = compile_partitions(split, _fails_on_partition("b"), [x])
     assert [r.status for r in records] == ["compiled", "eager", "compiled"]
     assert "backend cannot compile b" in records[1].error

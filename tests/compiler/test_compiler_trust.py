@@ -1,4 +1,4 @@
-"""compiler.trust: the private runtime folder, files made without following links, and
+"""compiler.cache.trust: the private runtime folder, files made without following links, and
 folders that are unsafe to load code from (Note [Trusted folders])."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from compiler.trust import UnsafePath, read_private, runtime_dir, unsafe_folder, write_private
+from compiler.cache.trust import UnsafePath, read_private, runtime_dir, unsafe_folder, write_private
 
 OTHER_UID = 4242  # a uid that is not this process's (tests run as root in CI: chown works)
 

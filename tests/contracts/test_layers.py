@@ -85,3 +85,32 @@ def test_no_import_cycle():
         cycle = e.args[1]
         pytest.fail(f"import cycle: {' -> '.join(cycle)}. Move what the modules share into one of them or into a "
                     "third module that both import, so that the imports run one way.")
+
+
+# What code outside compiler may import of it (compiler/__init__.py): the package's public names, a
+# role's subpackage (its names, never a module below it) or torch_release; and from a package's
+# own _torch_internals module, compiler's _torch_internals (the private torch accesses they share).
+COMPILER_DOORS = {"compiler", "compiler.graph", "compiler.cache", "compiler.ranks", "compiler.torch_release"}
+
+
+def test_outside_code_imports_compiler_through_its_doors():
+    graph = _import_graph()
+    through_a_wall = sorted(
+        f"{module} imports {target}" for module, edges in graph.items() if not module.startswith("compiler")
+        for target in edges if target.startswith("compiler") and target not in COMPILER_DOORS
+        and not (target == "compiler._torch_internals" and module.endswith("._torch_internals")))
+    assert not through_a_wall, (
+        "code outside compiler imports a module inside it: " + "; ".join(through_a_wall) + ". Import the name from "
+        "compiler, or from its role's subpackage (compiler.graph, compiler.cache, compiler.ranks; add it to that "
+        "subpackage's __all__ if it is missing), or read a private torch name through the package's own "
+        "_torch_internals.")
+    assert len([p for p in (ROOT / "compiler").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]) <= 10, \
+        "compiler/ holds more than 10 top-level modules and subpackages: file the new one under its role"
+
+
+@pytest.mark.parametrize("role", ["graph", "cache", "ranks"])
+def test_each_role_exports_what_it_imports(role):
+    import importlib
+    package = importlib.import_module(f"compiler.{role}")
+    missing = [name for name in package.__all__ if not hasattr(package, name)]
+    assert not missing, f"compiler.{role}.__all__ names what it does not import: {missing}"

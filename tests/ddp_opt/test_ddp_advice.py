@@ -1,7 +1,7 @@
-"""DDP advice (moved out of compiler.diagnose): the launcher's doctor spells each
+"""DDP advice (moved out of compiler.graph.diagnose): the launcher's doctor spells each
 setting as an override, a Python user reads compile_ddp / DDP arguments."""
 
-from compiler.diagnose import GraphInfo, compile_seconds
+from compiler.graph.diagnose import GraphInfo, compile_seconds
 from ddp_opt import ddp_advice
 from ddp_opt.advice import API_SPELLING
 from launch.checks.diagnosis import OVERRIDE_SPELLING

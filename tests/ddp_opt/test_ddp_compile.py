@@ -203,7 +203,7 @@ def test_failing_partition_falls_back_to_eager_and_training_continues(caplog):
     ddp, ref = _pair(Tower, bucket_cap_mb=LAYER_MB)
     compiled = compile_ddp(ddp, backend=_backend_failing_on(2))
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref))
-    with caplog.at_level(logging.WARNING, logger="compiler.partition"):
+    with caplog.at_level(logging.WARNING, logger="compiler.graph.partition"):
         for step in range(3):
             x = torch.randn(8, 64)
             loss, ref_loss = compiled(x).pow(2).mean(), ref(x).pow(2).mean()
@@ -328,7 +328,7 @@ def test_plan_and_split_graph_appear_in_pytorchs_structured_trace():
 
 
 def test_doctor_sees_one_graph_with_intended_splits_and_a_fallback():
-    from compiler.diagnose import Diagnoser
+    from compiler.graph.diagnose import Diagnoser
 
     diag = Diagnoser()
     ddp, _ = _pair(Tower, bucket_cap_mb=LAYER_MB)

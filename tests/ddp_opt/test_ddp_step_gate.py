@@ -1,4 +1,4 @@
-"""The step gate (Note [Step gate] in compiler/step_gate.py): a compile on one rank only,
+"""The step gate (Note [Step gate] in compiler/ranks/step_gate.py): a compile on one rank only,
 longer than the process group's timeout, is waited for in the store, and training goes on
 as eager DDP does; without the gate the same run fails in a collective."""
 

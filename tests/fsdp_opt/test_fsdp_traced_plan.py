@@ -3,7 +3,7 @@ budget, and the plan's table. No process group, nothing measured."""
 
 import pytest
 
-from compiler.link import LinkEstimate
+from compiler.ranks.link import LinkEstimate
 from fsdp_opt.traced.plan import CollectiveLink, TracedPlan, TracedUnit, choose_units, format_plan, simulate
 from fsdp_opt.traced.schedule import Placement
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from compiler.partition import PartitionRecord
-from compiler.progress import ProgressTicker, compiling, now_compiling
+from compiler.graph.partition import PartitionRecord
+from compiler.graph.progress import ProgressTicker, compiling, now_compiling
 from ddp_opt import Bucket
 from launch.config.argv import check_argv
 from launch.observe.banner import partition_table

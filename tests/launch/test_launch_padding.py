@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compiler.diagnose import Diagnoser
+from compiler.graph.diagnose import Diagnoser
 from launch.config.schema import CompileConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from launch.data.batching import IGNORE_INDEX, pad_batch, padded_lengths, sequence_lengths, warmup_lengths
 from launch.runtime.recompiles import CompileCounter, RecompileAfterWarmupError

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from _jobs import REFERENCE
-from compiler.liveness import PeerLost, process_identity, process_state
+from compiler.ranks.liveness import PeerLost, process_identity, process_state
 from launch.runtime.dist import DistEnv
 from launch.runtime.oom import memory_cgroup_dirs, oom_kills
 from launch.runtime.watchdog import LostPeer, PeerWatchdog, lost_peer_line
@@ -123,7 +123,7 @@ class _Group:
     """A "default group" of two ranks on a HashStore whose rank 1 is this test (it beats or not)."""
 
     def __init__(self, monkeypatch):
-        import compiler.liveness as liveness
+        import compiler.ranks.liveness as liveness
 
         self.store = dist.HashStore()
         self.store.set_timeout(timedelta(seconds=2))

@@ -30,7 +30,7 @@ Algorithm
 Notes
     The check runs on shared compiles after their MAC verified (Note [Share secret]) and on
     compile-cache entries after their folder was found safe (Note [Compile cache]); the C++
-    kernels that travel with both are checked the same way by ``compiler.kernels``.
+    kernels that travel with both are checked the same way by ``compiler.cache.kernels``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import logging
 import os
 from pathlib import PurePosixPath
 
-from . import _torch_internals as _ti
+from .. import _torch_internals as _ti
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _torch_internals as _ti
-from .torch_release import warn_if_torch_untested
+from .. import _torch_internals as _ti
+from ..torch_release import warn_if_torch_untested
 
 log = logging.getLogger(__name__)
 

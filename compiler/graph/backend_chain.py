@@ -47,8 +47,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from . import share as _share
-from .share import CompileShare
+from ..ranks import share as _share
+from ..ranks.share import CompileShare
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def build_backend(backend: Backend, *, share: CompileShare | None = None, backwa
 
     Args:
         backend: the plain dynamo backend ``(gm, example_inputs) -> callable``.
-        share: the group's :class:`compiler.share.CompileShare`; None leaves the
+        share: the group's :class:`compiler.ranks.share.CompileShare`; None leaves the
             shared compile and its barrier out.
         backward_with_forward: without a share, compile each backward right after its
             forward (a share does it anyway).

@@ -13,7 +13,7 @@ Algorithm
       by its graph-and-inputs digest, how often this rank met that digest, and the
       share secret's scope (Note [Share secret]). The first rank to reach a key claims
       it (atomic ``add``), compiles, and publishes ``save_cache_artifacts()`` (and on
-      CPU its C++ kernels) with a sha256 and a MAC (``compiler.publication``). Other
+      CPU its C++ kernels) with a sha256 and a MAC (``compiler.ranks.publication``). Other
       ranks get a :class:`Pending` and go on to their next compile; at the end of the
       graph (``resolve_pending``) they wait, verify (MAC, then Note [Checked artifact
       keys]), load, and call the backend, now served from AOTAutograd's cache. Backward
@@ -52,11 +52,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx
 
-from . import _torch_internals as _ti
+from .. import _torch_internals as _ti
 from .cputime import cpu_seconds
-from .artifacts import inductor_cache_dir
+from ..cache.artifacts import inductor_cache_dir
 from .barrier import POLL_S, GraphBarrier, key_label
-from .kernels import collect_kernels, install_kernels, kernel_snapshot
+from ..cache.kernels import collect_kernels, install_kernels, kernel_snapshot
 from .liveness import Heartbeat, on_default_store
 from .pending import Pending
 from .publication import publish, receive

@@ -1,4 +1,4 @@
-"""A compile another rank owns, as :class:`compiler.share.CompileShare` hands it out: a
+"""A compile another rank owns, as :class:`compiler.ranks.share.CompileShare` hands it out: a
 callable that loads the owner's artifacts when resolved (Note [Shared compile])."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class Pending:
     a callable that loads the owner's artifacts and compiles when resolved (by
     :meth:`CompileShare.resolve_pending` at the end of the graph's compile, or at its
     first call). A compile that still fails then is handed to the failure callbacks
-    (``compiler.partition.LazyPartition`` falls back to eager there), else raised."""
+    (``compiler.graph.partition.LazyPartition`` falls back to eager there), else raised."""
 
     def __init__(self, share: Any, backend: Callable, gm: fx.GraphModule, example_inputs: list,
                  key: str) -> None:

@@ -39,8 +39,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from . import _torch_internals as _ti
-from ._torch_internals import size_guard
+from .. import _torch_internals as _ti
+from .._torch_internals import size_guard
 from .backends import BackendFn
 from .partition import PartitionRecord
 

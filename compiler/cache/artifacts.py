@@ -12,14 +12,14 @@ Background
 Algorithm
     - :func:`damaged_kernels` checks every ``*.so`` without loading it: the ELF header,
       the header tables and every loadable segment must lie inside the file.
-    - :meth:`compiler.cache.CompileCache.load` removes the damaged kernels under
+    - :meth:`compiler.cache.store.CompileCache.load` removes the damaged kernels under
       ``cache_dir/inductor`` before the first compile (one warning), installs the
       entry's copy where it has one, and Inductor rebuilds the others from the source
       it keeps beside them.
     - A compile that still fails naming a damaged or missing kernel under Inductor's
       cache directory (``TORCHINDUCTOR_CACHE_DIR`` chosen by the user, or no
       ``cache_dir``) removes the damaged kernels and falls back to eager; the next start
-      rebuilds them (``compiler.partition``).
+      rebuilds them (``compiler.graph.partition``).
 
 Notes
     The rebuild happens in a fresh process, not in the one that failed: there,
@@ -106,7 +106,7 @@ def remove_damaged_kernels(root: str | os.PathLike) -> list[Path]:
 
 def inductor_cache_dir() -> Path:
     """Inductor's cache directory for this process (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
-    from ._torch_internals import inductor_cache_dir as current
+    from .._torch_internals import inductor_cache_dir as current
 
     return Path(current())
 

@@ -30,7 +30,7 @@ Algorithm
 Notes
     - Only errors of a partition's forward compile are caught; a lazy backward compile
       that fails propagates.
-    - Every outcome is kept in :class:`PartitionRecord`; ``TORCH_LOGS="+compiler.partition"``
+    - Every outcome is kept in :class:`PartitionRecord`; ``TORCH_LOGS="+compiler.graph.partition"``
       shows each partition's compile time.
 """
 
@@ -46,9 +46,9 @@ from unittest import mock
 import torch
 from torch import fx
 
-from . import _torch_internals as _ti
-from ._torch_internals import DYNAMO_CONTROL_FLOW, FakeTensor, FakeTensorMode, aot_cache_enabled
-from . import artifacts
+from .. import _torch_internals as _ti
+from .._torch_internals import DYNAMO_CONTROL_FLOW, FakeTensor, FakeTensorMode, aot_cache_enabled
+from ..cache import artifacts
 from .backends import BackendFn
 from .progress import compiling
 from .split import SplitGraph, ensure_tuple_output
@@ -144,7 +144,7 @@ class LazyPartition(torch.nn.Module):
     def _remove_damaged_kernels(self, error: Exception) -> None:
         """When ``error`` names a damaged kernel file in Inductor's cache, remove the
         damaged kernels there, so that the next start rebuilds them (Note [Damaged cache
-        artifacts] in ``compiler.artifacts``; why not compile again in this process)."""
+        artifacts] in ``compiler.cache.artifacts``; why not compile again in this process)."""
         damaged = artifacts.damaged_kernel_in(error)
         if damaged is None:
             return

@@ -1,4 +1,4 @@
-"""What a compile-cache entry is valid for (Note [Compile cache] in ``compiler.cache``): the
+"""What a compile-cache entry is valid for (Note [Compile cache] in ``compiler.cache.store``): the
 model's structure, the compile settings, the world size (or ``any``), and the runtime."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Background
 Algorithm
     The secret, first found wins:
     - ``DISTCOMPILE_SHARE_SECRET_FILE``: a regular file of this user, not a link, that no
-      group or other may read or write (``compiler.trust.read_secret``); anything else
+      group or other may read or write (``compiler.cache.trust.read_secret``); anything else
       raises :class:`ShareSecretError` with the fix, since the job trusts its readers.
     - ``DISTCOMPILE_SHARE_SECRET``: the secret itself.
     - Otherwise the ranks of one node make one: 32 random bytes in ``runtime_dir()``,
@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .trust import UnsafePath, read_private, read_secret, runtime_dir, write_private
+from ..cache.trust import UnsafePath, read_private, read_secret, runtime_dir, write_private
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, Mapping
 
 from .backends import BackendFn, SettingError, resolve_backend
-from .settings_key import cache_settings, not_compiled
+from ..cache.settings_key import cache_settings, not_compiled
 
 __all__ = ["CompileOptions"]
 

@@ -18,7 +18,7 @@ Algorithm
     ``open/<n>`` (and deletes ``open/<n-2>``); the others poll for it with backoff (a
     blocking ``wait`` would warn on each timeout, and a wait must time out to read the
     heartbeats). The wait ends when the key is set, when a peer stops beating
-    (:class:`compiler.liveness.PeerLost`), or on a stop request.
+    (:class:`compiler.ranks.liveness.PeerLost`), or on a stop request.
 
 Notes
     - The counter works because no rank passes gate ``n`` before every rank arrived, so

@@ -7,7 +7,7 @@ Background
     new machine, container or tmp cleanup starts cold. ``save_cache_artifacts``
     serialises every cache artifact this process created into one blob, and
     ``load_cache_artifacts`` writes it back where the next compile finds it. Split
-    partitions have AOTAutograd entries because ``compiler.partition`` compiles them
+    partitions have AOTAutograd entries because ``compiler.graph.partition`` compiles them
     without ``fakify_first_call`` (Note [Lazy partition compile]).
 
 Algorithm
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from ._torch_internals import cpp_kernel_keys, inductor_default_cache_dir, merge_artifact_payloads
+from .._torch_internals import cpp_kernel_keys, inductor_default_cache_dir, merge_artifact_payloads
 from .artifact_keys import artifact_problem
 from .artifacts import inductor_cache_dir, remove_damaged_kernels
 from .cache_key import FORMAT_VERSION, CacheKey, model_fingerprint, runtime_fingerprint

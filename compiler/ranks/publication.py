@@ -1,5 +1,5 @@
 """A shared compile's publication in the store: written in parts under a signed header, read
-back and checked before anything of it is loaded (Note [Shared compile] in ``compiler.share``,
+back and checked before anything of it is loaded (Note [Shared compile] in ``compiler.ranks.share``,
 Note [Share secret], Note [Checked artifact keys]).
 
 A publication under ``key`` is ``key/part0`` ... ``key/partN`` (the payload: the artifacts of
@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .artifact_keys import artifact_problem
-from .kernels import KernelBlobError, kernel_names
+from ..cache.artifact_keys import artifact_problem
+from ..cache.kernels import KernelBlobError, kernel_names
 from .share_secret import ShareSecret
 
 __all__ = ["CHUNK", "Received", "publish", "receive"]

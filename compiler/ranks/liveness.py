@@ -99,7 +99,7 @@ def dead_after_s(store: Any) -> float:
 class Heartbeat:
     """One rank's heartbeat in one store, while any of its owners lives (see the Note).
     ``Heartbeat.start(store, rank, owner)`` starts it once per (store, rank) and adds the
-    owner (a :class:`compiler.share.CompileShare` or a :class:`compiler.step_gate.StepGate`); the
+    owner (a :class:`compiler.ranks.share.CompileShare` or a :class:`compiler.ranks.step_gate.StepGate`); the
     thread ends with the last owner."""
 
     _running: dict[tuple[int, int], "Heartbeat"] = {}
@@ -164,7 +164,7 @@ def on_default_store(ranks: Sequence[int] | None) -> tuple[Any, int, list[int]] 
     initialised process group of more than one rank, or when this rank is not in ``ranks``."""
     import torch.distributed as dist
 
-    from . import _torch_internals as _ti
+    from .. import _torch_internals as _ti
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -228,7 +228,7 @@ class PeerWatch:
                     "(kill -9, an out-of-memory kill, SIGSTOP, a lost node). Every rank stops here instead of "
                     f"waiting for it; the limit is the process group's timeout ({self.dead_after_s:.0f}s, "
                     "train.timeout_s in the launcher). Restart the job; with checkpoints, resume with "
-                    "train.resume=true (Note [Peer liveness] in compiler/liveness.py)."
+                    "train.resume=true (Note [Peer liveness] in compiler/ranks/liveness.py)."
                 )
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from . import _torch_internals as _ti
+from .. import _torch_internals as _ti
 
 __all__ = ["SplitGraph", "split_graph", "ensure_tuple_output"]
 

@@ -11,7 +11,7 @@ Background
 
 Algorithm
     :class:`GraphBarrier` serves one group of ranks, with the store keys of
-    :class:`compiler.share.CompileShare` (a graph is named by its digest and by
+    :class:`compiler.ranks.share.CompileShare` (a graph is named by its digest and by
     how often this rank met that digest before, so ranks that compile the same
     graph use the same key). Around each graph a rank marks the graph started,
     compiles, marks it done, then waits until every peer that compiles the same
