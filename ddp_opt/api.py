@@ -273,7 +273,7 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
         inner.forward = torch.compile(inner.forward, backend=built.backend, dynamic=config.dynamic,
                                       fullgraph=config.fullgraph, **more)
     keep_builtin_splitter_out(ddp_model)
-    return CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=align, strategy=strategy,
+    return CompiledDDP(ddp_model, built.splitter, align_buckets=align, strategy=strategy,
                        block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
                        gate=gate, own_hook=own, in_backward=in_backward, control=prepared.control)
 

@@ -215,7 +215,7 @@ class _DeferredBackend:
         self._backend = built.backend
         # The first call is under way: CompiledDDP's hooks on the DDP module run from the second on,
         # where realignment happens.
-        self.controller = CompiledDDP(ddp_model, built.ddp_optimizer, align_buckets=prepared.align,
+        self.controller = CompiledDDP(ddp_model, built.splitter, align_buckets=prepared.align,
                                       strategy=config.strategy,
                                       share=share, gate=gate, own_hook=own, in_backward=in_backward,
                                       control=prepared.control)

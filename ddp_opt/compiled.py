@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -69,7 +70,7 @@ class CompiledDDP:
 
     Attributes:
         ddp_model: the wrapped DDP module.
-        ddp_optimizer: the splitter, or None under the strategies that do not split.
+        splitter: the splitter, or None under the strategies that do not split.
         align_buckets: re-create DDP's reducer once, after the first step, so that
             its buckets equal the partitions (Note [Bucket realignment]).
         aligned_caps: the caps given to the reducer, once realigned.
@@ -99,7 +100,7 @@ class CompiledDDP:
             once said; a framework route calls ``control.in_framework``.
     """
 
-    def __init__(self, ddp_model: DistributedDataParallel, ddp_optimizer: DDPOptimizer | None,
+    def __init__(self, ddp_model: DistributedDataParallel, splitter: DDPOptimizer | None,
                  align_buckets: bool = False, *, strategy: str, block_buckets: list[Bucket] | None = None,
                  compile_cache: CompileCache | None = None, share: CompileShare | None = None,
                  traced: TracedPlan | None = None, gate: StepGate | None = None,
@@ -107,7 +108,7 @@ class CompiledDDP:
                  control: ControlFacts | None = None) -> None:
         self.ddp_model = ddp_model
         self.strategy = strategy
-        self.ddp_optimizer = ddp_optimizer
+        self.splitter = splitter
         self.block_buckets = block_buckets
         self.compile_cache = compile_cache
         self.share = share
@@ -116,9 +117,9 @@ class CompiledDDP:
         self.own_hook = own_hook
         self.in_backward = in_backward
         self._comm_hooks = CommHooks(ddp_model, own_hook, traced=traced is not None, stepper=in_backward)
-        planned = ddp_optimizer is not None or block_buckets is not None
+        planned = splitter is not None or block_buckets is not None
         # One partition keeps DDP's own buckets, except under the cost-model plan, whose one bucket is a choice.
-        auto = ddp_optimizer is not None and ddp_optimizer.auto_plan
+        auto = splitter is not None and splitter.auto_plan
         self._realigner = Realigner(ddp_model, lambda: self.buckets, enabled=align_buckets and planned,
                                     min_buckets=1 if auto else 2, comm_hooks=self._comm_hooks,
                                     on_change=own_hook.buckets_changed if own_hook is not None else None)
@@ -168,7 +169,7 @@ class CompiledDDP:
     def buckets(self) -> list[Bucket]:
         if self.block_buckets is not None:
             return self.block_buckets
-        return self.ddp_optimizer.buckets if self.ddp_optimizer is not None else []
+        return self.splitter.buckets if self.splitter is not None else []
 
     def save_compile_cache(self) -> str | None:
         """Save the compile artifacts and kernels to ``cache_dir`` (Note [Compile cache]).
@@ -187,7 +188,7 @@ class CompiledDDP:
         """With ``bucket_cap_mb="auto"``: the last plan's predicted backward + comm timeline."""
         if self.traced is not None:
             return self.traced.prediction
-        return self.ddp_optimizer.prediction if self.ddp_optimizer is not None else None
+        return self.splitter.prediction if self.splitter is not None else None
 
     def calibrate(self, measured_backward_s: float, measured_exposed_s: float | None = None) -> Calibration:
         """The prediction calibrated to a backward measured after warm-up, and the plan the
@@ -202,7 +203,7 @@ class CompiledDDP:
                 (a synchronised forward + backward minus the ``no_sync`` one): fits the CPU
                 contention of the collective with backward.
         """
-        planner = self.traced if self.traced is not None else self.ddp_optimizer
+        planner = self.traced if self.traced is not None else self.splitter
         if self.prediction is None:
             raise RuntimeError(
                 "calibrate: this model has no cost-model prediction to calibrate. Only a plan the cost model "
@@ -223,6 +224,13 @@ class CompiledDDP:
                  f"would re-plan to {len(result.best.buckets)} bucket(s), {result.gain_s * 1e3:.1f} ms sooner"
                  if result.changes_plan else "keeps the plan")
         return result
+
+    @property
+    def ddp_optimizer(self) -> DDPOptimizer | None:
+        """The old name of :attr:`splitter`, which read like ``optimizer=`` (the optimizer in backward)."""
+        warnings.warn("CompiledDDP.ddp_optimizer is now CompiledDDP.splitter (the graph splitter under "
+                      "strategy='split', else None); the old name goes in a later release.", FutureWarning, stacklevel=2)
+        return self.splitter
 
     def backward_context(self) -> contextlib.AbstractContextManager:
         """What ``loss.backward()`` must run in: under ``strategy="traced"`` compiled autograd

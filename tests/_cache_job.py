@@ -75,7 +75,7 @@ def main(cache_dir: str, device: str = "cpu") -> None:
             "so_files": len(list(inductor.rglob("*.so"))),
             "entry_bytes": path.stat().st_size if path.exists() else 0,
             "partitions": len(compiled.buckets),
-            "statuses": [r.status for r in compiled.ddp_optimizer.records],
+            "statuses": [r.status for r in compiled.splitter.records],
             "aot": dict(counters["aot_autograd"]),
             "first_step_s": first_step_s, "losses": losses, "eager_losses": eager_losses,
         }))

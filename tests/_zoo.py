@@ -183,7 +183,7 @@ def train_pair(rank: int, arch: Arch, variant: str) -> dict[str, Any]:
         graph["params"] = [names.get(i, "?") for i in graph.pop("param_ids")]
     in_graphs = {name for graph in recorder.graphs for name in graph["params"]}
     alignment = measure_alignment(ddp, compiled.buckets)
-    splitter = compiled.ddp_optimizer
+    splitter = compiled.splitter
     return dict(
         losses=losses, max_loss_diff=max(abs(a - b) for a, b in losses),
         max_param_diff=param_diffs[worst], worst_param=worst, params_beyond_tolerance=beyond,

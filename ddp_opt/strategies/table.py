@@ -61,7 +61,7 @@ class Built:
 
     Attributes:
         backend: the backend dynamo calls (the finished chain once ``ddp_backend`` returns).
-        ddp_optimizer: ``"split"``'s splitter; else None.
+        splitter: ``"split"``'s splitter; else None.
         traced: ``"traced"``'s plan; else None.
         block_buckets: ``"regional"``'s buckets of whole blocks; else None.
         blocks: ``"regional"``'s (name, block) pairs, compiled one by one with ``backend``
@@ -69,7 +69,7 @@ class Built:
     """
 
     backend: Callable
-    ddp_optimizer: DDPOptimizer | None = None
+    splitter: DDPOptimizer | None = None
     traced: TracedPlan | None = None
     block_buckets: list[Bucket] | None = None
     blocks: list[tuple[str, nn.Module]] | None = None
@@ -104,7 +104,7 @@ def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, b
 def _split(setup: Setup, backend: Callable) -> Built:
     """The forward split at the bucket boundaries; DDP's reducer all-reduces each bucket."""
     splitter = splitter_for(setup.ddp_model, setup.config, backend, setup.named, setup.cost_model, setup.gate)
-    return Built(splitter.compile_fn, ddp_optimizer=splitter)
+    return Built(splitter.compile_fn, splitter=splitter)
 
 
 def _whole(setup: Setup, backend: Callable) -> Built:

@@ -122,7 +122,7 @@ class Wrapped:
 
     def partition_records(self) -> list:
         """The DDP splitter's ``PartitionRecord`` per partition (empty without one)."""
-        opt = getattr(self.compiled_ddp, "ddp_optimizer", None)
+        opt = getattr(self.compiled_ddp, "splitter", None)
         return list(opt.records) if opt is not None else []
 
     def alignment(self) -> Alignment | None:

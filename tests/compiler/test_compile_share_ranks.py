@@ -45,14 +45,14 @@ def _train(rank, share, inductor_dir, break_load=False, damage=False, per_rank=F
     hits0 = aot_counts()[1]
     losses = sgd_steps(compiled, model, rank, steps)
     CppBuilder.build = build
-    n_parts = len(compiled.ddp_optimizer.records)
+    n_parts = len(compiled.splitter.records)
     stats = compiled.share.stats if compiled.share is not None else SimpleNamespace(
         compiled=n_parts, loaded=0, fell_back=0, kernels_installed=0)
     return {"builds": len(builds),"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-            "partitions": len(compiled.ddp_optimizer.records), "hits": aot_counts()[1] - hits0,
+            "partitions": len(compiled.splitter.records), "hits": aot_counts()[1] - hits0,
             "compiled": stats.compiled, "loaded": stats.loaded, "fell_back": stats.fell_back,
             "installed": stats.kernels_installed,
-            "statuses": {r.status for r in compiled.ddp_optimizer.records}}
+            "statuses": {r.status for r in compiled.splitter.records}}
 
 
 def sgd_steps(compiled, model, rank, steps):

@@ -179,7 +179,7 @@ def test_partitions_of_every_graph_are_planned_and_realigned_with_a_loss_compute
         for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} grad {name}: {m}")
         ddp.zero_grad(), ref.zero_grad()
-    opt = compiled.ddp_optimizer
+    opt = compiled.splitter
     # three graphs: layers 0-2, layers 3-5, the loss; the last one has no parameters and no bucket
     assert [len(plan) for plan in opt.plans] == [2, 2, 1] and opt.plans[-1][0].size == 0
     assert compiled.buckets == opt.plans[0] + opt.plans[1]

@@ -24,11 +24,11 @@ def _auto_rank(rank, world_size):
     #    modelled 1 ms, 100 MB/s); both ranks must end with rank 0's numbers.
     link = SimulatedLink(LinkModel(1e-3, 1e8))
     measured = compile_ddp(DDP(torch.nn.Linear(8, 8)), backend="eager", bucket_cap_mb="auto", link=link.probe)
-    cm = measured.ddp_optimizer.cost_model
+    cm = measured.splitter.cost_model
     # ... and under PowerSGD, rank 0's fit of the hook's power iteration (Note [PowerSGD compression]).
     compressed = compile_ddp(DDP(torch.nn.Linear(8, 8)), backend="eager", bucket_cap_mb="auto",
                              compression="powersgd:2")
-    hook = compressed.ddp_optimizer.cost_model.hook
+    hook = compressed.splitter.cost_model.hook
     # 2. Training with a given cost model under which this small GPT splits (slow compute, fast link).
     cfg = GPTConfig(n_layer=2, n_embd=96, n_head=2)
     model = GPT(cfg)

@@ -168,7 +168,7 @@ def test_compiled_calibrate_refuses_a_model_captured_as_several_graphs(gloo, cle
     cost = CostModel(LinkEstimate(1e-3, 1e8), DeviceRates(1e9, 1e9), gamma_s=0.0)
     compiled = compile_ddp(DDP(_TwoGraphs()), backend="eager", bucket_cap_mb="auto", link=cost)
     compiled(torch.randn(2, 64)).sum().backward()
-    assert compiled.ddp_optimizer.planned_graphs == 2
+    assert compiled.splitter.planned_graphs == 2
     with pytest.raises(RuntimeError, match=r"captured as 2 graphs with parameters \(graph breaks\), and the "
                                            r"prediction covers only the last one.*Remove the graph breaks"):
         compiled.calibrate(0.01)

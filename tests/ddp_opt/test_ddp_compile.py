@@ -81,7 +81,9 @@ def test_compile_ddp_splits_and_keeps_pytorchs_splitter_out_only_during_calls(mo
     _assert_same_grads(ddp, ref)
     assert len(compiled.buckets) == 4 and flags == [False] * 4
     assert torch._dynamo.config.optimize_ddp is True  # restored after the call
-    assert [r.status for r in compiled.ddp_optimizer.records] == ["compiled"] * 4
+    assert [r.status for r in compiled.splitter.records] == ["compiled"] * 4
+    with pytest.warns(FutureWarning, match=r"CompiledDDP.ddp_optimizer is now CompiledDDP.splitter"):
+        assert compiled.ddp_optimizer is compiled.splitter  # the old name, which read like optimizer=
 
 
 def test_compile_ddp_compiles_a_torch_nn_container_and_refuses_a_second_compile():
@@ -112,7 +114,7 @@ def test_split_false_compiles_one_graph():
     graphs = []
     compiled = compile_ddp(ddp, backend=lambda gm, ex: graphs.append(gm) or gm.forward, strategy="whole")
     compiled(torch.randn(2, 64))
-    assert len(graphs) == 1 and compiled.buckets == [] and compiled.ddp_optimizer is None
+    assert len(graphs) == 1 and compiled.buckets == [] and compiled.splitter is None
 
 
 class MixedRegions(nn.Module):
@@ -183,7 +185,7 @@ def test_dynamic_batch_sizes_compile_once(how):
         ref(x).sum().backward()
         _assert_same_grads(ddp, ref, batch)
         ddp.zero_grad(), ref.zero_grad()
-    assert compiled.ddp_optimizer.compiles == 1
+    assert compiled.splitter.compiles == 1
     assert len(compiled.buckets) == 4
 
 
@@ -210,7 +212,7 @@ def test_failing_partition_falls_back_to_eager_and_training_continues(caplog):
             torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step}: {m}")
             loss.backward(), ref_loss.backward()
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    statuses = [r.status for r in compiled.ddp_optimizer.records]
+    statuses = [r.status for r in compiled.splitter.records]
     assert statuses == ["compiled", "compiled", "eager", "compiled"]
     assert "Compiling partition 2 (submod_2) failed; it will run eagerly" in caplog.text
     assert "simulated backend crash" in caplog.text
@@ -262,7 +264,7 @@ def test_a_graph_compiled_again_after_a_dynamo_reset_replaces_its_plan():
     torch.compile(other, backend="aot_eager")(x).sum().backward()
     compiled(x).sum().backward()
     assert len(before) == 2 and [b.params for b in compiled.buckets] == before
-    assert compiled.ddp_optimizer.planned_graphs == 1 and len(compiled.ddp_optimizer.records) == 2
+    assert compiled.splitter.planned_graphs == 1 and len(compiled.splitter.records) == 2
 
 
 def test_sub_mib_caps_work_where_pytorchs_splitter_crashes():
@@ -335,7 +337,7 @@ def test_doctor_sees_one_graph_with_intended_splits_and_a_fallback():
     compiled = compile_ddp(ddp, backend=_backend_failing_on(1), wrap_backend=diag.wrap)
     with diag:
         compiled(torch.randn(4, 64)).sum().backward()
-    report = diag.report(partitions=compiled.ddp_optimizer.records)
+    report = diag.report(partitions=compiled.splitter.records)
     assert len(report.graphs) == 1 and report.breaks == []  # the 4 partitions are not graph breaks
     assert [p.status for p in report.partitions] == ["compiled", "eager", "compiled", "compiled"]
     assert any("partition 1 (submod_1) runs eagerly because its compile failed: RuntimeError: simulated backend crash" in a

@@ -42,8 +42,8 @@ def _train_pair(rank, model, vocab, loss_of, bucket_cap_mb, backend, dynamic=Non
     runtime_buckets = len(ddp.reducer._get_zeros_like_grad_buckets())
     alignment = measure_alignment(ddp, compiled.buckets).fraction
     return dict(losses=losses, max_param_diff=max_param_diff, partitions=len(compiled.buckets),
-                runtime_buckets=runtime_buckets, statuses=[r.status for r in compiled.ddp_optimizer.records],
-                compiles=compiled.ddp_optimizer.compiles, alignment=alignment)
+                runtime_buckets=runtime_buckets, statuses=[r.status for r in compiled.splitter.records],
+                compiles=compiled.splitter.compiles, alignment=alignment)
 
 
 def _gpt_loss(model, x, y):

@@ -234,7 +234,7 @@ def _explained(make_backend):
 def test_break_reason_names_ddpoptimizer_and_compile_ddps_way_out():
     def make(ddp, explain):
         c = compile_ddp(ddp, backend=explain)
-        return c.ddp_optimizer, c
+        return c.splitter, c
 
     _, reasons = _explained(make)
     assert len(reasons) == 4

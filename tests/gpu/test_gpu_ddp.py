@@ -44,7 +44,7 @@ def test_inductor_on_one_rank_over_nccl_matches_eager_ddp():
         drift = train_side_by_side(compiled, ddp, ref, steps=4)
         assert len(compiled.buckets) >= 3, "the 64 KiB cap should split the model into several partitions"
         _assert_fp32_parity(drift, "inductor, 1 rank, nccl")
-        assert {r.status for r in compiled.ddp_optimizer.records} == {"compiled"}, "a partition fell back to eager"
+        assert {r.status for r in compiled.splitter.records} == {"compiled"}, "a partition fell back to eager"
         _assert_realigned(compiled)
 
 
@@ -114,7 +114,7 @@ def test_max_autotune_no_cudagraphs_matches_eager_ddp():
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-        assert len(compiled.buckets) == 4 and {r.status for r in compiled.ddp_optimizer.records} == {"compiled"}
+        assert len(compiled.buckets) == 4 and {r.status for r in compiled.splitter.records} == {"compiled"}
 
 
 def test_bf16_autocast_matches_eager_ddp_under_the_same_autocast():

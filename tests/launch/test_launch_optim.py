@@ -99,7 +99,7 @@ def test_autocast_outside_the_compiled_forward_leaves_no_autocast_nodes():
         with autocast("bf16", torch.device("cpu")):
             logits, loss = compiled(x, y)
         loss.backward()
-        buckets, statuses = len(compiled.buckets), {r.status for r in compiled.ddp_optimizer.records}
+        buckets, statuses = len(compiled.buckets), {r.status for r in compiled.splitter.records}
         # Free DDP's reducer while its gloo group is alive: a reducer freed after the group is
         # destroyed can deadlock on the GIL in ~ProcessGroupGloo (seen hanging this test).
         del ddp, compiled
