@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from compiler import CompileCache, SettingError, compile_blocks
+from compiler import CompileCache, compile_blocks
 from compiler.cache import open_cache
 from compiler.ranks import gate_for_group, share_for_group
 
@@ -25,12 +25,9 @@ from .compression.hooks import link_probe
 from .config import DDPCompileConfig, keyword_signature
 from .planning.cost import CostModel, DeviceRates, measure_link, measure_rates
 from .compression.powersgd import link_probe as powersgd_probe, measure_hook_compute
-from .strategies.table import Setup, caps_from_ddp, ddp_backend
-from .strategies.traced import fallback_reason
-from .in_backward.split import grads_in_buckets
-from .in_backward.stepper import unwrapped
+from .strategies.rules import RULES
+from .strategies.table import STRATEGIES, Setup, caps_from_ddp, ddp_backend, strategy_for
 from .setup import prepare
-from .in_backward.traced import traced_refusal
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +35,13 @@ __all__ = ["CompiledDDP", "caps_from_ddp", "compile_ddp", "resolve_cost_model"]
 
 
 def _cache_for(ddp_model: DistributedDataParallel, cache_dir: str | os.PathLike, settings: dict[str, Any],
-               traced: bool) -> CompileCache:
+               any_world_size: bool) -> CompileCache:
     """The compile cache entry of this model and config; loaded now (``compiler.cache.store.open_cache``:
     Inductor's local cache goes under ``cache_dir`` unless the user chose its directory). One
-    entry for every world size, except under the traced strategy: its backward graph holds the
-    all-reduces of DDP's group (Note [Compile cache])."""
+    entry for every world size (``any_world_size``), except where the strategy's backward graph holds
+    the all-reduces of DDP's group (traced; Note [Compile cache])."""
     return open_cache(ddp_model.module, cache_dir, settings,
-                      world_size=dist.get_world_size(ddp_model.process_group), any_world_size=not traced)
+                      world_size=dist.get_world_size(ddp_model.process_group), any_world_size=any_world_size)
 
 
 def keep_builtin_splitter_out(module: torch.nn.Module) -> None:
@@ -90,7 +87,7 @@ def resolve_cost_model(ddp_model: DistributedDataParallel, config: DDPCompileCon
         link = powersgd_probe(config.compression, group)
     est = link if isinstance(link, LinkEstimate) else measure_link(link, group=group, device=device)
     rates: DeviceRates = measure_rates(device, group=group)
-    if config.compression is not None and config.strategy != "traced":
+    if config.compression is not None and RULES[config.strategy].reducer:
         # the reducer's hook compresses each bucket on the cores backward runs on (Note [PowerSGD compression])
         return CostModel(est, rates, hook=measure_hook_compute(config.compression, device, group=group))
     return CostModel(est, rates)
@@ -237,30 +234,28 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
             "not compiled; or, to compile before wrapping in DDP (nanoGPT's order), replace torch.compile(model) "
             "with ddp_opt.compile_for_ddp(model) and drop compile_ddp."
         )
-    why = fallback_reason(ddp_model) if config.strategy == "traced" else None
-    strategy = "split" if why is not None else config.strategy
-    traced = strategy == "traced"
+    strategy, why = strategy_for(ddp_model, config.strategy)
+    entry = STRATEGIES[strategy]
     prepared = prepare("compile_ddp", ddp_model, config, strategy, stacklevel=3)  # the one setup (ddp_opt.setup)
     if why is not None:  # said once the setup took the module: a refusal comes first
-        warnings.warn(f"compile_ddp(strategy='traced') runs the split strategy instead: {why}. To silence "
-                      "this, pass strategy='split'.", stacklevel=3)
+        warnings.warn(f"compile_ddp(strategy={config.strategy!r}) runs the split strategy instead: {why}. To "
+                      "silence this, pass strategy='split'.", stacklevel=3)
     own, in_backward, align = prepared.own, prepared.in_backward, prepared.align
-    if in_backward is not None and traced:
-        _check_traced_update(ddp_model, config)
-    elif in_backward is not None:
-        grads_in_buckets(ddp_model, rebuild_now=True)  # before DDP's first iteration
+    if in_backward is not None:
+        entry.prepare_update(ddp_model, config)  # before DDP is converted, and before its first iteration
     cost_model = resolve_cost_model(ddp_model, config)
     caps = caps_from_ddp(ddp_model)
     cache = None
     if config.cache_dir is not None:
-        cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)), traced)
+        cache = _cache_for(ddp_model, config.cache_dir, dict(config.cache_settings(), caps=repr(caps)),
+                           any_world_size=entry.rules.reducer)
     group = dist.get_process_group_ranks(ddp_model.process_group)
     share = share_for_group(group, timeout_s=config.share_timeout_s, name="ddp") if config.share else None
     gate = gate_for_group(group, name="ddp") if config.step_gate else None
     # Keyed as a shared compile keys it (one cache entry for every world size), and before the step gate:
     # a backward compiled at the first backward would compile past it (Note [Step gate]).
     built = ddp_backend(Setup(ddp_model, config, inner, cost_model, gate), strategy, share,
-                        backward_with_forward=(cache is not None or gate is not None) and not traced)
+                        backward_with_forward=(cache is not None or gate is not None) and entry.rules.reducer)
     more = dict(config.torch_compile_kwargs)
     if built.blocks is not None:  # regional: each block compiled, the rest of the forward eager
         compile_blocks(built.blocks, built.backend, dynamic=config.dynamic, fullgraph=config.fullgraph, **more)
@@ -277,14 +272,3 @@ def _compile(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> Co
                        block_buckets=built.block_buckets, compile_cache=cache, share=share, traced=built.traced,
                        gate=gate, own_hook=own, in_backward=in_backward, control=prepared.control)
 
-
-def _check_traced_update(ddp_model: DistributedDataParallel, config: DDPCompileConfig) -> None:
-    """Refuse, before DDP is converted to its python reducer, what the traced update cannot run."""
-    why = traced_refusal(unwrapped(config.optimizer), list(ddp_model.parameters()))
-    if why is None and config.compression is not None:
-        why = (f"compression={str(config.compression)!r} writes each gradient after its hook returned, so an "
-               "update right after it would read it unreduced")
-    if why is not None:
-        raise SettingError("optimizer", f"compile_ddp(strategy='traced', optimizer=...): {why}. Compile with "
-                                        "strategy='split', which steps any optimizer inside backward, or drop "
-                                        "optimizer= and call optimizer.step() after backward.")

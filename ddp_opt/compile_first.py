@@ -60,9 +60,10 @@ from compiler.ranks import gate_for_group, share_for_group
 from ._torch_internals import (active_ddp_module, builtin_splitter_on, compile_call_in_place, compiled_call, is_compiled,
                                no_builtin_ddp_splitter)
 from .setup import prepare
-from .in_backward.split import grads_in_buckets
+from .in_backward.reducer import grads_in_buckets
 from .compiled import CompiledDDP
 from .config import DDPCompileConfig
+from .strategies.rules import RULES
 from .strategies.table import Setup, ddp_backend
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def compile_for_ddp(model: nn.Module, *, config: DDPCompileConfig | None = None,
         config = DDPCompileConfig.from_keywords("compile_for_ddp", settings)
     default = DDPCompileConfig()
     refused = [name for name in _ONLY_COMPILE_DDP if getattr(config, name) != getattr(default, name)]
-    if config.strategy in ("regional", "traced"):
+    if not RULES[config.strategy].compile_first:
         refused.insert(0, "strategy")
     if refused:
         raise SettingError(

@@ -45,10 +45,11 @@ from .planning.solver import Timeline
 from .planning.calibrate import Calibration, calibrate, calibrated_model
 from .compression.hooks import OwnHook
 from .control import ControlFacts, ControlLine
-from .handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedBackward
+from .handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner
+from .strategies.traced.backward import TracedBackward
 from .strategies.split import DDPOptimizer
 from .planning.buckets import Bucket
-from .strategies.traced import TracedPlan
+from .strategies.traced.plan import TracedPlan
 from .in_backward.stepper import BucketStep
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class CompiledDDP:
             across realignment (Note [Reduced-precision all-reduce], Note [PowerSGD compression]);
             else None.
         traced_hook: under ``strategy="traced"`` with ``compression``, the traced hooks' state
-            (``ddp_opt.compression.traced_powersgd.TracedPowerSGD``: memories, step count); else None.
+            (``ddp_opt.strategies.traced.powersgd.TracedPowerSGD``: memories, step count); else None.
         in_backward: with ``optimizer=``, the :class:`ddp_opt.in_backward.BucketStep` that updates each
             bucket inside backward (``updates`` counts them; Note [Optimizer in backward]); else None.
         strategy: the strategy in use (``ddp_opt.config.STRATEGIES``; ``"split"`` also

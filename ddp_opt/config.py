@@ -25,18 +25,14 @@ from .planning.solver import LinkEstimate
 from .compression.hooks import REDUCE_DTYPES, parse_reduce_dtype
 from .compression.powersgd import PowerSGD, parse_compression
 from .planning.cost import CostModel
-from .in_backward.stepper import refusal
+from .in_backward.stepper import refusal as optimizer_refusal
+from .strategies.rules import RULES, refusal
 
 __all__ = ["DDPCompileConfig", "STRATEGIES"]
 
-# The ways compile_ddp compiles a DDP model: one choice (Note [Traced strategy], Note [Regional compile]).
-STRATEGIES = {
-    "split": "the forward split at the bucket boundaries, DDP's reducer all-reduces each bucket (the default)",
-    "whole": "each captured graph compiled whole, no split (no overlap of communication with backward; for "
-             "comparison)",
-    "regional": "each repeated block compiled once and reused, DDP's buckets made of whole blocks, the rest eager",
-    "traced": "the forward compiled whole and the all-reduces traced into one compiled backward graph",
-}
+# The ways compile_ddp compiles a DDP model, each in a line; their rules are ddp_opt.strategies.rules.RULES
+# (Note [Traced strategy], Note [Regional compile]).
+STRATEGIES = {name: rules.says for name, rules in RULES.items()}
 
 # Fields that are not keywords of compile_ddp: how messages name a setting, and what **more collects.
 _NOT_KEYWORDS = ("spelling", "torch_compile_kwargs")
@@ -126,14 +122,11 @@ class DDPCompileConfig(CompileOptions):
                 f"compile_ddp(link={self.link!r}): expected None (measure dist.all_reduce), a probe callable "
                 "(tensor) -> Future, a ddp_opt.LinkEstimate(alpha_s, bandwidth) or a ddp_opt.CostModel."
             )
-        if self.uses_cost_model and self.strategy in ("whole", "regional"):
+        why = refusal(self.strategy, self.uses_cost_model)
+        if why is not None:
             given = "bucket_cap_mb='auto'" if self.bucket_cap_mb == "auto" else "link=..."
-            raise SettingError(
-                "bucket_cap_mb" if self.bucket_cap_mb is not None else "link",
-                f"compile_ddp({given}, strategy={self.strategy!r}): the cost model chooses (or predicts) where to "
-                f"split the graph into buckets, and strategy={self.strategy!r} does not split it at planned "
-                "buckets. Drop one of the two, or use strategy='split' or 'traced'.",
-            )
+            raise SettingError("bucket_cap_mb" if self.bucket_cap_mb is not None else "link",
+                               f"compile_ddp({given}, strategy={self.strategy!r}): {why}.")
 
     def _checked_reduce_dtype(self) -> torch.dtype | None:
         try:
@@ -164,7 +157,7 @@ class DDPCompileConfig(CompileOptions):
     def _check_optimizer(self) -> None:
         if self.optimizer is None:
             return
-        why = refusal(self.optimizer)
+        why = optimizer_refusal(self.optimizer)
         if why is not None:
             raise SettingError("optimizer", f"compile_ddp(optimizer=...): {why}.")
 

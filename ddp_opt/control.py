@@ -57,7 +57,7 @@ from .handle_parts import synchronised
 if TYPE_CHECKING:
     from .handle_parts import Realigner
     from .planning.buckets import Bucket
-    from .strategies.traced import TracedPlan
+    from .strategies.traced.plan import TracedPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The parts ``CompiledDDP`` delegates to, one job each, each usable alone: the
 comm-hook registry (:class:`CommHooks`), bucket realignment (:class:`Realigner`), the
-compile cache's automatic save (:class:`CacheAutoSave`), the step gate's forward hook
-(:class:`GateHook`) and the traced strategy's backward (:class:`TracedBackward`).
+compile cache's automatic save (:class:`CacheAutoSave`) and the step gate's forward hook
+(:class:`GateHook`). The traced strategy's own part is in its folder
+(``ddp_opt.strategies.traced.backward.TracedBackward``).
 
 ``CompiledDDP`` runs their ``before_forward`` / ``after_forward`` from hooks on the DDP
 model; each part keeps only its own state.
@@ -9,7 +10,6 @@ model; each part keeps only its own state.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any, Callable
@@ -27,15 +27,13 @@ from .alignment.measure import Alignment
 from .compression.hooks import OwnHook
 from .planning.buckets import Bucket, realign_caps
 from .alignment.realign import check_realignment, realign_reducer
-from .strategies.traced import TracedPlan
 from .in_backward.release import BucketRelease, release_refusal
-from .in_backward.split import allreduce_hook, leave_grads, then_step
+from .in_backward.reducer import allreduce_hook, leave_grads, then_step
 from .in_backward.stepper import BucketStep
-from .in_backward.traced import attach_traced
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CacheAutoSave", "CommHooks", "GateHook", "Realigner", "TracedBackward"]
+__all__ = ["CacheAutoSave", "CommHooks", "GateHook", "Realigner"]
 
 
 def synchronised(ddp_model: DistributedDataParallel) -> bool:
@@ -222,43 +220,3 @@ class GateHook:
         self._in_first_call = True
         self._skip = 0 if synchronised(self.ddp_model) else 1
 
-
-class TracedBackward:
-    """Under ``strategy="traced"``: the context the backward runs in, and the warning when a
-    forward's backward ran without it (Note [Traced strategy]).
-
-    With ``reduce_dtype`` or ``compression``, ``own_hook`` is put on the python reducer here;
-    ``hook`` is its state when it has one (``TracedPowerSGD``). With ``stepper`` (``optimizer=``),
-    the update is traced into the backward (``update``: ``ddp_opt.in_backward.traced.TracedUpdate``)."""
-
-    def __init__(self, plan: TracedPlan, ddp_model: DistributedDataParallel, own_hook: OwnHook | None = None,
-                 stepper: BucketStep | None = None) -> None:
-        self.plan, self.ddp_model = plan, ddp_model
-        self.hook = own_hook.traced(ddp_model, plan) if own_hook is not None else None
-        # With optimizer=, the update traced after the reducer's hooks (Note [Traced update]).
-        self.update = attach_traced(ddp_model, plan, stepper) if stepper is not None else None
-        self._pending = False  # a forward ran; its backward has not entered context()
-        self._warned = False
-
-    def context(self) -> contextlib.AbstractContextManager:
-        """What ``loss.backward()`` must run in: compiled autograd with the planned fusion."""
-        self._pending = False
-        if self.hook is not None:  # PowerSGD's steps count these backwards (Note [Traced PowerSGD])
-            return self.hook.backward(self.plan.backward(), self.ddp_model.require_backward_grad_sync)
-        return self.plan.backward()
-
-    def before_forward(self) -> None:
-        if self._pending and not self._warned:
-            self._warned = True
-            warnings.warn(
-                "compile_ddp(strategy='traced'): a forward ran again without compiled.backward(loss) since the "
-                "last one. If that forward's backward ran as plain loss.backward(), its gradients were all-reduced "
-                "one parameter at a time, eagerly, without overlap: correct, but slow (with compression, not counted "
-                "toward its start, and in another bucket order than a compiled backward's). Call "
-                "compiled.backward(loss) (or run it in compiled.backward_context()) instead of loss.backward(), or "
-                "compile with strategy='split'.",
-                stacklevel=3,
-            )
-        self._pending = torch.is_grad_enabled()
-        if self.hook is not None:
-            self.hook.check_complete()  # after a plain loss.backward(), which context() did not see

@@ -17,8 +17,9 @@ Algorithm
        at once is refused (:func:`ddp_opt.compression.hooks.hook_conflict`).
     2. The optimizer in backward (``optimizer=``): refused beside a registered hook or
        ``find_unused_parameters=True`` (:func:`in_backward_for`).
-    3. Whether DDP's buckets are realigned with the partitions (every strategy but traced,
-       which leaves DDP's reducer out), each case with one outcome:
+    3. Whether DDP's buckets are realigned with the partitions (where the strategy's rules say
+       ``realigns``: every strategy but traced, which leaves DDP's reducer out), each case with
+       one outcome:
 
        - this torch lacks realignment's internals: one feature-off warning, DDP keeps its
          buckets;
@@ -27,7 +28,8 @@ Algorithm
        - a comm hook registered on DDP: a Python hook is registered again on the new reducer
          (``CommHooks``); a built-in (C++) one cannot be read back, so a warning says so and
          DDP keeps its buckets;
-       - ``strategy="whole"`` has one partition, so nothing above applies but the first.
+       - a strategy of ``one_partition`` (``"whole"``) has one partition, so nothing above
+         applies but the first.
 
     A warning that says DDP keeps its buckets also says the plan is not in control
     (Note [In control, once]). What differs between the entry points stays in them: when
@@ -51,6 +53,7 @@ from ._torch_internals import REALIGN_SUPPORTED, python_comm_hooks, realign_unsu
 from .alignment.realign import never_rebuilds, no_rebuild_warning
 from .compression.hooks import OwnHook, hook_conflict, own_hook
 from .config import DDPCompileConfig
+from .strategies.rules import RULES
 from .control import ControlFacts, backend_name
 from .in_backward.stepper import BucketStep
 
@@ -93,7 +96,7 @@ def prepare(entry: str, ddp_model: DistributedDataParallel, config: DDPCompileCo
     if hook is not None and own is not None:
         raise hook_conflict(entry, own, hook)
     in_backward = in_backward_for(entry, ddp_model, config, hook)
-    align, in_control = _alignment(entry, ddp_model, config.align_buckets and strategy != "traced", strategy, hook,
+    align, in_control = _alignment(entry, ddp_model, config.align_buckets and RULES[strategy].realigns, strategy, hook,
                                    stacklevel + 2)
     control = ControlFacts(entry, backend_name(config.backend), in_control,
                            kept=None if config.align_buckets else "align_buckets=False")
@@ -109,7 +112,7 @@ def _alignment(entry: str, ddp_model: DistributedDataParallel, align: bool, stra
     if not REALIGN_SUPPORTED:
         realign_unsupported_warning(entry)
         return False, False
-    if strategy == "whole":
+    if RULES[strategy].one_partition:
         return True, True
     if never_rebuilds(ddp_model):
         warnings.warn(no_rebuild_warning(entry), stacklevel=stacklevel)

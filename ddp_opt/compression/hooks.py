@@ -15,7 +15,7 @@ Algorithm
     reduce dtype, widened back for the optimizer.
     - Reducer strategies: :func:`bucket_hook`, registered by ``compile_ddp`` and again
       when realignment re-creates the reducer.
-    - Traced: :func:`gradient_hook`, traced into the backward; the fusion pass
+    - Traced: ``gradient_hook`` (``ddp_opt.strategies.traced.backward``), traced into the backward; the fusion pass
       concatenates each bucket's narrowed gradients into one all-reduce. Caps count
       gradient bytes, as DDP's do (``TracedPlan.wire_scale``).
     - The ``auto`` link probe all-reduces in the reduce dtype (:func:`link_probe`).
@@ -32,18 +32,15 @@ Numerics
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the bucket hook's
 # annotations with the real types.
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from . import traced_powersgd
-from .._torch_internals import add_python_reducer_hook, functional_all_reduce
 from .powersgd import PowerSGD, forget_buckets, powersgd_hook
 
-__all__ = ["REDUCE_DTYPES", "OwnHook", "ReduceState", "bucket_hook", "gradient_hook", "hook_conflict", "link_probe",
+__all__ = ["REDUCE_DTYPES", "OwnHook", "ReduceState", "bucket_hook", "hook_conflict", "link_probe",
            "own_hook", "parse_reduce_dtype"]
 
 # The dtypes gradients may be all-reduced in, by the names a config may give them.
@@ -82,9 +79,7 @@ class OwnHook:
     value: str  # its value, normalised: "torch.bfloat16", "'powersgd:4:10'"
     state: Any
     bucket: Callable  # DDP's comm hook (the reducer strategies)
-    # traced(ddp_model, plan): put on the python reducer (the traced strategy); returns a state with
-    # step_begins() to call at each synchronised forward, or None.
-    traced: Callable[[Any, Any], Any]
+    spec: Any  # the setting's value as the strategies read it: the PowerSGD spec, or the dtype
 
     @property
     def setting(self) -> str:
@@ -99,16 +94,11 @@ def own_hook(group: dist.ProcessGroup, reduce_dtype: torch.dtype | None,
              compression: PowerSGD | None) -> OwnHook | None:
     """The hook for the (validated) settings, or None when neither is set."""
     if compression is not None:
-        return OwnHook("compression", repr(str(compression)), compression.state(group), powersgd_hook,
-                       functools.partial(traced_powersgd.attach, compression))
+        return OwnHook("compression", repr(str(compression)), compression.state(group), powersgd_hook, compression)
     if reduce_dtype is not None:
         state = ReduceState(group, reduce_dtype)
-        return OwnHook("reduce_dtype", str(reduce_dtype), state, bucket_hook, functools.partial(_traced, state))
+        return OwnHook("reduce_dtype", str(reduce_dtype), state, bucket_hook, reduce_dtype)
     return None
-
-
-def _traced(state: "ReduceState", ddp_model: Any, plan: Any) -> None:
-    add_python_reducer_hook(ddp_model, state, gradient_hook)
 
 
 @dataclass(frozen=True)
@@ -135,15 +125,6 @@ def bucket_hook(state: ReduceState, bucket: dist.GradBucket) -> torch.futures.Fu
         return out
 
     return fut.then(widen)
-
-
-def gradient_hook(state: ReduceState, grad_and_param: tuple[torch.Tensor, torch.nn.Parameter]) -> None:
-    """The python reducer's hook per gradient (the traced strategy): the gradient all-reduced
-    in ``state.dtype`` with a functional collective, averaged, and copied back in place (the
-    pattern the DDP fusion pass buckets: div -> all_reduce -> wait -> copy_)."""
-    grad, _ = grad_and_param
-    wire = grad.to(state.dtype) / state.world_size
-    grad.copy_(functional_all_reduce(wire, state.group))
 
 
 def link_probe(dtype: torch.dtype, group: dist.ProcessGroup) -> Callable[[torch.Tensor], Any]:

@@ -30,15 +30,16 @@ Notes
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from torch import nn
 
 from compiler import find_blocks
 
 from ..planning.buckets import Bucket, BucketCaps
+from .base import Built, Setup, caps_from_ddp
 
-__all__ = ["find_ddp_blocks", "plan_block_buckets"]
+__all__ = ["build", "find_ddp_blocks", "plan_block_buckets"]
 
 
 def find_ddp_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto") -> list[tuple[str, nn.Module]]:
@@ -102,3 +103,10 @@ def plan_block_buckets(model: nn.Module, found: list[tuple[str, nn.Module]], cap
     if current is not None:
         buckets.append(current)
     return list(reversed(buckets))
+
+
+def build(setup: Setup, backend: Callable) -> Built:
+    """Each repeated block compiled once, DDP's buckets made of whole blocks (Note [Regional compile])."""
+    inner = setup.ddp_model.module
+    found = find_ddp_blocks(inner, setup.config.blocks)
+    return Built(backend, blocks=found, block_buckets=plan_block_buckets(inner, found, caps_from_ddp(setup.ddp_model)))

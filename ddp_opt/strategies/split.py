@@ -54,24 +54,28 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from compiler import (FALLBACKS, BackendFn, PartitionRecord, compile_partitions,
                       produces_gradients, split_graph)
 from compiler.graph import DYNAMO_CONTROL_FLOW
+from compiler.ranks import StepGate
 
 from .._torch_internals import default_first_bucket_bytes, graph_slot, trace_artifact
+from ..config import DDPCompileConfig
 from ..advice import API_SPELLING, DIRECT_SPELLING, Spelling
 from ..alignment.agreement import PLAN_TIMEOUT_S, next_plan_namespace, peers_plans_if_ready, publish_plan, verify_plans
 from ..planning.solver import Timeline
 from ..planning.cost import CostModel
 from ..planning.auto import describe, plan_auto, predict_plan
 from ..planning.buckets import Bucket, BucketCaps, format_buckets, partition_map, plan_buckets, plan_details
+from .base import Built, Setup, caps_from_ddp
 
 log = logging.getLogger(__name__)
 graph_log = logging.getLogger(__name__ + ".graphs")  # graph dumps, off unless asked for
 
-__all__ = ["DDPOptimizer", "SPLIT_REASON", "split_reason"]
+__all__ = ["DDPOptimizer", "SPLIT_REASON", "build", "split_reason", "splitter_for"]
 
 
 
@@ -336,3 +340,24 @@ class DDPOptimizer:
                     describe(self.prediction, buckets))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("ddp_opt bucket assignment:\n%s", format_buckets(buckets))
+
+
+def splitter_for(ddp_model: DistributedDataParallel, config: DDPCompileConfig, backend_fn: Callable,
+                 named: nn.Module, cost_model: CostModel | None = None, gate: StepGate | None = None
+                 ) -> DDPOptimizer:
+    """The splitter of ``ddp_model``: DDP's caps, group and fallback, parameters named as in ``named``;
+    with the step gate, the plan check stops waiting for peers that passed the step (Note [Step gate])."""
+    caps = caps_from_ddp(ddp_model)
+    return DDPOptimizer(
+        caps.bucket_bytes_cap, backend_fn, caps.first_bucket_cap,
+        bucket_caps=caps.per_bucket_caps, fallback=config.fallback, check_plans=config.check_plans,
+        cost_model=cost_model, auto_plan=config.bucket_cap_mb == "auto", spelling=config.spelling,
+        param_names={id(p): n for n, p in named.named_parameters()}, process_group=ddp_model.process_group,
+        peers_elsewhere=gate.others_waiting if gate is not None else None,
+    )
+
+
+def build(setup: Setup, backend: Callable) -> Built:
+    """The forward split at the bucket boundaries; DDP's reducer all-reduces each bucket."""
+    splitter = splitter_for(setup.ddp_model, setup.config, backend, setup.named, setup.cost_model, setup.gate)
+    return Built(splitter.compile_fn, splitter=splitter)

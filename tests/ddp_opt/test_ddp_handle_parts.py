@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_opt.handle_parts as parts
 from ddp_opt.compression.hooks import own_hook
-from ddp_opt.handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner, TracedBackward
+from ddp_opt.handle_parts import CacheAutoSave, CommHooks, GateHook, Realigner
+from ddp_opt.strategies.traced.backward import TracedBackward
 from ddp_opt.planning.buckets import Bucket
 from ddp_opt.strategies.table import STRATEGIES
 

@@ -16,7 +16,7 @@ from compiler import SettingError
 from ddp_opt import BucketCaps, CostModel, DDPCompileConfig, DeviceRates, LinkEstimate, compile_ddp
 from ddp_opt._torch_internals import registered_hook_name, runtime_buckets
 from ddp_opt.planning.buckets import group_by_caps
-from ddp_opt.strategies.traced import TracedPlan
+from ddp_opt.strategies.traced.plan import TracedPlan
 from launch.models import GPT, GPTConfig
 
 STEPS = 4

@@ -9,8 +9,8 @@ from _capture import capture
 from ddp_opt import BucketCaps, CostModel, DeviceRates, LinkEstimate
 from ddp_opt.planning.buckets import split_caps
 from ddp_opt.planning.cost import MIN_BUCKET_BYTES
-from ddp_opt.strategies.traced import IN_BACKWARD_BUCKETS, TracedPlan
-from ddp_opt.strategies.update_placement import sink_updates
+from ddp_opt.strategies.traced.plan import IN_BACKWARD_BUCKETS, TracedPlan
+from ddp_opt.strategies.traced.placement import sink_updates
 from launch.models import GPT, GPTConfig
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional

@@ -9,7 +9,7 @@ from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from ddp_opt import BucketCaps
-from ddp_opt.strategies.traced import FuseByPlan, TracedPlan, delay_write_back
+from ddp_opt.strategies.traced.plan import FuseByPlan, TracedPlan, delay_write_back
 
 aten, prims, c10d = torch.ops.aten, torch.ops.prims, torch.ops._c10d_functional
 
@@ -127,8 +127,8 @@ def test_a_write_back_moves_to_just_before_its_first_user():
 
 
 def test_the_ops_the_pass_reads_are_recognised_on_this_torch():
-    # The private accesses of ddp_opt.strategies._torch_internals, on the ops Inductor's fusion pass writes.
-    from ddp_opt.strategies._torch_internals import comm_role, mutates
+    # The private accesses of ddp_opt.strategies.traced._torch_internals, on the ops Inductor's fusion pass writes.
+    from ddp_opt.strategies.traced._torch_internals import comm_role, mutates
 
     g = fx.Graph()
     x = g.placeholder("x")

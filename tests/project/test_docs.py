@@ -136,4 +136,4 @@ def test_every_cited_note_is_defined_once():
     cited = {" ".join(title.split()) for title in re.findall(r"Note \[([^]]+)\]", text)}
     assert sorted(cited - set(defined)) == []
     assert {title: where for title, where in defined.items() if len(where) > 1} == {}
-    assert defined["Traced strategy"] == ["ddp_opt/strategies/traced.py"] and defined["Step gate"] == ["compiler/ranks/step_gate.py"]
+    assert defined["Traced strategy"] == ["ddp_opt/strategies/traced/plan.py"] and defined["Step gate"] == ["compiler/ranks/step_gate.py"]

@@ -1,5 +1,5 @@
 """Where the traced backward runs each bucket's wait and optimizer updates (Note [Traced update]
-in ``ddp_opt.in_backward.traced``): two buckets behind its all-reduce, where nothing they write is
+in ``ddp_opt.strategies.traced.update``): two buckets behind its all-reduce, where nothing they write is
 read any more, else at the graph's end.
 """
 

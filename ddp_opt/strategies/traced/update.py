@@ -44,7 +44,7 @@ Algorithm
       its bucket's reduction. Inductor forwards a same-dtype write-back copy's readers to
       the wait, which the fusion's filter refused (a wait with one user, a copy): with the
       update in backward the plan fuses with ``any_readers`` (``TracedPlan.updates_in_backward``).
-    - ``sink_updates`` (``ddp_opt.strategies.update_placement``) moves bucket k's wait, its
+    - ``sink_updates`` (``ddp_opt.strategies.traced.placement``) moves bucket k's wait, its
       updates and their writes into parameters and state to just before bucket k + 2 starts
       to be filled (``UPDATE_LAG``); the last two buckets', to the end of the graph. Rule and
       reason: a wait left at its first update stops backward until that bucket has crossed
@@ -86,8 +86,8 @@ from typing import Callable, Protocol
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ._torch_internals import ddp_reduced_parameters
-from .stepper import BucketStep
+from ...in_backward._torch_internals import ddp_reduced_parameters
+from ...in_backward.stepper import BucketStep
 
 log = logging.getLogger(__name__)
 

@@ -86,14 +86,14 @@ from torch.nn.parallel import DistributedDataParallel
 from compiler import BackendFn
 from compiler.ranks import StepGate
 
-from .._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
+from ..._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
                                registered_hook_name, traced_backward, traced_strategy_missing)
 from ._torch_internals import checkpointed_flex_attention, comm_role, mutates, reduce_in_place
-from .update_placement import readers_of_reductions, sink_updates
-from ..planning.solver import Timeline
-from ..planning.cost import CostModel
-from ..planning.auto import describe, plan_auto
-from ..planning.buckets import BucketCaps, group_by_caps, split_caps
+from .placement import readers_of_reductions, sink_updates
+from ...planning.solver import Timeline
+from ...planning.cost import CostModel
+from ...planning.auto import describe, plan_auto
+from ...planning.buckets import BucketCaps, group_by_caps, split_caps
 
 log = logging.getLogger(__name__)
 
