@@ -8,7 +8,7 @@ Background
     Frameworks find the model inside a DDP wrapper by ``isinstance(model,
     DistributedDataParallel)`` and then ``model.module``: Accelerate's
     ``unwrap_model`` (``extract_model_from_parallel``) and ``trigger_sync_in_backward``,
-    the HF Trainer's save path. ``model = compile_ddp(accelerator.prepare(model))``
+    the HF Trainer's save path. ``model = compile_prepared(accelerator.prepare(model))``
     hands them a CompiledDDP, which they did not recognise: ``unwrap_model`` returned
     it whole, and its ``state_dict`` keys kept DDP's ``module.`` prefix.
 

@@ -19,7 +19,7 @@ for step in range(1, 31):
     x = torch.randn(32, 256, generator=data)
     loss = (compiled(x) - x[:, :1]).pow(2).mean()  # compiled(x) returns what model(x) returns
     optimizer.zero_grad()
-    loss.backward()  # each bucket's gradients are all-reduced as soon as its partition's backward is done
+    compiled.backward(loss)  # each bucket's gradients are all-reduced as soon as its partition's backward is done
     optimizer.step()
     if dist.get_rank() == 0:
         print(f"step {step} loss {loss.item():.6f} buckets {len(compiled.buckets)}")

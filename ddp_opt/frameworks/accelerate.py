@@ -29,8 +29,9 @@ Algorithm
     Note [In control, once] on rank 0, as ``accelerator.print`` would.
 
 Notes
-    - ``compile_ddp(accelerator.prepare(model))`` is the same call without those
-      messages.
+    - ``compile_ddp(accelerator.prepare(model))`` is what ``compile_prepared`` runs
+      underneath, without those messages and the in-framework line. The docs spell the
+      Accelerate route ``compile_prepared`` only (docs/ddp.md, Which entry point).
     - A comm hook given as ``DistributedDataParallelKwargs(comm_hook=...)`` is
       registered on DDP by ``prepare`` and would be lost when realignment re-creates
       DDP's reducer; ``compile_ddp`` refuses it and says how to register it instead.

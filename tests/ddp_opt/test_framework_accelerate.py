@@ -25,7 +25,6 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, PartialState  # noqa: E402
 from accelerate.utils import DistributedDataParallelKwargs, extract_model_from_parallel  # noqa: E402
 
-from ddp_opt import compile_ddp  # noqa: E402
 from ddp_opt.frameworks.accelerate import compile_prepared  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +50,7 @@ def _train(compiled: bool, ckpt: Path) -> dict:
     data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=16)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     if compiled:
-        model = compile_ddp(model, backend="aot_eager")  # the one-liner on what prepare returned
+        model = compile_prepared(model, backend="aot_eager")  # the one line on what prepare returned
     rounds: list[int] = []  # the micro-step of each all-reduce of bucket 0: one per synchronised backward
     micro = [0]
 
@@ -141,7 +140,7 @@ def test_compiled_trains_as_eager_and_saves_loads_and_unwraps_as_eager(tmp_path)
 def test_unwrap_model_sees_through_the_compiled_handle(gloo):
     model = _model()
     ddp = DDP(model)
-    compiled = compile_ddp(ddp, backend="aot_eager")
+    compiled = compile_prepared(ddp, backend="aot_eager")
     assert isinstance(compiled, DDP) and type(compiled).__name__ == "CompiledDDP"
     assert extract_model_from_parallel(compiled) is model
     assert extract_model_from_parallel(compiled, keep_torch_compile=False) is model
