@@ -32,9 +32,11 @@ Notes
     - ``compile_ddp(accelerator.prepare(model))`` is what ``compile_prepared`` runs
       underneath, without those messages and the in-framework line. The docs spell the
       Accelerate route ``compile_prepared`` only (docs/ddp.md, Which entry point).
-    - A comm hook given as ``DistributedDataParallelKwargs(comm_hook=...)`` is
-      registered on DDP by ``prepare`` and would be lost when realignment re-creates
-      DDP's reducer; ``compile_ddp`` refuses it and says how to register it instead.
+    - A comm hook given as ``DistributedDataParallelKwargs(comm_hook=...)`` is registered
+      on DDP by ``prepare``; Accelerate's hooks are Python functions, which realignment
+      reads back and registers again on the new reducer (``CommHooks.current``), as for
+      any hook registered before compiling (Note [One setup for both entry points]).
+      Beside ``reduce_dtype=``, ``compression=`` or ``optimizer=`` it is refused.
 """
 
 from __future__ import annotations
