@@ -1,6 +1,6 @@
 """PowerSGD's rule for which gradients it compresses, its products with its rank-r factors,
 its orthogonalisation and one matrix's power iteration, shared by the hook under DDP's
-reducer (``bucket_powersgd``), the traced form (``traced_powersgd``), the cost model's
+reducer (``bucket_powersgd``), the traced form (``ddp_opt.strategies.traced.powersgd``), the cost model's
 timing of the hook and the benchmarks' limit.
 
 Note [Products with a rank-r factor]

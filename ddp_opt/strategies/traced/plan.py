@@ -221,7 +221,7 @@ class TracedPlan:
         self._graph_caps: dict[frozenset, tuple[int, ...]] = {}  # params of a forward graph -> its planned caps
         self.gate = gate
         self.wire_scale = wire_scale
-        self.updates_in_backward = False  # set by in_backward.traced.attach_traced
+        self.updates_in_backward = False  # set by strategies.traced.update.attach_traced
 
     def forward_backend(self, backend_fn: Callable) -> Callable:
         """The forward's backend: refuse what the traced backward cannot run (:func:`refuse_untraceable`);
