@@ -160,6 +160,12 @@ def tracing_context() -> Any:
     return torch._guards.TracingContext.try_get()
 
 
+def profiler_enabled() -> bool:
+    # torch.autograd._profiler_enabled(): whether a torch.profiler session is recording (a partition then runs
+    # under a record_function range named for it).
+    return torch.autograd._profiler_enabled()
+
+
 class PartitionMetadata:
     """Per-partition AOTAutograd forward metadata, read back by the lazy backward
     compile: AOTAutograd's runtime wrappers read ``tracing.ddp_optimizer_ctx``

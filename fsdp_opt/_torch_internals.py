@@ -3,7 +3,7 @@ relies on; pinned by ``tests/contracts/test_torch_contracts_ddp.py``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
@@ -190,6 +190,19 @@ def annotate_unit(unit: int) -> Any:
 
     annotate = getattr(fx_traceback, "annotate", None)
     return annotate({"fsdp_unit": unit}) if annotate is not None else contextlib.nullcontext()
+
+
+def is_op_overload(target: Any) -> bool:
+    # torch._ops.OpOverload: an aten op with its overload chosen, the targets whose schema says whether they view.
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    # torch.utils._pytree.tree_map: ``fn`` on every leaf of nested lists, tuples and dicts (the forward's
+    # arguments), the structure kept.
+    from torch.utils._pytree import tree_map as pytree_map
+
+    return pytree_map(fn, tree)
 
 
 def graph_break_errors() -> tuple[type[BaseException], ...]:

@@ -160,7 +160,7 @@ class LazyPartition(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if self._fn is None:
             self.compile(list(args))
-        if torch.autograd._profiler_enabled() and not any(isinstance(a, FakeTensor) for a in args):
+        if _ti.profiler_enabled() and not any(isinstance(a, FakeTensor) for a in args):
             out = self._profiled(args)
         else:
             out = self._fn(*args)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import FSDPConfig
-from .._torch_internals import graph_break_errors
+from .._torch_internals import graph_break_errors, tree_map
 from .backend import GRAPH_COMPILERS, traced_backend
 from .measure import measure_collectives, time_blocks
 from .plan import TracedPlan, TracedUnit, choose_units, simulate
@@ -163,8 +163,6 @@ def _set_sync(state: TracedState, requires_gradient_sync: bool, *, recurse: bool
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 

@@ -68,7 +68,8 @@ from typing import Sequence
 import torch
 from torch import fx
 
-from .._torch_internals import CheckpointPolicy, collective_starts, is_all_to_all, is_collective_start, is_reduction, is_wait
+from .._torch_internals import (CheckpointPolicy, collective_starts, is_all_to_all, is_collective_start, is_op_overload,
+                                is_reduction, is_wait)
 
 __all__ = ["Placement", "Schedule", "plan_schedule", "apply_schedule", "tag_regathers", "unit_of", "UNIT_KEY"]
 
@@ -106,7 +107,7 @@ def _viewish(node: fx.Node) -> bool:
     t = node.target
     if t is operator.getitem:
         return True
-    return isinstance(t, torch._ops.OpOverload) and (t.is_view or t in _VIEW_LIKE)
+    return is_op_overload(t) and (t.is_view or t in _VIEW_LIKE)
 
 
 _VIEW_LIKE = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten._unsafe_view.default,

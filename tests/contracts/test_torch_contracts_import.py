@@ -286,3 +286,45 @@ def test_without_recompile_error_no_recompile_after_warmup_is_refused(without, t
         pass
     with no_recompile(False, {}, 3, []):  # off: nothing is needed
         pass
+
+
+def _private_torch_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Each ``torch.a._b`` attribute chain and ``from torch.a._b import`` / ``import torch._b`` in ``tree``
+    (anywhere: at module level or in a function), as (line, dotted name); ``parent`` set on its nodes."""
+    found = []
+    for node in ast.walk(tree):
+        dotted = None
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            dotted = node.module
+        elif isinstance(node, ast.Import):
+            dotted = next((a.name for a in node.names if a.name.startswith("torch.")), None)
+        elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "parent", None), ast.Attribute):
+            parts, inner = [], node
+            while isinstance(inner, ast.Attribute):
+                parts.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id == "torch":
+                dotted = ".".join(["torch", *reversed(parts)])
+        if dotted and dotted.split(".")[0] == "torch" and not dotted.startswith("torch.ops.") and any(
+                p.startswith("_") and not p.startswith("__") for p in dotted.split(".")[1:]):
+            found.append((node.lineno, dotted))
+    return found
+
+
+def test_private_torch_names_are_read_only_in_each_packages_one_place():
+    # contributing: every private torch access in one place per library package, its _torch_internals
+    # module(s) (compiler.torch_release, which feature-detects them, with them). Aten ops (torch.ops.aten._to_copy)
+    # are operator names, not private Python; the benchmarks are no library and have no such place.
+    outside = []
+    for package in ("compiler", "ddp_opt", "fsdp_opt", "launch"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name in ("_torch_internals.py", "torch_release.py"):
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                for child in ast.iter_child_nodes(node):
+                    child.parent = node
+            outside += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in _private_torch_reads(tree)]
+    assert not outside, ("private torch names read outside the packages' _torch_internals modules: "
+                         + "; ".join(outside) + ". Add a function to the package's _torch_internals.py that reads "
+                         "it, with a comment naming what it reaches and why, and call that.")
