@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 # One definition each, in ddp_opt: the python reducer's switch, its compiled-autograd backward, its all-reduce.
-from ddp_opt._torch_internals import functional_all_reduce, python_reducer_ddp, traced_backward
+from ddp_opt.strategies.traced._torch_internals import functional_all_reduce, python_reducer_ddp, traced_backward
 
 __all__ = ["bf16_compress", "functional_all_reduce", "has_compile_on_one_rank", "graphs_compiled",
            "cache_counts", "inductor_cache_at", "room_for_compiled_copies", "BuiltinBuckets",

@@ -64,7 +64,8 @@ def features() -> dict:
     """Which features can run on this torch, by the libraries' own feature detection."""
     import torch
 
-    from ddp_opt._torch_internals import missing_for_realignment, traced_strategy_missing
+    from ddp_opt._torch_internals import missing_for_realignment
+    from ddp_opt.strategies.traced._torch_internals import traced_strategy_missing
 
     missing = missing_for_realignment()
     traced = traced_strategy_missing()

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiler._torch_internals as cti
 import ddp_opt._torch_internals as dti
+import ddp_opt.strategies.traced._torch_internals as tti
 import fsdp_opt._torch_internals as fti
 from tests._torch_range import needs_realignment
 
@@ -195,12 +196,12 @@ def test_size_hint_reads_a_symbolic_size():
 
 
 def test_the_traced_strategys_pieces(gloo_module):
-    assert dti.traced_strategy_missing() is None
+    assert tti.traced_strategy_missing() is None
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[1].bias.requires_grad_(False)
     ddp = DDP(model)
     inlined = "torch.nn.parallel.distributed" in torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST
-    dti.use_python_reducer(ddp)
+    tti.use_python_reducer(ddp)
     assert any(p.endswith("nn/parallel/distributed") for p in torch._dynamo.trace_rules.get_legacy_mod_inlinelist())
     if not inlined:  # the conversion is process-wide, as DDP's own under python_reducer: undone for later tests
         torch._dynamo.trace_rules.LEGACY_MOD_INLINELIST.discard("torch.nn.parallel.distributed")
@@ -213,20 +214,20 @@ def test_the_traced_strategys_pieces(gloo_module):
     torch.testing.assert_close(model[0].weight.grad, expected)
     # add_python_reducer_hook: the hooks then call ours per gradient with (grad, param), in place of theirs.
     called = []
-    dti.add_python_reducer_hook(ddp, "state", lambda state, grad_and_param: called.append((state, *grad_and_param)))
+    tti.add_python_reducer_hook(ddp, "state", lambda state, grad_and_param: called.append((state, *grad_and_param)))
     model.zero_grad()
     ddp(x).sum().backward()
     trainable = [q for q in model.parameters() if q.requires_grad]
     assert sorted(id(param) for _, _, param in called) == sorted(id(q) for q in trainable)
     assert all(state == "state" and grad is param.grad for state, grad, param in called)
     seen = []
-    with dti.traced_backward(lambda gm: gm, ["schedule_comm_wait"]):
+    with tti.traced_backward(lambda gm: gm, ["schedule_comm_wait"]):
         seen.append((torch._dynamo.config.optimize_ddp, torch._inductor.config._fuse_ddp_communication,
                      torch._inductor.config._fuse_ddp_communication_passes))
     assert seen == [("python_reducer", True, ["schedule_comm_wait"])]
     assert torch._inductor.config._fuse_ddp_communication is False  # restored on exit
 
-    class Pass(dti.custom_graph_pass_base()):
+    class Pass(tti.custom_graph_pass_base()):
         def __call__(self, graph):
             return None
 
@@ -236,7 +237,7 @@ def test_the_traced_strategys_pieces(gloo_module):
     assert Pass().uuid() == "x"
     # fuse_ddp_allreduces: a graph without the python reducer's all-reduces asks for no bucket.
     asked = []
-    dti.fuse_ddp_allreduces(torch.fx.symbolic_trace(nn.Linear(2, 2)).graph, lambda sizes: asked.append(sizes) or [])
+    tti.fuse_ddp_allreduces(torch.fx.symbolic_trace(nn.Linear(2, 2)).graph, lambda sizes: asked.append(sizes) or [])
     assert asked == [[]]
 
 

@@ -14,11 +14,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from compiler import SettingError
 
-from ..._torch_internals import add_python_reducer_hook, functional_all_reduce
 from ...compression.hooks import OwnHook, ReduceState
 from ...config import DDPCompileConfig
 from ...in_backward.stepper import BucketStep, unwrapped
 from . import powersgd
+from ._torch_internals import add_python_reducer_hook, functional_all_reduce
 from .plan import TracedPlan
 from .update import attach_traced, traced_refusal
 

@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from ..._torch_internals import use_python_reducer
 from ..base import Built, Setup, caps_from_ddp
+from ._torch_internals import use_python_reducer
 from .plan import TracedPlan
 
 __all__ = ["build"]

@@ -86,9 +86,10 @@ from torch.nn.parallel import DistributedDataParallel
 from compiler import BackendFn
 from compiler.ranks import StepGate
 
-from ..._torch_internals import (custom_graph_pass_base, fuse_ddp_allreduces, has_all_reduce, memory_reorder_off,
-                               registered_hook_name, traced_backward, traced_strategy_missing)
-from ._torch_internals import checkpointed_flex_attention, comm_role, mutates, reduce_in_place
+from ..._torch_internals import registered_hook_name
+from ._torch_internals import (checkpointed_flex_attention, comm_role, custom_graph_pass_base, fuse_ddp_allreduces,
+                               has_all_reduce, memory_reorder_off, mutates, reduce_in_place, traced_backward,
+                               traced_strategy_missing)
 from .placement import readers_of_reductions, sink_updates
 from ...planning.solver import Timeline
 from ...planning.cost import CostModel

@@ -46,10 +46,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..._torch_internals import add_python_reducer_hook, functional_all_reduce, is_ddp_ignored
+from ..._torch_internals import is_ddp_ignored
 from ...compression.factors import compressed_shape, orthogonalize, project, project_back
 from ...compression.powersgd import PowerSGD
 from ...planning.buckets import BucketCaps
+from ._torch_internals import add_python_reducer_hook, functional_all_reduce
 
 __all__ = ["TracedPowerSGD", "attach"]
 
