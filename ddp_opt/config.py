@@ -94,7 +94,7 @@ class DDPCompileConfig(CompileOptions):
         self._check_optimizer()
         if self.wrap_backend is not None and not callable(self.wrap_backend):
             raise TypeError(f"compile_ddp(wrap_backend={self.wrap_backend!r}): expected a callable backend -> backend, "
-                            "such as compiler.graph.diagnose.Diagnoser().wrap, or None.")
+                            "such as compiler.Diagnoser().wrap, or None.")
 
     @classmethod
     def from_keywords(cls, entry: str, settings: Mapping[str, Any]) -> DDPCompileConfig:

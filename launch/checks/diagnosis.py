@@ -1,6 +1,6 @@
 """The launcher's side of the compile diagnosis (``diagnose=true``, ``python -m
 launch.doctor``): a probe of the communication backward left exposed, the DDP
-advice in the launcher's spelling, and the report of ``compiler.graph.diagnose.Diagnoser``.
+advice in the launcher's spelling, and the report of ``compiler.Diagnoser``.
 
 ``compiler.graph.diagnose`` reports what the compiler did; the DDP advice comes from
 ``ddp_opt.ddp_advice``, which writes each setting as :data:`OVERRIDE_SPELLING`

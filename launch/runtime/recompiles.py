@@ -9,7 +9,7 @@ Background
     usual cause (Note [Padding strategies] in ``launch.data.batching``).
 
 Algorithm
-    - Counting reuses :class:`compiler.graph.diagnose.Diagnoser`: it wraps the model's
+    - Counting reuses :class:`compiler.Diagnoser`: it wraps the model's
       backend (every captured graph passes through it) and reads the recompiles
       from dynamo's compilation metrics. :class:`CompileCounter` takes a
       snapshot after warm-up and at the end, so the summary can say how many
